@@ -1,0 +1,1 @@
+//! The image commands' logic (the binary only parses arguments and prints).

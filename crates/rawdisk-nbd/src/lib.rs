@@ -1,0 +1,4 @@
+//! NBD for rawdisk: a pure wire codec (`proto`: bytes in, values out, no I/O,
+//! fuzzed), and the server and client built on it.
+
+pub mod proto;

@@ -1,0 +1,1 @@
+//! Wire codec. STUB: filled in by the server issue.

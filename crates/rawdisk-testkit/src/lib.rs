@@ -1,0 +1,1 @@
+//! Test fixtures. STUB: filled in by the storage test suite.

@@ -1,0 +1,4 @@
+fn main() {
+    eprintln!("rawdisk: not built yet");
+    std::process::exit(2);
+}

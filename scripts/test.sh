@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole test suite: what CI runs and what a newcomer runs.
+#
+# Installs what the tests need from Debian's packages when it is missing,
+# builds the workspace in release mode (the integration tests drive the real
+# binary and move gigabytes), runs the Rust tests, then the tests that drive
+# real NBD clients (qemu-img, qemu-io, nbdinfo, nbdsh, python3-libnbd, nbdcopy).
+#
+# Tests that need root (mounts, loop devices) are `#[ignore = "needs root"]`
+# in Rust and `pytest.skip` in Python: without root they are counted as
+# ignored/skipped, never as passed. As root they all run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian's python3-libnbd belongs to /usr/bin/python3, not to a pyenv shim.
+export PATH="/usr/sbin:/usr/bin:/sbin:/bin:$HOME/.cargo/bin:$PATH"
+
+is_root() { [ "$(id -u)" = 0 ]; }
+
+need=()
+want() { command -v "$1" >/dev/null 2>&1 || need+=("$2"); }
+want qemu-img qemu-utils
+want qemu-io qemu-utils
+want qemu-nbd qemu-utils
+want nbdinfo libnbd-bin
+want nbdsh libnbd-bin
+want nbdcopy libnbd-bin
+want nbdkit nbdkit
+want mkfs.xfs xfsprogs
+want mkfs.ext4 e2fsprogs
+want losetup util-linux
+want blkdiscard util-linux
+want fallocate util-linux
+want cmp diffutils
+/usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
+/usr/bin/python3 -m pytest --version >/dev/null 2>&1 || need+=(python3-pytest)
+if [ ${#need[@]} -gt 0 ]; then
+    if is_root; then
+        echo "test.sh: installing ${need[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+        echo "test.sh: missing packages (run as root to install): ${need[*]}" >&2
+    fi
+fi
+# The kernel modules the fixtures use; harmless when built in or absent.
+if is_root; then modprobe loop 2>/dev/null || true; modprobe xfs 2>/dev/null || true; fi
+
+cargo build --release --workspace --bins
+export RAWDISK_BIN="$PWD/target/release/rawdisk"
+
+status=0
+if is_root; then
+    cargo test --release --workspace -- --include-ignored || status=1
+else
+    cargo test --release --workspace || status=1
+fi
+
+if [ -d tests ] && ls tests/test_*.py >/dev/null 2>&1; then
+    /usr/bin/python3 -m pytest -q -p no:cacheprovider tests || status=1
+fi
+exit $status
