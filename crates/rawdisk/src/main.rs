@@ -1,4 +1,103 @@
-fn main() {
-    eprintln!("rawdisk: not built yet");
-    std::process::exit(2);
+//! The `rawdisk` command: argument parsing and printing only. Every subcommand
+//! lives in `cmd/` and calls into the library crates, where the logic is.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cmd;
+#[allow(dead_code)] // used by the subcommands as they land
+mod size;
+
+#[derive(Parser)]
+#[command(
+    name = "rawdisk",
+    version,
+    about = "Serve, create, probe, map and copy raw disk images and block devices"
+)]
+struct Cli {
+    /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Export a file or block device over NBD.
+    Serve(cmd::serve::Args),
+    /// Create an image, with preallocation.
+    Create(cmd::create::Args),
+    /// Report what the storage under a target supports.
+    Probe(cmd::probe::Args),
+    /// Print the allocation map of a target or NBD export.
+    Map(cmd::map::Args),
+    /// Print size, allocation and properties of a target or NBD export.
+    Info(cmd::info::Args),
+    /// Copy between files, block devices and NBD exports.
+    Copy(cmd::copy::Args),
+}
+
+/// Exit code for a bad command line (as clap and qemu-img use).
+pub const EXIT_USAGE: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+                || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            {
+                let _ = e.print();
+                return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                    ExitCode::from(EXIT_USAGE)
+                } else {
+                    ExitCode::SUCCESS
+                };
+            }
+            // One line, not clap's multi-line usage block: scripts grep it and
+            // users read it.
+            let text = e.render().to_string();
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
+            eprintln!("rawdisk: {first} (see 'rawdisk --help')");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Serve(a) => cmd::serve::run(a),
+        Command::Create(a) => cmd::create::run(a),
+        Command::Probe(a) => cmd::probe::run(a),
+        Command::Map(a) => cmd::map::run(a),
+        Command::Info(a) => cmd::info::run(a),
+        Command::Copy(a) => cmd::copy::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("rawdisk: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
 }

@@ -1,0 +1,108 @@
+//! Sizes as qemu-img and nbdkit users type them: `10G`, `512`, `1.5T`,
+//! `4k`, `64KiB`, `2MB`. Suffixes are binary (1K = 1024), as in qemu-img.
+
+/// Parse a size. Plain numbers are bytes.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("empty size".into());
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    if num.is_empty() {
+        return Err(format!("invalid size '{s}': no number"));
+    }
+    let shift = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        "p" | "pb" | "pib" => 50,
+        "e" | "eb" | "eib" => 60,
+        other => {
+            return Err(format!(
+                "invalid size '{s}': unknown suffix '{other}' (use K, M, G, T, P or E)"
+            ))
+        }
+    };
+    let mult = 1u128 << shift;
+    let bytes: u128 = if let Some((int, frac)) = num.split_once('.') {
+        if frac.contains('.') || (int.is_empty() && frac.is_empty()) {
+            return Err(format!("invalid size '{s}'"));
+        }
+        let int: u128 = if int.is_empty() {
+            0
+        } else {
+            int.parse().map_err(|_| format!("invalid size '{s}'"))?
+        };
+        let scale = 10u128.pow(frac.len().min(30) as u32);
+        let frac_v: u128 = if frac.is_empty() {
+            0
+        } else {
+            frac[..frac.len().min(30)]
+                .parse()
+                .map_err(|_| format!("invalid size '{s}'"))?
+        };
+        let total = int
+            .checked_mul(mult)
+            .and_then(|v| v.checked_add(frac_v.checked_mul(mult)? / scale))
+            .ok_or_else(|| format!("size '{s}' is too large"))?;
+        // qemu-img refuses fractional byte counts; so do we.
+        if frac_v
+            .checked_mul(mult)
+            .map(|v| v % scale != 0)
+            .unwrap_or(true)
+        {
+            return Err(format!("invalid size '{s}': not a whole number of bytes"));
+        }
+        total
+    } else {
+        num.parse::<u128>()
+            .ok()
+            .and_then(|v| v.checked_mul(mult))
+            .ok_or_else(|| format!("size '{s}' is too large"))?
+    };
+    u64::try_from(bytes)
+        .ok()
+        .filter(|b| *b <= i64::MAX as u64)
+        .ok_or_else(|| format!("size '{s}' is too large"))
+}
+
+/// For clap's `value_parser`.
+pub fn size_arg(s: &str) -> Result<u64, String> {
+    parse_size(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn plain_and_suffixed() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("64KiB"), Ok(65536));
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("10G"), Ok(10 << 30));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("6442450944"), Ok(6442450944));
+    }
+
+    #[test]
+    fn rejects() {
+        assert!(parse_size("").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("10X").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("1.2.3").is_err());
+        assert!(parse_size("0.3").is_err()); // 0.3 bytes
+        assert!(parse_size("9E").is_err()); // > i64::MAX
+        assert!(parse_size("99999999999999999999999").is_err());
+    }
+}
