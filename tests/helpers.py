@@ -1,0 +1,194 @@
+"""Shared helpers: test images with a byte-exact Python model, comparing an
+export or a file with its model, SEEK_HOLE truth, libnbd connections."""
+
+import contextlib
+import errno
+import os
+import random
+import stat
+
+import nbd
+
+KiB = 1 << 10
+MiB = 1 << 20
+CHUNK = 4 * MiB
+
+
+def random_bytes(n, seed):
+    return random.Random(seed).randbytes(n)
+
+
+def is_block_device(path):
+    return stat.S_ISBLK(os.stat(path).st_mode)
+
+
+def target_size(path):
+    with open(path, "rb") as f:
+        return f.seek(0, os.SEEK_END)
+
+
+def write_target(path, data, offset=0):
+    """Write and fsync, so later reads (ours or the server's) see it."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_target(path):
+    """The whole file or device as the kernel sees it now."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if is_block_device(path):
+            # The server may have written with O_DIRECT; drop clean cached pages.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.lseek(fd, 0, os.SEEK_END)
+        out = bytearray(size)
+        view = memoryview(out)
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done:done + CHUNK]], done)
+            assert n > 0, f"short read of {path} at {done}"
+            done += n
+        return out
+    finally:
+        os.close(fd)
+
+
+def first_difference(actual, expected):
+    if len(actual) != len(expected):
+        return f"length {len(actual)} != expected {len(expected)}"
+    if actual == expected:
+        return None
+    block = next(off for off in range(0, len(expected), MiB)
+                 if actual[off:off + MiB] != expected[off:off + MiB])
+    base = next(off for off in range(block, len(expected)) if actual[off] != expected[off])
+    end = base
+    while end < len(expected) and actual[end] != expected[end]:
+        end += 1
+    return (f"first difference at offset {base}: got {bytes(actual[base:base + 16]).hex()} "
+            f"expected {bytes(expected[base:base + 16]).hex()} ({end - base} bytes differ there)")
+
+
+def assert_same_bytes(actual, expected, what):
+    diff = first_difference(actual, expected)
+    assert diff is None, f"{what}: {diff}"
+
+
+def assert_target_is(path, model, what="target"):
+    assert_same_bytes(read_target(path), model, f"{what} {path}")
+
+
+def make_image(directory, name, size, seed=1, sparse=False):
+    """A file of `size` bytes: random data, or for `sparse` random 64 KiB
+    islands every 1 MiB in holes. Returns (path, model bytearray)."""
+    path = os.path.join(directory, name)
+    model = bytearray(size)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    if sparse:
+        rnd = random.Random(seed)
+        for off in range(0, size, MiB):
+            n = min(64 * KiB, size - off)
+            model[off:off + n] = rnd.randbytes(n)
+            write_target(path, model[off:off + n], off)
+    else:
+        model[:] = random_bytes(size, seed)
+        write_target(path, model)
+    return path, model
+
+
+def fill_device(dev, seed=1):
+    """Dirty a whole block device with random data; returns the model."""
+    model = bytearray(random_bytes(target_size(dev), seed))
+    write_target(dev, model)
+    return model
+
+
+def allocated_bytes(path):
+    return os.stat(path).st_blocks * 512
+
+
+def seek_hole_extents(path):
+    """[(offset, length, is_hole)] from SEEK_DATA/SEEK_HOLE: the kernel's truth."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        out = []
+        off = 0
+        while off < size:
+            try:
+                data = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                data = size
+            if data > off:
+                out.append((off, data - off, True))
+                off = data
+                continue
+            hole = os.lseek(fd, off, os.SEEK_HOLE)
+            out.append((off, hole - off, False))
+            off = hole
+        return out
+    finally:
+        os.close(fd)
+
+
+def is_hole_at(extents, off):
+    for start, length, hole in extents:
+        if start <= off < start + length:
+            return hole
+    raise AssertionError(f"offset {off} not covered by {extents}")
+
+
+# -- libnbd -------------------------------------------------------------------
+
+def connect(uri, strict=True, meta=False, name="test"):
+    """A libnbd handle. strict=False lets requests the server must reject
+    (past the end, unaligned, read-only writes) reach the server instead of
+    libnbd refusing them client-side."""
+    h = nbd.NBD()
+    h.set_handle_name(name)
+    if not strict:
+        h.set_strict_mode(0)
+    if meta:
+        h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+    h.connect_uri(uri)
+    return h
+
+
+@contextlib.contextmanager
+def connected(uri, **kw):
+    h = connect(uri, **kw)
+    try:
+        yield h
+    finally:
+        with contextlib.suppress(nbd.Error):
+            h.shutdown()
+        del h
+
+
+def read_export(h):
+    size = h.get_size()
+    out = bytearray(size)
+    for off in range(0, size, CHUNK):
+        n = min(CHUNK, size - off)
+        out[off:off + n] = h.pread(n, off)
+    return out
+
+
+def assert_export_is(uri, model, what="export"):
+    """A fresh client reads every byte of the export and compares."""
+    with connected(uri, name="verify") as h:
+        assert h.get_size() == len(model), f"{what}: size {h.get_size()} != {len(model)}"
+        assert_same_bytes(read_export(h), model, f"{what} read over NBD")
+
+
+def nbd_errno(excinfo):
+    return excinfo.value.errnum

@@ -1,0 +1,77 @@
+"""qemu-img 10 (which asks for extended headers first) talks to the server:
+`info` sees the right size, `convert` into and out of the export moves every
+byte, zeroing what the sparse source leaves out of a dirty export, and
+`compare` agrees (and notices a one-byte difference). Unix socket and TCP."""
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from helpers import MiB, assert_export_is, assert_target_is, make_image, read_target, write_target
+
+SIZE = 24 * MiB + 3 * 4096
+
+
+def qemu_img(*args, check=True, timeout=60):
+    res = subprocess.run(["qemu-img", *args], capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert res.returncode == 0, f"qemu-img {' '.join(args)}: {res.stderr}"
+    return res
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_info_reports_raw_size(workdir, serve, tcp):
+    path, _ = make_image(workdir, "disk.img", SIZE)
+    srv = serve(path, tcp=tcp)
+    info = json.loads(qemu_img("info", "--output=json", srv.uri).stdout)
+    assert info["virtual-size"] == SIZE
+    assert info["format"] == "raw"
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_convert_sparse_source_into_dirty_export(workdir, serve, tcp):
+    """The holes of the source must end up as zeros over the dirty export:
+    qemu-img uses WRITE_ZEROES (and trim) for them, never skips them."""
+    src, model = make_image(workdir, "src.img", SIZE, seed=2, sparse=True)
+    dst, _ = make_image(workdir, "dst.img", SIZE, seed=3)
+    srv = serve(dst, tcp=tcp)
+    qemu_img("convert", "-n", "-f", "raw", "-O", "raw", src, srv.uri)
+    assert_export_is(srv.uri, model)
+    assert_target_is(dst, model)
+
+
+def test_convert_with_out_of_order_writes(workdir, serve):
+    """-W lets qemu-img keep many writes in flight out of order (-m 16)."""
+    src, model = make_image(workdir, "src.img", SIZE, seed=4, sparse=True)
+    dst, _ = make_image(workdir, "dst.img", SIZE, seed=5)
+    srv = serve(dst)
+    qemu_img("convert", "-n", "-W", "-m", "16", "-f", "raw", "-O", "raw", src, srv.uri)
+    assert_target_is(dst, model)
+
+
+def test_convert_out_of_export(workdir, serve):
+    src, model = make_image(workdir, "src.img", SIZE, seed=6, sparse=True)
+    srv = serve(src, read_only=True)
+    out = f"{workdir}/out.img"
+    qemu_img("convert", "-f", "raw", "-O", "raw", srv.uri, out)
+    assert read_target(out) == model
+    assert_target_is(src, model, "source after being read")
+
+
+def test_compare_equal_then_one_byte_off(workdir, serve):
+    path, model = make_image(workdir, "disk.img", SIZE, seed=7)
+    copy = f"{workdir}/copy.img"
+    with open(copy, "wb") as f:
+        f.write(model)
+    srv = serve(path)
+    assert qemu_img("compare", "-f", "raw", "-F", "raw", copy, srv.uri).returncode == 0
+    flipped = bytes([model[SIZE - 5] ^ 0xFF])
+    write_target(copy, flipped, SIZE - 5)
+    res = qemu_img("compare", "-f", "raw", "-F", "raw", copy, srv.uri, check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    # qemu-img reports the sector (512 bytes) holding the first difference.
+    reported = int(re.search(r"offset (\d+)", res.stdout).group(1))
+    assert reported <= SIZE - 5 < reported + 512, res.stdout
+    assert_target_is(path, model)
