@@ -2,3 +2,5 @@
 //! fuzzed), and the server and client built on it.
 
 pub mod proto;
+pub mod uri;
+pub mod client;

@@ -1,0 +1,416 @@
+//! NBD URIs (`/work/shared/spec/nbd-uri.md`): `nbd://host[:port]/export`
+//! and `nbd+unix:///export?socket=PATH`.
+//!
+//! This client has no TLS: the TLS schemes (`nbds`, `nbds+unix`) and the
+//! `tls-*` query parameters are refused with an error that says so, as the
+//! URI spec asks of clients without TLS ("Clients which do not support
+//! TLS"), rather than silently connecting in clear text.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// The IANA-assigned NBD port, the default when a TCP URI has none.
+pub const DEFAULT_PORT: u16 = 10809;
+
+/// Where the server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// `host` is a name or an address; IPv6 literals without brackets.
+    Tcp {
+        host: String,
+        port: u16,
+    },
+    Unix {
+        path: PathBuf,
+    },
+}
+
+/// A parsed NBD URI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NbdUri {
+    pub transport: Transport,
+    /// The export name: the path without its leading `/`, percent-decoded.
+    pub export: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UriError {
+    #[error("'{0}' is not an NBD URI (expected nbd://host[:port]/export or nbd+unix:///export?socket=PATH)")]
+    NotNbd(String),
+    #[error("'{uri}': TLS is not supported by rawdisk's NBD client ({what})")]
+    Tls { uri: String, what: String },
+    #[error("'{uri}': unsupported NBD transport '{scheme}' (use nbd:// or nbd+unix://)")]
+    Unsupported { uri: String, scheme: String },
+    #[error("'{uri}': {why}")]
+    Invalid { uri: String, why: String },
+}
+
+/// Whether `s` looks like an NBD URI (any `nbd…:` scheme), so callers can
+/// decide between a local path and a URI before parsing. A local file whose
+/// name starts with `nbd:` can still be named as `./nbd:…`.
+pub fn looks_like_nbd_uri(s: &str) -> bool {
+    match s.split_once(':') {
+        Some((scheme, _)) => {
+            let scheme = scheme.to_ascii_lowercase();
+            scheme == "nbd"
+                || scheme == "nbds"
+                || scheme.starts_with("nbd+")
+                || scheme.starts_with("nbds+")
+        }
+        None => false,
+    }
+}
+
+impl NbdUri {
+    pub fn parse(uri: &str) -> Result<NbdUri, UriError> {
+        let invalid = |why: &str| UriError::Invalid {
+            uri: uri.to_string(),
+            why: why.to_string(),
+        };
+        let (scheme, rest) = uri
+            .split_once("://")
+            .ok_or_else(|| UriError::NotNbd(uri.to_string()))?;
+        let scheme_lc = scheme.to_ascii_lowercase();
+        let unix = match scheme_lc.as_str() {
+            "nbd" => false,
+            "nbd+unix" => true,
+            "nbds" | "nbds+unix" | "nbds+vsock" => {
+                return Err(UriError::Tls {
+                    uri: uri.to_string(),
+                    what: format!("scheme '{scheme}' requires TLS"),
+                })
+            }
+            s if s.starts_with("nbd+") => {
+                return Err(UriError::Unsupported {
+                    uri: uri.to_string(),
+                    scheme: scheme.to_string(),
+                })
+            }
+            _ => return Err(UriError::NotNbd(uri.to_string())),
+        };
+        // RFC 3986: the fragment is not sent anywhere; NBD gives it no meaning.
+        let rest = match rest.split_once('#') {
+            Some((r, _)) => r,
+            None => rest,
+        };
+        let (hier, query) = match rest.split_once('?') {
+            Some((h, q)) => (h, Some(q)),
+            None => (rest, None),
+        };
+        let (authority, path) = match hier.find('/') {
+            Some(i) => (&hier[..i], &hier[i..]),
+            None => (hier, ""),
+        };
+        let export = match path.strip_prefix('/') {
+            Some(p) => percent_decode(p).map_err(|e| invalid(&format!("export name: {e}")))?,
+            None => String::new(),
+        };
+        if export.contains('\0') {
+            return Err(invalid("export name contains NUL"));
+        }
+
+        let mut socket: Option<String> = None;
+        if let Some(q) = query {
+            for pair in q.split('&').filter(|p| !p.is_empty()) {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                let k = percent_decode(k).map_err(|e| invalid(&e))?;
+                let v = percent_decode(v).map_err(|e| invalid(&e))?;
+                match k.as_str() {
+                    "socket" if unix => {
+                        if socket.replace(v).is_some() {
+                            return Err(invalid("'socket' given twice"));
+                        }
+                    }
+                    "socket" => {
+                        return Err(invalid(
+                            "'socket' is only valid with nbd+unix:// (did you mean nbd+unix:///export?socket=PATH?)",
+                        ))
+                    }
+                    k if k.starts_with("tls-") => {
+                        return Err(UriError::Tls {
+                            uri: uri.to_string(),
+                            what: format!("query parameter '{k}'"),
+                        })
+                    }
+                    k if k.starts_with("x-") => {
+                        // Experimental parameters of other clients (spec: "x-"
+                        // prefix); nothing here understands them.
+                        tracing::debug!(param = k, "ignoring experimental NBD URI parameter");
+                    }
+                    other => return Err(invalid(&format!("unknown query parameter '{other}'"))),
+                }
+            }
+        }
+
+        // userinfo only matters for TLS authentication, which we do not do.
+        let hostport = match authority.rsplit_once('@') {
+            Some((_, hp)) => hp,
+            None => authority,
+        };
+
+        let transport = if unix {
+            if !hostport.is_empty() {
+                return Err(invalid(
+                    "nbd+unix:// takes no host (write nbd+unix:///export?socket=PATH, three slashes)",
+                ));
+            }
+            let path = socket.ok_or_else(|| invalid("nbd+unix:// needs ?socket=PATH"))?;
+            if path.is_empty() {
+                return Err(invalid("empty socket path"));
+            }
+            if path.starts_with('\0') {
+                return Err(invalid("abstract Unix sockets are not supported"));
+            }
+            Transport::Unix {
+                path: PathBuf::from(path),
+            }
+        } else {
+            let (host, port) = split_host_port(hostport).map_err(|e| invalid(&e))?;
+            let host = percent_decode(host).map_err(|e| invalid(&e))?;
+            if host.is_empty() {
+                return Err(invalid("nbd:// needs a host (e.g. nbd://localhost/export)"));
+            }
+            Transport::Tcp { host, port }
+        };
+        Ok(NbdUri { transport, export })
+    }
+}
+
+fn split_host_port(hp: &str) -> Result<(&str, u16), String> {
+    let parse_port = |p: &str| -> Result<u16, String> {
+        if p.is_empty() {
+            return Ok(DEFAULT_PORT);
+        }
+        p.parse::<u16>()
+            .ok()
+            .filter(|&n| n != 0)
+            .ok_or_else(|| format!("invalid port '{p}'"))
+    };
+    if let Some(rest) = hp.strip_prefix('[') {
+        // RFC 2732 IPv6 literal.
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or_else(|| "unterminated '[' in host".to_string())?;
+        let port = match after {
+            "" => DEFAULT_PORT,
+            a => parse_port(
+                a.strip_prefix(':')
+                    .ok_or_else(|| format!("junk '{a}' after ']'"))?,
+            )?,
+        };
+        return Ok((host, port));
+    }
+    match hp.rsplit_once(':') {
+        Some((h, p)) => {
+            if h.contains(':') {
+                return Err(
+                    "IPv6 addresses must be written in brackets: nbd://[::1]:10809/".into(),
+                );
+            }
+            Ok((h, parse_port(p)?))
+        }
+        None => Ok((hp, DEFAULT_PORT)),
+    }
+}
+
+fn percent_decode(s: &str) -> Result<String, String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| format!("bad percent escape in '{s}'"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("'{s}' is not UTF-8 after percent-decoding"))
+}
+
+fn percent_encode(s: &str, keep: &[u8]) -> String {
+    let mut out = String::with_capacity(s.len());
+    for &c in s.as_bytes() {
+        if c.is_ascii_alphanumeric() || b"-._~".contains(&c) || keep.contains(&c) {
+            out.push(c as char);
+        } else {
+            out.push_str(&format!("%{c:02X}"));
+        }
+    }
+    out
+}
+
+impl fmt::Display for NbdUri {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let export = percent_encode(&self.export, b"/");
+        match &self.transport {
+            Transport::Tcp { host, port } => {
+                let host = if host.contains(':') {
+                    format!("[{host}]")
+                } else {
+                    host.clone()
+                };
+                if *port == DEFAULT_PORT {
+                    write!(f, "nbd://{host}/{export}")
+                } else {
+                    write!(f, "nbd://{host}:{port}/{export}")
+                }
+            }
+            Transport::Unix { path } => write!(
+                f,
+                "nbd+unix:///{export}?socket={}",
+                percent_encode(&path.to_string_lossy(), b"/")
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tcp(host: &str, port: u16, export: &str) -> NbdUri {
+        NbdUri {
+            transport: Transport::Tcp {
+                host: host.into(),
+                port,
+            },
+            export: export.into(),
+        }
+    }
+
+    #[test]
+    fn spec_export_name_table() {
+        // The table in nbd-uri.md, "NBD URI export name".
+        let cases = [
+            ("nbd://example.com/disk", "disk"),
+            ("nbd://example.com/", ""),
+            ("nbd://example.com", ""),
+            ("nbd://example.com//disk", "/disk"),
+            ("nbd://example.com/hello%20world", "hello world"),
+        ];
+        for (u, e) in cases {
+            assert_eq!(
+                NbdUri::parse(u).unwrap(),
+                tcp("example.com", 10809, e),
+                "{u}"
+            );
+        }
+        let u = NbdUri::parse("nbd+unix:///disk?socket=sock").unwrap();
+        assert_eq!(
+            u,
+            NbdUri {
+                transport: Transport::Unix {
+                    path: "sock".into()
+                },
+                export: "disk".into()
+            }
+        );
+    }
+
+    #[test]
+    fn ports_and_ipv6() {
+        assert_eq!(
+            NbdUri::parse("nbd://h:1234/e").unwrap(),
+            tcp("h", 1234, "e")
+        );
+        assert_eq!(
+            NbdUri::parse("nbd://[::1]:99/").unwrap(),
+            tcp("::1", 99, "")
+        );
+        assert_eq!(NbdUri::parse("nbd://[::1]").unwrap(), tcp("::1", 10809, ""));
+        assert_eq!(
+            NbdUri::parse("nbd://127.0.0.1:").unwrap(),
+            tcp("127.0.0.1", 10809, "")
+        );
+        assert_eq!(
+            NbdUri::parse("nbd://user@h/x").unwrap(),
+            tcp("h", 10809, "x")
+        );
+        assert!(NbdUri::parse("nbd://h:0/").is_err());
+        assert!(NbdUri::parse("nbd://h:70000/").is_err());
+        assert!(NbdUri::parse("nbd://h:x/").is_err());
+        assert!(NbdUri::parse("nbd://::1/").is_err());
+        assert!(NbdUri::parse("nbd:///e").is_err());
+    }
+
+    #[test]
+    fn unix_socket() {
+        let u = NbdUri::parse("nbd+unix:///?socket=/tmp/a%20b.sock").unwrap();
+        assert_eq!(
+            u.transport,
+            Transport::Unix {
+                path: "/tmp/a b.sock".into()
+            }
+        );
+        assert_eq!(u.export, "");
+        assert!(NbdUri::parse("nbd+unix:///e").is_err());
+        assert!(NbdUri::parse("nbd+unix://host/e?socket=/s").is_err());
+        assert!(NbdUri::parse("nbd+unix:///?socket=%00abs").is_err());
+        assert!(NbdUri::parse("nbd://h/?socket=/s").is_err());
+        assert!(NbdUri::parse("nbd+unix:///?socket=/s&socket=/t").is_err());
+    }
+
+    #[test]
+    fn tls_refused_clearly() {
+        for u in [
+            "nbds://h/e",
+            "nbds+unix:///e?socket=/s",
+            "nbd://h/e?tls-type=x509",
+            "nbd+unix:///e?socket=/s&tls-verify-peer=0",
+        ] {
+            let e = NbdUri::parse(u).unwrap_err();
+            assert!(matches!(e, UriError::Tls { .. }), "{u}: {e}");
+            assert!(e.to_string().contains("TLS"), "{e}");
+        }
+        assert!(matches!(
+            NbdUri::parse("nbd+vsock:///e").unwrap_err(),
+            UriError::Unsupported { .. }
+        ));
+    }
+
+    #[test]
+    fn unknown_params_and_junk() {
+        assert!(NbdUri::parse("nbd://h/e?foo=1").is_err());
+        assert!(NbdUri::parse("nbd://h/e?x-foo=1").is_ok());
+        assert!(NbdUri::parse("nbd://h/%zz").is_err());
+        assert!(NbdUri::parse("nbd://h/a%00b").is_err());
+        assert!(matches!(
+            NbdUri::parse("http://h/").unwrap_err(),
+            UriError::NotNbd(_)
+        ));
+        assert!(matches!(
+            NbdUri::parse("/dev/sda").unwrap_err(),
+            UriError::NotNbd(_)
+        ));
+    }
+
+    #[test]
+    fn detection() {
+        assert!(looks_like_nbd_uri("nbd://h/e"));
+        assert!(looks_like_nbd_uri("NBD+unix:///e?socket=s"));
+        assert!(looks_like_nbd_uri("nbds://h/"));
+        assert!(!looks_like_nbd_uri("/tmp/nbd:x"));
+        assert!(!looks_like_nbd_uri("disk.img"));
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for u in [
+            "nbd://example.com/disk",
+            "nbd://h:1234/a%20b",
+            "nbd://[::1]:99/",
+            "nbd+unix:///e?socket=/tmp/x.sock",
+        ] {
+            let p = NbdUri::parse(u).unwrap();
+            assert_eq!(p.to_string(), u);
+            assert_eq!(NbdUri::parse(&p.to_string()).unwrap(), p);
+        }
+    }
+}

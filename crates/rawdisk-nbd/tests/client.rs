@@ -1,0 +1,440 @@
+//! The NBD client against real servers (nbdkit's file plugin and qemu-nbd,
+//! started on Unix sockets in private temp dirs): handshake, every command,
+//! sparse reads, block status, multi-conn, and that server errors and a dying
+//! server reach the caller.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rawdisk_nbd::client::{Client, ConnectOptions, Error, ZeroFlags};
+use rawdisk_nbd::uri::NbdUri;
+
+struct Server {
+    child: Child,
+    sock: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn spawn(mut cmd: Command, dir: tempfile::TempDir, sock: PathBuf) -> Server {
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
+        let mut s = Server {
+            child,
+            sock,
+            _dir: dir,
+        };
+        let t0 = Instant::now();
+        while !s.sock.exists() {
+            if let Ok(Some(st)) = s.child.try_wait() {
+                panic!("{cmd:?} exited early: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{cmd:?} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s
+    }
+
+    /// nbdkit's file plugin; `filters` go before the plugin, `params` after.
+    fn nbdkit(file: &Path, filters: &[&str], params: &[&str]) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("nbd.sock");
+        let mut c = Command::new("nbdkit");
+        c.args(["-f", "--exit-with-parent", "-U"])
+            .arg(&sock)
+            .args(filters)
+            .arg("file")
+            .arg(format!("file={}", file.display()))
+            .args(params);
+        Server::spawn(c, dir, sock)
+    }
+
+    fn qemu_nbd(file: &Path) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("nbd.sock");
+        let mut c = Command::new("qemu-nbd");
+        c.args(["-f", "raw", "-t", "-e", "8", "--cache=writeback", "-k"])
+            .arg(&sock)
+            .arg(file);
+        Server::spawn(c, dir, sock)
+    }
+
+    fn uri(&self) -> NbdUri {
+        NbdUri::parse(&format!("nbd+unix:///?socket={}", self.sock.display())).unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn pattern(off: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            let x = (off + i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (x >> 56) as u8 | 1
+        })
+        .collect()
+}
+
+/// A sparse file: data at [64K, 192K) and [1M, 1M+5), size not a multiple of 512.
+fn sparse_image(dir: &Path) -> (PathBuf, Vec<u8>) {
+    let size = 2 * 1024 * 1024 + 777;
+    let mut want = vec![0u8; size];
+    want[65536..196608].copy_from_slice(&pattern(65536, 131072));
+    want[1 << 20..(1 << 20) + 5].copy_from_slice(b"hello");
+    want[size - 3..].copy_from_slice(b"end");
+    let p = dir.join("img.raw");
+    let f = std::fs::File::create(&p).unwrap();
+    f.set_len(size as u64).unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&want[65536..196608], 65536).unwrap();
+    f.write_all_at(b"hello", 1 << 20).unwrap();
+    f.write_all_at(b"end", size as u64 - 3).unwrap();
+    (p, want)
+}
+
+/// Compares without printing megabytes: names the first differing offset.
+#[track_caller]
+fn same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: first difference at offset {i}: {} != {}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// qemu-nbd exports a raw file rounded up to 512 bytes; the tail reads as zeros.
+fn exported(name: &str, want: &[u8]) -> Vec<u8> {
+    let mut w = want.to_vec();
+    if name == "qemu-nbd" {
+        w.resize(want.len().div_ceil(512) * 512, 0);
+    }
+    w
+}
+
+async fn read_all(c: &Client) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < c.size() {
+        let n = (c.size() - off).min(1 << 20) as usize;
+        out.extend(c.read(off, n).await.unwrap());
+        off += n as u64;
+    }
+    out
+}
+
+fn server(kind: &str, file: &Path) -> Server {
+    match kind {
+        "nbdkit" => Server::nbdkit(file, &[], &[]),
+        _ => Server::qemu_nbd(file),
+    }
+}
+
+fn servers(file: &Path) -> Vec<(&'static str, Server)> {
+    vec![
+        ("nbdkit", Server::nbdkit(file, &[], &[])),
+        ("qemu-nbd", Server::qemu_nbd(file)),
+    ]
+}
+
+#[test]
+fn handshake_read_write_zero_trim_flush() {
+    for name in ["nbdkit", "qemu-nbd"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (img, want) = sparse_image(dir.path());
+        let srv = server(name, &img);
+        let want = rt().block_on(async {
+            let c = Client::connect(&srv.uri(), &ConnectOptions::default())
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let i = c.info().clone();
+            let mut want = exported(name, &want);
+            assert_eq!(i.size, want.len() as u64, "{name}");
+            assert!(i.structured_replies, "{name}");
+            // qemu-nbd ≥ 8.2 offers extended headers; nbdkit 1.32 does not.
+            assert_eq!(i.extended_headers, name == "qemu-nbd", "{name}");
+            assert!(
+                i.can_zero() && i.can_flush(),
+                "{name}: {:?}",
+                i.flag_names()
+            );
+            assert_eq!(i.meta_context.as_deref(), Some("base:allocation"), "{name}");
+            same(&read_all(&c).await, &want, &format!("{name}: initial read"));
+
+            // Unaligned write in the middle of a hole, then read around it.
+            let data = pattern(300_001, 70_000);
+            c.write(300_001, &data, false).await.unwrap();
+            want[300_001..370_001].copy_from_slice(&data);
+            // Zero inside the data run, with and without NO_HOLE.
+            c.zero(70_000, 10_000, ZeroFlags::default()).await.unwrap();
+            want[70_000..80_000].fill(0);
+            c.zero(
+                100_000,
+                4096,
+                ZeroFlags {
+                    no_hole: true,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+            want[100_000..104_096].fill(0);
+            c.write(0, b"first", true).await.unwrap();
+            want[..5].copy_from_slice(b"first");
+            c.flush().await.unwrap();
+            same(&read_all(&c).await, &want, &format!("{name}: after writes"));
+            if i.can_trim() {
+                // Trim leaves the contents unspecified: only check it succeeds.
+                c.trim(1 << 20, 4096, false).await.unwrap();
+                c.write(1 << 20, &want[1 << 20..(1 << 20) + 4096], false)
+                    .await
+                    .unwrap();
+            }
+            c.disconnect().await.unwrap();
+            want
+        });
+        let file = std::fs::read(&img).unwrap();
+        same(
+            &file,
+            &want[..file.len()],
+            &format!("{name}: file after disconnect"),
+        );
+    }
+}
+
+#[test]
+fn block_status_matches_the_file_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, want) = sparse_image(dir.path());
+    for (name, srv) in servers(&img) {
+        let want = exported(name, &want);
+        rt().block_on(async {
+            let c = Client::connect(&srv.uri(), &ConnectOptions::default())
+                .await
+                .unwrap();
+            let mut off = 0;
+            let mut runs = Vec::new();
+            while off < c.size() {
+                let v = c.block_status(off, c.size() - off).await.unwrap();
+                for d in v {
+                    let len = d.len.min(c.size() - off);
+                    runs.push((off, len, d.is_zero()));
+                    off += len;
+                    if off >= c.size() {
+                        break;
+                    }
+                }
+            }
+            // Every range reported zero must read as zero; the data must be
+            // inside ranges not reported zero.
+            for (o, l, z) in &runs {
+                if *z {
+                    let s = &want[*o as usize..(*o + *l) as usize];
+                    assert!(s.iter().all(|&b| b == 0), "{name}: {o}+{l} reported zero");
+                }
+            }
+            let zero_at = |x: u64| runs.iter().any(|(o, l, z)| *z && *o <= x && x < o + l);
+            assert!(!zero_at(65536) && !zero_at(1 << 20), "{name}: {runs:?}");
+            assert!(
+                zero_at(1 << 19),
+                "{name}: the hole at 512K is not reported: {runs:?}"
+            );
+        });
+    }
+}
+
+#[test]
+fn many_requests_in_flight_and_multi_conn() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 << 20;
+    let img = dir.path().join("img.raw");
+    std::fs::write(&img, vec![0u8; size]).unwrap();
+    for (name, srv) in servers(&img) {
+        rt().block_on(async {
+            let opts = ConnectOptions {
+                connections: 4,
+                ..Default::default()
+            };
+            let c = Arc::new(Client::connect(&srv.uri(), &opts).await.unwrap());
+            if c.info().can_multi_conn() {
+                assert_eq!(c.info().connections, 4, "{name}");
+            } else {
+                assert_eq!(c.info().connections, 1, "{name}");
+            }
+            let mut set = tokio::task::JoinSet::new();
+            for i in 0..128u64 {
+                let c = c.clone();
+                set.spawn(async move {
+                    let off = i * 65536;
+                    c.write(off, &pattern(off, 65536), false).await.unwrap();
+                    let back = c.read(off, 65536).await.unwrap();
+                    assert!(back == pattern(off, 65536), "read back at {off}");
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                r.unwrap();
+            }
+            c.flush().await.unwrap();
+            c.disconnect().await.unwrap();
+        });
+        let got = std::fs::read(&img).unwrap();
+        for i in 0..128u64 {
+            let off = (i * 65536) as usize;
+            assert_eq!(
+                &got[off..off + 65536],
+                &pattern(off as u64, 65536)[..],
+                "{name}"
+            );
+        }
+        std::fs::write(&img, vec![0u8; size]).unwrap();
+    }
+}
+
+#[test]
+fn server_errors_reach_the_caller() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _) = sparse_image(dir.path());
+    // Every pread fails with EIO.
+    let srv = Server::nbdkit(
+        &img,
+        &["--filter=error"],
+        &["error=EIO", "error-pread-rate=1"],
+    );
+    rt().block_on(async {
+        let c = Client::connect(&srv.uri(), &ConnectOptions::default())
+            .await
+            .unwrap();
+        let e = c.read(65536, 4096).await.unwrap_err();
+        assert!(matches!(e, Error::Server { errno: 5, .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("read at offset 65536 length 4096") && msg.contains("EIO"),
+            "{msg}"
+        );
+        // The connection survives a failed request.
+        c.write(0, b"x", false).await.unwrap();
+    });
+}
+
+#[test]
+fn dead_server_fails_every_request_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _) = sparse_image(dir.path());
+    // Slow reads so requests are in flight when the server dies.
+    let mut srv = Server::nbdkit(&img, &["--filter=delay"], &["delay-read=2"]);
+    rt().block_on(async {
+        let c = Arc::new(
+            Client::connect(&srv.uri(), &ConnectOptions::default())
+                .await
+                .unwrap(),
+        );
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..8u64 {
+            let c = c.clone();
+            set.spawn(async move { c.read(i * 4096, 4096).await });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        srv.child.kill().unwrap();
+        let t0 = Instant::now();
+        let mut failed = 0;
+        while let Some(r) = set.join_next().await {
+            let e = r.unwrap().unwrap_err();
+            assert!(matches!(e, Error::Connection { .. }), "{e}");
+            failed += 1;
+        }
+        assert_eq!(failed, 8);
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t0.elapsed()
+        );
+        // And new requests fail at once instead of hanging.
+        let e = c.read(0, 512).await.unwrap_err();
+        assert!(e.to_string().contains("connection lost"), "{e}");
+    });
+}
+
+#[test]
+fn unknown_export_and_no_server_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, _) = sparse_image(dir.path());
+    let srv = Server::qemu_nbd(&img);
+    rt().block_on(async {
+        let mut u = srv.uri();
+        u.export = "nope".into();
+        let e = Client::connect(&u, &ConnectOptions::default())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+        let u = NbdUri::parse(&format!(
+            "nbd+unix:///?socket={}",
+            dir.path().join("missing.sock").display()
+        ))
+        .unwrap();
+        let e = Client::connect(&u, &ConnectOptions::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Connect { .. }), "{e}");
+    });
+}
+
+#[test]
+fn without_structured_replies_or_extended_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, want) = sparse_image(dir.path());
+    for (name, srv) in servers(&img) {
+        for (ext, sr) in [(false, true), (false, false)] {
+            rt().block_on(async {
+                let opts = ConnectOptions {
+                    extended_headers: ext,
+                    structured_replies: sr,
+                    ..Default::default()
+                };
+                let c = Client::connect(&srv.uri(), &opts).await.unwrap();
+                assert_eq!(c.info().structured_replies, sr, "{name}");
+                assert!(!c.info().extended_headers);
+                same(
+                    &read_all(&c).await,
+                    &exported(name, &want),
+                    &format!("{name} structured={sr}"),
+                );
+                c.disconnect().await.unwrap();
+            });
+        }
+    }
+}
+
+#[test]
+fn blocking_facade() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, want) = sparse_image(dir.path());
+    let srv = Server::nbdkit(&img, &[], &[]);
+    let c = rawdisk_nbd::client::blocking::Client::connect(&srv.uri(), &ConnectOptions::default())
+        .unwrap();
+    let mut buf = vec![0u8; want.len()];
+    c.read_at(&mut buf, 0).unwrap();
+    same(&buf, &want, "blocking read");
+    c.disconnect().unwrap();
+}
