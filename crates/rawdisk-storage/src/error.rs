@@ -30,6 +30,10 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Whole-target operations (open, flush) carry no range.
+        if self.offset == 0 && self.len == 0 {
+            return write!(f, "{}: {}", self.op, self.source);
+        }
         write!(
             f,
             "{} at offset {} length {}: {}",

@@ -6,13 +6,21 @@
 //! errors the machine cannot produce.
 
 pub mod caps;
+mod direct;
 pub mod error;
+pub mod fault;
+mod registry;
 pub mod sys;
 mod target;
+#[cfg(test)]
+mod tests;
+mod zero;
 
 pub use caps::{Capabilities, CapsSnapshot, Method, MethodStats, Tri};
+pub use direct::AlignedBuf;
 pub use error::{Error, Result};
+pub use fault::{FaultRule, FaultSys};
 pub use target::{
-    CacheMode, Extent, ExtentKind, Geometry, Kind, OpenOptions, Prealloc, PreallocReport, Target,
-    ZeroFlags, ZeroOutcome,
+    CacheMode, Extent, ExtentKind, Geometry, Kind, OpenOptions, Prealloc, PreallocReport,
+    QueueLimits, Target, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
 };

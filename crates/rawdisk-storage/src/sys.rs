@@ -4,11 +4,18 @@
 //! chosen errno on the Nth call of a chosen kind, so tests can produce EIO,
 //! ENOSPC or EOPNOTSUPP on exactly one call.
 //!
-//! STUB: the storage engine issue fills this in; the trait shape below is the
-//! contract other crates and tests build against, extend it rather than rename.
+//! Nothing here decides anything: no retries (not even EINTR), no fallbacks,
+//! no learning. Each
+//! method is one syscall (or one ioctl group for [`Sys::block_geometry`]), so
+//! the call counts a [`FaultSys`] records are the syscalls the engine made.
+//! `unsafe` lives only here, for the ioctls rustix does not wrap.
 
 use std::io;
-use std::os::fd::BorrowedFd;
+use std::num::NonZeroU64;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+
+pub use crate::fault::{FaultRule, FaultSys};
 
 /// fallocate(2) modes the engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,6 +44,18 @@ pub enum CallKind {
     Fdatasync,
     Ftruncate,
     Fadvise,
+    // Added by the storage engine (extensions of the stub's list).
+    /// open(2) of the target.
+    Open,
+    Fstat,
+    /// statx(STATX_DIOALIGN)
+    Statx,
+    /// The BLKGETSIZE64/BLKSSZGET/... ioctl group of [`Sys::block_geometry`].
+    BlockGeometry,
+    /// pwritev2(RWF_DSYNC), used for FUA writes.
+    PwriteDsync,
+    /// A read of a small sysfs attribute file.
+    ReadSysfs,
 }
 
 /// Block device geometry read by ioctls.
@@ -49,6 +68,52 @@ pub struct BlockGeometry {
     pub min_io: Option<u32>,
     pub opt_io: Option<u32>,
     pub read_only: bool,
+}
+
+/// How to open a target (the subset of open(2) flags the engine uses).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenHow {
+    pub read_only: bool,
+    /// O_DIRECT
+    pub direct: bool,
+    /// O_CREAT
+    pub create: bool,
+    /// O_CREAT | O_EXCL
+    pub create_new: bool,
+    /// O_TRUNC
+    pub truncate: bool,
+}
+
+/// The fields of fstat(2) the engine uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FileStat {
+    pub is_block: bool,
+    pub is_regular: bool,
+    pub dev: u64,
+    pub ino: u64,
+    pub rdev: u64,
+    pub size: u64,
+    /// st_blocks: 512-byte units allocated.
+    pub blocks: u64,
+    pub blksize: u64,
+}
+
+impl FileStat {
+    pub fn rdev_major(&self) -> u32 {
+        rustix::fs::major(self.rdev)
+    }
+    pub fn rdev_minor(&self) -> u32 {
+        rustix::fs::minor(self.rdev)
+    }
+}
+
+/// statx(STATX_DIOALIGN) result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DioAlign {
+    /// stx_dio_mem_align: buffer address alignment.
+    pub mem: u32,
+    /// stx_dio_offset_align: file offset and length alignment.
+    pub offset: u32,
 }
 
 pub trait Sys: Send + Sync + 'static {
@@ -72,8 +137,269 @@ pub trait Sys: Send + Sync + 'static {
     fn ftruncate(&self, fd: BorrowedFd<'_>, size: u64) -> io::Result<()>;
     fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()>;
     fn block_geometry(&self, fd: BorrowedFd<'_>) -> io::Result<BlockGeometry>;
+
+    // Extensions added by the storage engine. The defaults call the kernel, so
+    // a test `Sys` written against the original trait keeps compiling.
+
+    fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
+        RealSys.open(path, how)
+    }
+    fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
+        RealSys.fstat(fd)
+    }
+    /// statx(STATX_DIOALIGN); Ok(None) when the kernel or file system does
+    /// not fill it in (before Linux 6.1, or file systems that do not report it).
+    fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
+        RealSys.dio_align(fd)
+    }
+    /// pwritev2(RWF_DSYNC): the data is durable when it returns.
+    fn pwrite_dsync(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
+        RealSys.pwrite_dsync(fd, buf, offset)
+    }
+    /// Read a small text file (sysfs attributes).
+    fn read_sysfs(&self, path: &Path) -> io::Result<String> {
+        RealSys.read_sysfs(path)
+    }
 }
 
 /// The kernel.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RealSys;
+
+/// Linux ioctl numbers for x86, ARM, RISC-V and the other architectures that
+/// use the generic `_IOC` encoding (dir in bits 30-31, size in 16-29).
+/// libc only exports a few of the BLK* requests, so they are computed here
+/// from <linux/fs.h>.
+#[allow(non_snake_case)]
+mod blk {
+    const fn io(nr: u32) -> u32 {
+        (0x12 << 8) | nr
+    }
+    const fn ior(nr: u32, size: u32) -> u32 {
+        (2 << 30) | (size << 16) | (0x12 << 8) | nr
+    }
+    pub const BLKROGET: u32 = io(94);
+    pub const BLKSSZGET: u32 = io(104);
+    pub const BLKGETSIZE64: u32 = ior(114, std::mem::size_of::<usize>() as u32);
+    pub const BLKDISCARD: u32 = io(119);
+    pub const BLKIOMIN: u32 = io(120);
+    pub const BLKIOOPT: u32 = io(121);
+    pub const BLKPBSZGET: u32 = io(123);
+    pub const BLKZEROOUT: u32 = io(127);
+}
+
+#[cfg(not(any(
+    target_arch = "x86_64",
+    target_arch = "x86",
+    target_arch = "aarch64",
+    target_arch = "arm",
+    target_arch = "riscv64",
+    target_arch = "loongarch64",
+    target_arch = "s390x"
+)))]
+compile_error!("BLK* ioctl numbers are only encoded for the generic _IOC layout");
+
+/// ioctl with an `int` result written through a pointer (BLKSSZGET, BLKROGET, ...).
+fn ioctl_get_int(fd: BorrowedFd<'_>, req: u32) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    // SAFETY: `fd` is a valid open descriptor for the duration of the borrow;
+    // these requests write exactly one `int` through the pointer, which points
+    // to a live, properly aligned local.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, &mut v as *mut libc::c_int) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
+/// ioctl with an `unsigned int` result (BLKIOMIN, BLKIOOPT, BLKPBSZGET).
+fn ioctl_get_uint(fd: BorrowedFd<'_>, req: u32) -> io::Result<u32> {
+    let mut v: libc::c_uint = 0;
+    // SAFETY: as above; these requests write one `unsigned int`.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, &mut v as *mut libc::c_uint) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
+/// ioctl taking a `uint64_t range[2]` = {offset, length} (BLKZEROOUT, BLKDISCARD).
+fn ioctl_range(fd: BorrowedFd<'_>, req: u32, offset: u64, len: u64) -> io::Result<()> {
+    let range: [u64; 2] = [offset, len];
+    // SAFETY: `fd` is valid for the borrow; the kernel reads two u64 from the
+    // pointer, which points to a live local array of exactly that shape.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, range.as_ptr()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl Sys for RealSys {
+    fn pread(&self, fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        Ok(rustix::io::pread(fd, buf, offset)?)
+    }
+
+    fn pwrite(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
+        Ok(rustix::io::pwrite(fd, buf, offset)?)
+    }
+
+    fn fallocate(
+        &self,
+        fd: BorrowedFd<'_>,
+        mode: FallocMode,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
+        use rustix::fs::FallocateFlags as F;
+        let flags = match mode {
+            FallocMode::PunchHole => F::PUNCH_HOLE | F::KEEP_SIZE,
+            FallocMode::ZeroRange { keep_size: true } => F::ZERO_RANGE | F::KEEP_SIZE,
+            FallocMode::ZeroRange { keep_size: false } => F::ZERO_RANGE,
+            FallocMode::Allocate => F::empty(),
+            FallocMode::AllocateKeepSize => F::KEEP_SIZE,
+        };
+        Ok(rustix::fs::fallocate(fd, flags, offset, len)?)
+    }
+
+    fn blkzeroout(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        ioctl_range(fd, blk::BLKZEROOUT, offset, len)
+    }
+
+    fn blkdiscard(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        ioctl_range(fd, blk::BLKDISCARD, offset, len)
+    }
+
+    fn seek_data(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
+        match rustix::fs::seek(fd, rustix::fs::SeekFrom::Data(offset)) {
+            Ok(o) => Ok(Some(o)),
+            Err(rustix::io::Errno::NXIO) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn seek_hole(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
+        match rustix::fs::seek(fd, rustix::fs::SeekFrom::Hole(offset)) {
+            Ok(o) => Ok(Some(o)),
+            Err(rustix::io::Errno::NXIO) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn fsync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        Ok(rustix::fs::fsync(fd)?)
+    }
+
+    fn fdatasync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        Ok(rustix::fs::fdatasync(fd)?)
+    }
+
+    fn ftruncate(&self, fd: BorrowedFd<'_>, size: u64) -> io::Result<()> {
+        Ok(rustix::fs::ftruncate(fd, size)?)
+    }
+
+    fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        Ok(rustix::fs::fadvise(
+            fd,
+            offset,
+            NonZeroU64::new(len),
+            rustix::fs::Advice::WillNeed,
+        )?)
+    }
+
+    fn block_geometry(&self, fd: BorrowedFd<'_>) -> io::Result<BlockGeometry> {
+        let mut size: u64 = 0;
+        // SAFETY: `fd` is valid for the borrow; BLKGETSIZE64 writes one u64
+        // (size_t on 64-bit; the request encodes sizeof(size_t)) through the
+        // pointer, which points to a live, aligned local u64.
+        let r = unsafe {
+            libc::ioctl(
+                fd.as_raw_fd(),
+                blk::BLKGETSIZE64 as _,
+                &mut size as *mut u64,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let ok_u32 = |v: io::Result<libc::c_int>| v.ok().and_then(|v| u32::try_from(v).ok());
+        Ok(BlockGeometry {
+            size,
+            logical_sector: ok_u32(ioctl_get_int(fd, blk::BLKSSZGET)).filter(|&v| v > 0),
+            physical_sector: ioctl_get_uint(fd, blk::BLKPBSZGET).ok().filter(|&v| v > 0),
+            min_io: ioctl_get_uint(fd, blk::BLKIOMIN).ok().filter(|&v| v > 0),
+            opt_io: ioctl_get_uint(fd, blk::BLKIOOPT).ok().filter(|&v| v > 0),
+            read_only: ioctl_get_int(fd, blk::BLKROGET)
+                .map(|v| v != 0)
+                .unwrap_or(false),
+        })
+    }
+
+    fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
+        use rustix::fs::{Mode, OFlags};
+        let mut flags = OFlags::CLOEXEC;
+        flags |= if how.read_only {
+            OFlags::RDONLY
+        } else {
+            OFlags::RDWR
+        };
+        if how.direct {
+            flags |= OFlags::DIRECT;
+        }
+        if how.create_new {
+            flags |= OFlags::CREATE | OFlags::EXCL;
+        } else if how.create {
+            flags |= OFlags::CREATE;
+        }
+        if how.truncate {
+            flags |= OFlags::TRUNC;
+        }
+        Ok(rustix::fs::open(path, flags, Mode::from_raw_mode(0o644))?)
+    }
+
+    fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
+        let st = rustix::fs::fstat(fd)?;
+        let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        Ok(FileStat {
+            is_block: ft == rustix::fs::FileType::BlockDevice,
+            is_regular: ft == rustix::fs::FileType::RegularFile,
+            dev: st.st_dev,
+            ino: st.st_ino,
+            rdev: st.st_rdev,
+            size: st.st_size as u64,
+            blocks: st.st_blocks as u64,
+            blksize: st.st_blksize as u64,
+        })
+    }
+
+    fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
+        use rustix::fs::{AtFlags, StatxFlags};
+        match rustix::fs::statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
+            Ok(stx) => {
+                if stx.stx_mask & StatxFlags::DIOALIGN.bits() == 0 {
+                    return Ok(None);
+                }
+                Ok(Some(DioAlign {
+                    mem: stx.stx_dio_mem_align,
+                    offset: stx.stx_dio_offset_align,
+                }))
+            }
+            // statx itself is missing (Linux < 4.11, some sandboxes).
+            Err(rustix::io::Errno::NOSYS) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn pwrite_dsync(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
+        Ok(rustix::io::pwritev2(
+            fd,
+            &[io::IoSlice::new(buf)],
+            offset,
+            rustix::io::ReadWriteFlags::DSYNC,
+        )?)
+    }
+
+    fn read_sysfs(&self, path: &Path) -> io::Result<String> {
+        std::fs::read_to_string(path)
+    }
+}

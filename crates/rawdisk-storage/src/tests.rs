@@ -1,0 +1,662 @@
+//! Unit tests on temporary files under /tmp (ext4 on the CI machine), most
+//! through [`FaultSys`] so errors the disk cannot produce can be injected.
+//! The real-storage matrix (tmpfs, ramfs, XFS, loop devices) is in tests/.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+
+use crate::sys::{CallKind, FallocMode, FaultSys, RealSys, Sys};
+use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, Tri, ZeroFlags};
+
+const PUNCH: CallKind = CallKind::Fallocate(FallocMode::PunchHole);
+const ZRANGE: CallKind = CallKind::Fallocate(FallocMode::ZeroRange { keep_size: true });
+const ALLOC: CallKind = CallKind::Fallocate(FallocMode::Allocate);
+
+struct Tmp {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+}
+
+fn tmp_file(size: u64) -> Tmp {
+    let dir = tempfile::Builder::new()
+        .prefix("rawdisk-storage-unit-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let path = dir.path().join("img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(size).unwrap();
+    Tmp { _dir: dir, path }
+}
+
+/// Deterministic non-zero pattern keyed by absolute offset.
+fn pattern(off: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            let x = off + i;
+            ((x ^ (x >> 8) ^ (x >> 16)) as u8) | 1
+        })
+        .collect()
+}
+
+fn open_fault(t: &Tmp, opts: OpenOptions) -> (Target, Arc<FaultSys>) {
+    let f = FaultSys::real();
+    let target = Target::open_with_sys(&t.path, &opts, f.clone()).unwrap();
+    (target, f)
+}
+
+fn fill(t: &Target, size: u64) {
+    t.write_at(&pattern(0, size as usize), 0, false).unwrap();
+}
+
+/// Assert [off, off+len) is zero and everything else in [0, size) still
+/// holds the pattern.
+fn check_zeroed(t: &Target, size: u64, off: u64, len: u64) {
+    let mut all = vec![0u8; size as usize];
+    t.read_at(&mut all, 0).unwrap();
+    let want_pat = pattern(0, size as usize);
+    for (i, b) in all.iter().enumerate() {
+        let i64_ = i as u64;
+        if i64_ >= off && i64_ < off + len {
+            assert_eq!(
+                *b, 0,
+                "byte {i} in the zeroed range [{off}, +{len}) is not zero"
+            );
+        } else {
+            assert_eq!(
+                *b, want_pat[i],
+                "byte {i} outside the zeroed range [{off}, +{len}) changed"
+            );
+        }
+    }
+}
+
+#[test]
+fn write_read_roundtrip_and_short_read_error() {
+    let tmp = tmp_file(0);
+    let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+    assert_eq!(t.kind(), Kind::File);
+    let data = pattern(100, 10_000);
+    t.write_at(&data, 100, false).unwrap();
+    t.write_at(&data[..10], 5000, true).unwrap();
+    assert_eq!(t.size(), 10_100);
+    let mut back = vec![0u8; 10_000];
+    t.read_at(&mut back, 100).unwrap();
+    let mut want = data.clone();
+    want[4900..4910].copy_from_slice(&data[..10]);
+    assert_eq!(back, want);
+    let mut head = vec![1u8; 100];
+    t.read_at(&mut head, 0).unwrap();
+    assert!(head.iter().all(|b| *b == 0));
+    let err = t.read_at(&mut [0u8; 200], 10_000).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("offset 10000 length 200") && msg.contains("10100"),
+        "{msg}"
+    );
+    t.flush().unwrap();
+}
+
+#[test]
+fn short_transfers_are_looped() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    f.set_max_io(7);
+    let data = pattern(3, 1000);
+    t.write_at(&data, 3, false).unwrap();
+    t.write_at(&data[..100], 3, true).unwrap();
+    let mut back = vec![0u8; 1000];
+    t.read_at(&mut back, 3).unwrap();
+    assert_eq!(back, data);
+    assert!(f.calls(CallKind::Pwrite) >= 1000 / 7);
+    assert!(f.calls(CallKind::Pread) >= 1000 / 7);
+}
+
+#[test]
+fn eintr_is_retried() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    f.fail_once(CallKind::Pwrite, 1, libc::EINTR);
+    f.fail_once(CallKind::Pread, 1, libc::EINTR);
+    f.fail_once(PUNCH, 1, libc::EINTR);
+    let data = pattern(0, 8192);
+    t.write_at(&data, 0, false).unwrap();
+    let mut back = vec![0u8; 8192];
+    t.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, data);
+    assert_eq!(f.calls(CallKind::Pwrite), 2);
+    t.zero(
+        1000,
+        3000,
+        ZeroFlags {
+            may_trim: true,
+            fast_only: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(f.calls(PUNCH), 2);
+    check_zeroed(&t, 8192, 1000, 3000);
+}
+
+#[test]
+fn zero_uses_punch_hole_on_ext4_and_frees() {
+    let size = 4 << 20;
+    let tmp = tmp_file(0);
+    let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+    fill(&t, size);
+    t.flush().unwrap();
+    let before = t.allocated_bytes().unwrap();
+    let o = t
+        .zero(
+            1 << 20,
+            2 << 20,
+            ZeroFlags {
+                may_trim: true,
+                fast_only: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(o.methods, vec![Method::PunchHole]);
+    check_zeroed(&t, size, 1 << 20, 2 << 20);
+    let after = t.allocated_bytes().unwrap();
+    assert!(after + (2 << 20) <= before, "before {before} after {after}");
+    let ext = t.extents(0, size, 100).unwrap();
+    assert_eq!(ext.len(), 3, "{ext:?}");
+    assert_eq!(ext[1].kind, ExtentKind::Hole);
+    assert_eq!((ext[1].offset, ext[1].len), (1 << 20, 2 << 20));
+}
+
+#[test]
+fn zero_without_trim_uses_zero_range_and_keeps_allocation() {
+    let size = 4 << 20;
+    let tmp = tmp_file(0);
+    let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+    fill(&t, size);
+    t.flush().unwrap();
+    let before = t.allocated_bytes().unwrap();
+    let o = t.zero(12345, 3 << 20, ZeroFlags::default()).unwrap();
+    assert_eq!(o.methods, vec![Method::ZeroRange]);
+    check_zeroed(&t, size, 12345, 3 << 20);
+    assert_eq!(t.allocated_bytes().unwrap(), before);
+}
+
+#[test]
+fn eopnotsupp_falls_through_and_is_remembered() {
+    // Method k fails with EOPNOTSUPP: k+1 is used, k is learned and never
+    // called again, by this handle or a second one on the same file.
+    let size = 1 << 20;
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, size);
+    f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
+    let trim = ZeroFlags {
+        may_trim: true,
+        fast_only: false,
+    };
+    let o = t.zero(4096, 8192, trim).unwrap();
+    assert_eq!(o.methods, vec![Method::ZeroRange]);
+    assert_eq!(t.caps().get(Method::PunchHole), Tri::Fails);
+    assert_eq!(t.caps().get(Method::ZeroRange), Tri::Works);
+    check_zeroed(&t, size, 4096, 8192);
+
+    f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+    fill(&t, size);
+    let o = t.zero(100, 50_000, trim).unwrap();
+    // PunchAlloc needs PUNCH_HOLE, known to fail: straight to writing.
+    assert_eq!(o.methods, vec![Method::WriteZeros]);
+    assert_eq!(t.caps().get(Method::ZeroRange), Tri::Fails);
+    check_zeroed(&t, size, 100, 50_000);
+    assert_eq!(f.calls(PUNCH), 1);
+    // One success before the rule, one failure.
+    assert_eq!(f.calls(ZRANGE), 2);
+
+    // A second handle on the same file shares what was learned.
+    let (t2, f2) = open_fault(&tmp, OpenOptions::default());
+    assert!(Arc::ptr_eq(t.caps(), t2.caps()));
+    t2.zero(0, 10, trim).unwrap();
+    t2.trim(0, 4096).unwrap();
+    assert_eq!(f2.fallocate_calls(), 0, "{:?}", f2.counts());
+    assert!(!t2.can_trim());
+    assert!(!t2.can_fast_zero());
+    drop((t, t2));
+}
+
+#[test]
+fn zero_range_missing_uses_punch_then_allocate() {
+    // tmpfs: no ZERO_RANGE; NO_HOLE zeroing is PUNCH_HOLE + fallocate(0).
+    let size = 1 << 20;
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, size);
+    t.flush().unwrap();
+    f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+    let before = t.allocated_bytes().unwrap();
+    let o = t.zero(65536, 262144, ZeroFlags::default()).unwrap();
+    assert_eq!(o.methods, vec![Method::PunchAlloc]);
+    assert_eq!(f.calls(PUNCH), 1);
+    assert_eq!(f.calls(ALLOC), 1);
+    check_zeroed(&t, size, 65536, 262144);
+    assert_eq!(t.allocated_bytes().unwrap(), before);
+    assert_eq!(t.caps().get(Method::PunchAlloc), Tri::Works);
+
+    // fast_only without trim is still served (PunchAlloc cannot fall back
+    // to writing).
+    let o = t
+        .zero(
+            0,
+            4096,
+            ZeroFlags {
+                may_trim: false,
+                fast_only: true,
+            },
+        )
+        .unwrap();
+    assert_eq!(o.methods, vec![Method::PunchAlloc]);
+}
+
+#[test]
+fn fallocate0_missing_after_punch_writes_zeros() {
+    let size = 1 << 20;
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, size);
+    f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+    f.fail_from(ALLOC, 1, libc::ENOSYS);
+    let o = t.zero(1000, 100_000, ZeroFlags::default()).unwrap();
+    assert_eq!(o.methods, vec![Method::WriteZeros]);
+    assert_eq!(t.caps().get(Method::Fallocate), Tri::Fails);
+    assert_eq!(t.caps().get(Method::PunchAlloc), Tri::Fails);
+    assert_eq!(t.caps().get(Method::PunchHole), Tri::Works);
+    check_zeroed(&t, size, 1000, 100_000);
+    // Not tried again.
+    t.zero(0, 10, ZeroFlags::default()).unwrap();
+    assert_eq!(f.calls(ALLOC), 1);
+    assert_eq!(f.calls(ZRANGE), 1);
+}
+
+#[test]
+fn real_errors_are_returned_without_falling_through_or_learning() {
+    for errno in [libc::EIO, libc::ENOSPC, libc::EPERM, libc::EINVAL] {
+        let size = 256 << 10;
+        let tmp = tmp_file(0);
+        let (t, f) = open_fault(&tmp, OpenOptions::default());
+        fill(&t, size);
+        f.fail_once(PUNCH, 1, errno);
+        let e = t
+            .zero(
+                4096,
+                8192,
+                ZeroFlags {
+                    may_trim: true,
+                    fast_only: false,
+                },
+            )
+            .unwrap_err();
+        assert_eq!(e.errno(), Some(errno));
+        assert!(e.to_string().contains("offset 4096 length 8192"), "{e}");
+        assert_eq!(f.fallocate_calls(), 1, "fell through: {:?}", f.counts());
+        assert_eq!(f.calls(CallKind::Pwrite), 1, "fell through to writing");
+        assert_eq!(t.caps().get(Method::PunchHole), Tri::Unknown);
+        check_zeroed(&t, size, 0, 0);
+
+        f.fail_once(ZRANGE, 1, errno);
+        let e = t.zero(4096, 8192, ZeroFlags::default()).unwrap_err();
+        assert_eq!(e.errno(), Some(errno));
+        assert_eq!(t.caps().get(Method::ZeroRange), Tri::Unknown);
+        assert_eq!(f.calls(CallKind::Pwrite), 1);
+        check_zeroed(&t, size, 0, 0);
+
+        // Trim is advisory for "unsupported" only: real errors come back.
+        f.fail_once(PUNCH, 2, errno);
+        let e = t.trim(0, 4096).unwrap_err();
+        assert_eq!(e.errno(), Some(errno));
+        assert_eq!(t.caps().get(Method::PunchHole), Tri::Unknown);
+
+        // Write errors too.
+        f.fail_once(CallKind::Pwrite, 2, errno);
+        assert_eq!(t.write_at(b"x", 0, false).unwrap_err().errno(), Some(errno));
+    }
+}
+
+#[test]
+fn fast_only_with_only_slow_methods_left_fails_at_once_and_changes_nothing() {
+    let size = 512 << 10;
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, size);
+    f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
+    f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+    let fast = ZeroFlags {
+        may_trim: true,
+        fast_only: true,
+    };
+    // First call: tries the fast methods, learns they fail, ENOTSUP.
+    let e = t.zero(8192, 65536, fast).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ENOTSUP));
+    check_zeroed(&t, size, 0, 0);
+    // Second call: nothing but the range check (fstat) is done.
+    let mut calls = f.counts();
+    let e = t.zero(8192, 65536, fast).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ENOTSUP));
+    let mut now = f.counts();
+    calls.remove(&CallKind::Fstat);
+    now.remove(&CallKind::Fstat);
+    assert_eq!(now, calls, "a syscall was made for a hopeless fast zero");
+    assert!(!t.can_fast_zero());
+    check_zeroed(&t, size, 0, 0);
+    // Without fast_only the same request writes.
+    let o = t
+        .zero(
+            8192,
+            65536,
+            ZeroFlags {
+                may_trim: true,
+                fast_only: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(o.methods, vec![Method::WriteZeros]);
+    check_zeroed(&t, size, 8192, 65536);
+}
+
+#[test]
+fn write_zeros_fallback_advances_every_chunk() {
+    // The bug nbdkit and nbd-server shipped: the fallback rewrote the first
+    // chunk forever. 1000-byte chunks over an unaligned 50_001-byte range.
+    let size = 200_000;
+    let tmp = tmp_file(0);
+    let opts = OpenOptions {
+        write_zeros_chunk: Some(1000),
+        ..Default::default()
+    };
+    let (t, f) = open_fault(&tmp, opts);
+    fill(&t, size);
+    f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
+    f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+    let writes_before = f.calls(CallKind::Pwrite);
+    let o = t
+        .zero(
+            777,
+            50_001,
+            ZeroFlags {
+                may_trim: true,
+                fast_only: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(o.methods, vec![Method::WriteZeros]);
+    assert_eq!(f.calls(CallKind::Pwrite) - writes_before, 51);
+    check_zeroed(&t, size, 777, 50_001);
+    let st = t.caps().stats(Method::WriteZeros);
+    assert_eq!(st.bytes, 50_001);
+    assert_eq!(st.calls, 51);
+}
+
+#[test]
+fn zero_is_split_at_the_per_call_limit() {
+    let size = 1 << 20;
+    let tmp = tmp_file(0);
+    let opts = OpenOptions {
+        max_zero_call: Some(100_000),
+        ..Default::default()
+    };
+    let (t, f) = open_fault(&tmp, opts);
+    fill(&t, size);
+    // Fails on the third chunk: the first two were punched, the rest must
+    // continue with the next method from where the failure happened.
+    f.fail_from(PUNCH, 3, libc::EOPNOTSUPP);
+    let o = t
+        .zero(
+            5,
+            700_000,
+            ZeroFlags {
+                may_trim: true,
+                fast_only: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(o.methods, vec![Method::PunchHole, Method::ZeroRange]);
+    assert_eq!(f.calls(PUNCH), 3);
+    assert_eq!(f.calls(ZRANGE), 5);
+    check_zeroed(&t, size, 5, 700_000);
+}
+
+#[test]
+fn zero_and_trim_past_the_end_are_refused() {
+    let tmp = tmp_file(10_000);
+    let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+    assert!(t.zero(9_000, 1_001, ZeroFlags::default()).is_err());
+    assert!(t.trim(u64::MAX - 1, 10).is_err());
+    t.zero(9_000, 1_000, ZeroFlags::default()).unwrap();
+    assert_eq!(t.size(), 10_000);
+}
+
+#[test]
+fn read_only_refuses_writes() {
+    let tmp = tmp_file(4096);
+    let t = Target::open(
+        &tmp.path,
+        &OpenOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(t.geometry().read_only);
+    assert_eq!(
+        t.write_at(b"a", 0, false).unwrap_err().errno(),
+        Some(libc::EROFS)
+    );
+    assert_eq!(
+        t.zero(0, 1, ZeroFlags::default()).unwrap_err().errno(),
+        Some(libc::EROFS)
+    );
+    assert!(!t.can_trim());
+    let mut b = [1u8; 16];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(b, [0u8; 16]);
+}
+
+#[test]
+fn trim_unsupported_is_learned_and_succeeds() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, 65536);
+    f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
+    t.trim(0, 4096).unwrap();
+    t.trim(0, 4096).unwrap();
+    assert_eq!(f.calls(PUNCH), 1);
+    assert!(!t.can_trim());
+    check_zeroed(&t, 65536, 0, 0);
+}
+
+#[test]
+fn extents_bounded_and_seek_unsupported_means_data() {
+    let tmp = tmp_file(0);
+    let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+    let blk = 64 << 10;
+    t.preallocate(16 * blk, Prealloc::Off).unwrap();
+    for i in (0..16).step_by(2) {
+        t.write_at(&pattern(i * blk, blk as usize), i * blk, false)
+            .unwrap();
+    }
+    let all = t.extents(0, 16 * blk, 1000).unwrap();
+    assert_eq!(all.len(), 16, "{all:?}");
+    for (i, e) in all.iter().enumerate() {
+        assert_eq!(e.offset, i as u64 * blk);
+        assert_eq!(e.len, blk);
+        let want = if i % 2 == 0 {
+            ExtentKind::Data
+        } else {
+            ExtentKind::Hole
+        };
+        assert_eq!(e.kind, want);
+    }
+    let some = t.extents(blk / 2, 16 * blk, 3).unwrap();
+    assert_eq!(some.len(), 3);
+    assert_eq!(some[0].offset, blk / 2);
+    assert_eq!(some[0].len, blk / 2);
+    // Clipped at the end; nothing past it.
+    assert!(t.extents(16 * blk, 10, 5).unwrap().is_empty());
+    let tail = t.extents(15 * blk + 1, 100 * blk, 5).unwrap();
+    assert_eq!(tail.len(), 1);
+    assert_eq!(tail[0].len, blk - 1);
+
+    let (t2, f) = open_fault(&tmp, OpenOptions::default());
+    t2.caps().set(Method::SeekHole, Tri::Unknown);
+    f.fail_from(CallKind::SeekData, 1, libc::EINVAL);
+    let e = t2.extents(0, 16 * blk, 10).unwrap();
+    assert_eq!(e.len(), 1);
+    assert_eq!(e[0].kind, ExtentKind::Data);
+    assert_eq!(e[0].len, 16 * blk);
+    assert_eq!(t2.caps().get(Method::SeekHole), Tri::Fails);
+    t2.extents(0, 16 * blk, 10).unwrap();
+    assert_eq!(f.calls(CallKind::SeekData), 1);
+    // Reset for other handles of this (temporary) file.
+    t2.caps().set(Method::SeekHole, Tri::Unknown);
+}
+
+#[test]
+fn preallocate_modes() {
+    let size = 8 << 20;
+    for mode in [Prealloc::Off, Prealloc::Falloc, Prealloc::Full] {
+        let tmp = tmp_file(0);
+        let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+        let r = t.preallocate(size, mode).unwrap();
+        assert_eq!(t.size(), size);
+        let alloc = t.allocated_bytes().unwrap();
+        match mode {
+            Prealloc::Off => {
+                assert_eq!(r.method, None);
+                // First block allocated, the rest sparse.
+                assert!((4096..1 << 20).contains(&alloc), "{alloc}");
+            }
+            Prealloc::Falloc => {
+                assert_eq!(r.method, Some(Method::Fallocate));
+                assert!(alloc >= size, "{alloc}");
+            }
+            Prealloc::Full => {
+                assert_eq!(r.method, Some(Method::WriteZeros));
+                assert!(alloc >= size, "{alloc}");
+            }
+        }
+        let mut b = vec![1u8; size as usize];
+        t.read_at(&mut b, 0).unwrap();
+        assert!(b.iter().all(|x| *x == 0));
+        assert!(t.preallocate(size - 1, mode).is_err(), "shrank");
+    }
+}
+
+#[test]
+fn preallocate_falloc_falls_back_to_full_when_unsupported() {
+    // ramfs has no fallocate: falloc must write, never posix_fallocate.
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    t.write_at(&pattern(0, 1000), 0, false).unwrap();
+    f.fail_from(ALLOC, 1, libc::EOPNOTSUPP);
+    let r = t.preallocate(3 << 20, Prealloc::Falloc).unwrap();
+    assert_eq!(r.method, Some(Method::WriteZeros));
+    assert_eq!(f.calls(ALLOC), 1);
+    assert_eq!(t.size(), 3 << 20);
+    assert!(t.allocated_bytes().unwrap() >= 3 << 20);
+    let mut b = vec![1u8; 3 << 20];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(&b[..1000], &pattern(0, 1000)[..]);
+    assert!(b[1000..].iter().all(|x| *x == 0));
+    assert!(f.calls(CallKind::Fsync) >= 1);
+}
+
+#[test]
+fn preallocate_full_failure_cuts_back() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    t.write_at(&pattern(0, 5000), 0, false).unwrap();
+    f.fail_once(CallKind::Pwrite, 2, libc::ENOSPC);
+    let e = t.preallocate(16 << 20, Prealloc::Full).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ENOSPC));
+    assert_eq!(t.size(), 5000);
+    let mut b = vec![0u8; 5000];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(b, pattern(0, 5000));
+}
+
+#[test]
+fn cache_and_geometry() {
+    let tmp = tmp_file(1 << 20);
+    let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
+    t.cache(0, 1 << 20).unwrap();
+    let g = t.geometry();
+    assert_eq!(g.size, 1 << 20);
+    assert_eq!(g.logical_sector, 1);
+    assert!(g.dio_align.is_power_of_two());
+    assert!(!g.read_only);
+    assert_eq!(t.path(), tmp.path.as_path());
+    assert_eq!(t.cache_mode(), CacheMode::Writeback);
+}
+
+#[test]
+fn random_ops_match_a_model() {
+    for cache in [CacheMode::Writeback, CacheMode::None] {
+        let size: u64 = 1 << 20;
+        let tmp = tmp_file(size);
+        let opts = OpenOptions {
+            cache,
+            write_zeros_chunk: Some(3000),
+            max_zero_call: Some(50_000),
+            ..Default::default()
+        };
+        let (t, f) = open_fault(&tmp, opts);
+        let mut model = vec![0u8; size as usize];
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        for step in 0..300 {
+            if step == 100 {
+                f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
+            }
+            if step == 200 {
+                f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+            }
+            let off = rng.gen_range(0..size);
+            let len = rng.gen_range(0..=(size - off).min(200_000));
+            match rng.gen_range(0..4) {
+                0 | 1 => {
+                    let d = pattern(rng.gen::<u32>() as u64, len as usize);
+                    t.write_at(&d, off, rng.gen()).unwrap();
+                    model[off as usize..(off + len) as usize].copy_from_slice(&d);
+                }
+                2 => {
+                    let fl = ZeroFlags {
+                        may_trim: rng.gen(),
+                        fast_only: false,
+                    };
+                    t.zero(off, len, fl).unwrap();
+                    model[off as usize..(off + len) as usize].fill(0);
+                }
+                _ => {
+                    // Trim leaves old data or zeros; the model cannot know
+                    // which, so read it back and adopt it if it is either.
+                    t.trim(off, len).unwrap();
+                    let mut b = vec![0u8; len as usize];
+                    t.read_at(&mut b, off).unwrap();
+                    let old = &model[off as usize..(off + len) as usize];
+                    for (i, x) in b.iter().enumerate() {
+                        assert!(*x == 0 || *x == old[i], "trim invented data");
+                    }
+                    model[off as usize..(off + len) as usize].copy_from_slice(&b);
+                }
+            }
+        }
+        let mut all = vec![0u8; size as usize];
+        t.read_at(&mut all, 0).unwrap();
+        assert!(all == model, "content differs from the model ({cache:?})");
+        assert_eq!(t.size(), size);
+    }
+}
+
+#[test]
+fn real_sys_is_the_default() {
+    // The default trait methods forward to the kernel.
+    let s: Arc<dyn Sys> = Arc::new(RealSys);
+    let tmp = tmp_file(100);
+    let t = Target::open_with_sys(&tmp.path, &OpenOptions::default(), s).unwrap();
+    assert_eq!(t.size(), 100);
+}

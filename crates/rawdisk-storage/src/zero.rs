@@ -1,0 +1,303 @@
+//! Zeroing: the fallback chain, cheapest first.
+//!
+//! Regular files, per chunk of at most `max_zero_call` (1 GiB) bytes:
+//! 1. `may_trim`: fallocate(PUNCH_HOLE | KEEP_SIZE). Frees the blocks; reads
+//!    return zeros. Missing on ramfs (no fallocate at all) and on file
+//!    systems without hole support.
+//! 2. fallocate(ZERO_RANGE | KEEP_SIZE): zeros without freeing (unwritten
+//!    extents on ext4/XFS). Missing on tmpfs (no ZERO_RANGE in shmem), NFS,
+//!    and every kernel before 3.15.
+//! 3. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
+//!    and the space stays allocated. This is how tmpfs zeroes without
+//!    leaving a hole (1.4 s for 4 GiB in RESULTS-baseline.md vs 0.25 s/GiB
+//!    for writing, but no user-space copy and no page-cache churn).
+//! 4. pwrite from one shared zero buffer, `write_zeros_chunk` bytes a call,
+//!    the offset advancing every chunk (nbdkit and the reference nbd-server
+//!    shipped a fallback that rewrote the first chunk over and over).
+//!
+//! Block devices: the kernel rejects ranges not aligned to the logical
+//! sector with EINVAL, so the request is split into an unaligned head and
+//! tail (written by hand, under O_DIRECT through the read-modify-write path)
+//! and an aligned middle (offloaded), the middle first so a fast-only request
+//! that cannot be served changes nothing. For the middle:
+//! 1. `may_trim` or `fast_only`: fallocate(PUNCH_HOLE | KEEP_SIZE), which the
+//!    block layer turns into REQ_OP_WRITE_ZEROES that may unmap and never
+//!    falls back to writing: fast or EOPNOTSUPP. (For `fast_only` without
+//!    `may_trim` this may deallocate thin-provisioned space: NBD only says
+//!    a server SHOULD NOT punch for NO_HOLE, and it is the only offload that
+//!    is guaranteed fast.)
+//! 2. fallocate(ZERO_RANGE): write-zeroes keeping the allocation, with an
+//!    in-kernel fallback to writing zero pages.
+//! 3. ioctl(BLKZEROOUT): the same for kernels before 4.9 (no fallocate on
+//!    block devices: ENODEV).
+//! 4. pwrite of zeros, as for files.
+//!
+//! Steps 2 and 3 may silently write in the kernel: a loop device backed by
+//! tmpfs advertises write-zeroes until the first use, then drops it for good
+//! (RESULTS-baseline.md, "Surprises" 2). So on block devices only step 1
+//! counts as fast, and each chunk re-reads the learned state: a method that
+//! starts failing at run time is learned and the chain goes on from there.
+//!
+//! `fast_only`: when no fast method is left (learned), fail at once with
+//! ENOTSUP, before touching anything.
+
+use std::io;
+use std::sync::OnceLock;
+
+use crate::caps::{Method, Tri};
+use crate::direct::AlignedBuf;
+use crate::error::{Error, Result};
+use crate::sys::FallocMode;
+use crate::target::{
+    is_unsupported, retry, Kind, Target, ZeroFlags, ZeroOutcome, WRITE_ZEROS_CHUNK,
+};
+
+/// The one shared zero buffer: page aligned (usable under O_DIRECT) and
+/// allocated zeroed, so its pages are the kernel's shared zero page until
+/// written (never): no RSS cost.
+pub(crate) fn zero_buf() -> &'static [u8] {
+    static Z: OnceLock<AlignedBuf> = OnceLock::new();
+    Z.get_or_init(|| AlignedBuf::zeroed(WRITE_ZEROS_CHUNK, 4096))
+}
+
+/// Whether a method that cannot fall back to writing may still work.
+pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
+    let c = &t.caps;
+    match t.kind {
+        Kind::File => {
+            (may_trim && c.get(Method::PunchHole).may_work())
+                || c.get(Method::ZeroRange).may_work()
+                || punch_alloc_may_work(t)
+        }
+        Kind::Block => c.get(Method::PunchHole).may_work(),
+    }
+}
+
+fn punch_alloc_may_work(t: &Target) -> bool {
+    let c = &t.caps;
+    c.get(Method::PunchAlloc).may_work()
+        && c.get(Method::PunchHole).may_work()
+        && c.get(Method::Fallocate).may_work()
+}
+
+fn enotsup(offset: u64, len: u64) -> Error {
+    Error::new(
+        "zero (fast only)",
+        offset,
+        len,
+        io::Error::from_raw_os_error(libc::ENOTSUP),
+    )
+}
+
+/// Result of one offloaded attempt.
+enum Try {
+    Done,
+    Unsupported,
+}
+
+impl Target {
+    /// Make [offset, offset+len) read as zeros, the cheapest way the storage
+    /// allows (see the module docs for the chain). The range must lie within
+    /// the target. Returns the methods used, in the order used.
+    pub fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<ZeroOutcome> {
+        self.check_writable("zero", offset, len)?;
+        let mut out = ZeroOutcome::default();
+        if len == 0 {
+            return Ok(out);
+        }
+        self.check_range("zero", offset, len)?;
+        if flags.fast_only && !fast_methods_left(self, flags.may_trim) {
+            return Err(enotsup(offset, len));
+        }
+        let end = offset + len;
+        let a = self.offload_align;
+        let (mid_s, mid_e) = (offset.div_ceil(a) * a, end / a * a);
+        if mid_s >= mid_e {
+            // Less than two sectors, no aligned sector inside: by hand.
+            self.write_zeros(offset, len, self.zero_chunk)?;
+            push(&mut out, Method::WriteZeros);
+            return Ok(out);
+        }
+        let mut pos = mid_s;
+        let step = self.max_call_aligned();
+        while pos < mid_e {
+            let n = (mid_e - pos).min(step);
+            match self.offload_chunk(pos, n, flags)? {
+                Some(m) => push(&mut out, m),
+                None if flags.fast_only => return Err(enotsup(pos, n)),
+                None => {
+                    self.write_zeros(pos, n, self.zero_chunk)?;
+                    push(&mut out, Method::WriteZeros);
+                }
+            }
+            pos += n;
+        }
+        if offset < mid_s {
+            self.write_zeros(offset, mid_s - offset, self.zero_chunk)?;
+            push(&mut out, Method::WriteZeros);
+        }
+        if mid_e < end {
+            self.write_zeros(mid_e, end - mid_e, self.zero_chunk)?;
+            push(&mut out, Method::WriteZeros);
+        }
+        Ok(out)
+    }
+
+    /// Run the offload chain on one chunk. Ok(None): no offload method is
+    /// left (all known to fail, or just learned to); the caller writes.
+    fn offload_chunk(&self, off: u64, n: u64, flags: ZeroFlags) -> Result<Option<Method>> {
+        let _lock = self.direct.as_ref().map(|d| d.lock_span(off, n));
+        let c = &self.caps;
+        match self.kind {
+            Kind::File => {
+                if flags.may_trim && c.get(Method::PunchHole).may_work() {
+                    if let Try::Done = self.try_falloc(Method::PunchHole, off, n)? {
+                        return Ok(Some(Method::PunchHole));
+                    }
+                }
+                if c.get(Method::ZeroRange).may_work() {
+                    if let Try::Done = self.try_falloc(Method::ZeroRange, off, n)? {
+                        return Ok(Some(Method::ZeroRange));
+                    }
+                }
+                if punch_alloc_may_work(self) {
+                    if let Try::Done = self.try_punch_alloc(off, n)? {
+                        return Ok(Some(Method::PunchAlloc));
+                    }
+                }
+            }
+            Kind::Block => {
+                if (flags.may_trim || flags.fast_only) && c.get(Method::PunchHole).may_work() {
+                    if let Try::Done = self.try_falloc(Method::PunchHole, off, n)? {
+                        return Ok(Some(Method::PunchHole));
+                    }
+                }
+                if flags.fast_only {
+                    return Ok(None);
+                }
+                if c.get(Method::ZeroRange).may_work() {
+                    if let Try::Done = self.try_falloc(Method::ZeroRange, off, n)? {
+                        return Ok(Some(Method::ZeroRange));
+                    }
+                }
+                if c.get(Method::BlkZeroout).may_work() {
+                    let r = retry(|| self.sys.blkzeroout(self.fd(), off, n));
+                    if let Try::Done = self.judge(Method::BlkZeroout, off, n, r)? {
+                        return Ok(Some(Method::BlkZeroout));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
+        let mode = match m {
+            Method::PunchHole => FallocMode::PunchHole,
+            Method::ZeroRange => FallocMode::ZeroRange { keep_size: true },
+            _ => FallocMode::Allocate,
+        };
+        let r = retry(|| self.sys.fallocate(self.fd(), mode, off, n));
+        self.judge(m, off, n, r)
+    }
+
+    /// Count the call; learn from success or a "not supported" errno; return
+    /// any other error.
+    fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
+        match r {
+            Ok(()) => {
+                self.caps.count(m, Some(n));
+                self.learn(m, Tri::Works, None);
+                Ok(Try::Done)
+            }
+            Err(e) => {
+                self.caps.count(m, None);
+                if is_unsupported(&e, m) {
+                    self.learn(m, Tri::Fails, Some(&e));
+                    Ok(Try::Unsupported)
+                } else {
+                    Err(Error::new(op_name(m), off, n, e))
+                }
+            }
+        }
+    }
+
+    fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
+        let r = retry(|| self.sys.fallocate(self.fd(), FallocMode::PunchHole, off, n));
+        match r {
+            Ok(()) => {
+                self.learn(Method::PunchHole, Tri::Works, None);
+            }
+            Err(e) => {
+                self.caps.count(Method::PunchAlloc, None);
+                if is_unsupported(&e, Method::PunchHole) {
+                    self.learn(Method::PunchHole, Tri::Fails, Some(&e));
+                    self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
+                    return Ok(Try::Unsupported);
+                }
+                return Err(Error::new("zero (punch hole)", off, n, e));
+            }
+        }
+        let r = retry(|| self.sys.fallocate(self.fd(), FallocMode::Allocate, off, n));
+        match r {
+            Ok(()) => {
+                self.caps.count(Method::PunchAlloc, Some(n));
+                self.learn(Method::Fallocate, Tri::Works, None);
+                self.learn(Method::PunchAlloc, Tri::Works, None);
+                Ok(Try::Done)
+            }
+            Err(e) => {
+                self.caps.count(Method::PunchAlloc, None);
+                if is_unsupported(&e, Method::Fallocate) {
+                    // The range is a hole now (zeros); the next step
+                    // allocates it again by writing.
+                    self.learn(Method::Fallocate, Tri::Fails, Some(&e));
+                    self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
+                    return Ok(Try::Unsupported);
+                }
+                Err(Error::new("zero (fallocate after punch)", off, n, e))
+            }
+        }
+    }
+
+    /// Write zeros over [offset, offset+len) from the shared zero buffer,
+    /// `chunk` bytes per write, advancing the offset every chunk.
+    pub(crate) fn write_zeros(&self, offset: u64, len: u64, chunk: usize) -> Result<()> {
+        let z = zero_buf();
+        let chunk = chunk.clamp(1, z.len()) as u64;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let n = (end - pos).min(chunk);
+            let buf = &z[..n as usize];
+            let r = match &self.direct {
+                Some(d) => d.write_at(self, buf, pos, false),
+                None => self.pwrite_all(buf, pos, false),
+            };
+            match r {
+                Ok(()) => self.caps.count(Method::WriteZeros, Some(n)),
+                Err(e) => {
+                    self.caps.count(Method::WriteZeros, None);
+                    return Err(Error::new("zero (write zeros)", pos, n, e.source));
+                }
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+}
+
+fn push(out: &mut ZeroOutcome, m: Method) {
+    if !out.methods.contains(&m) {
+        out.methods.push(m);
+    }
+}
+
+fn op_name(m: Method) -> &'static str {
+    match m {
+        Method::PunchHole => "zero (punch hole)",
+        Method::ZeroRange => "zero (zero range)",
+        Method::BlkZeroout => "zero (BLKZEROOUT)",
+        _ => "zero",
+    }
+}
