@@ -1,0 +1,382 @@
+"""A hostile client on a raw socket (no libnbd) sends what the issue's "Bad
+input" list names: garbage magic, truncated handshakes, unknown and
+oversized options, floods of options, unknown commands and flags, writes
+declaring more than the maximum payload, offsets that overflow, clients that
+vanish mid-payload or with requests in flight, and clients that never finish
+the handshake.
+
+Each gets the spec's error or a clean disconnect. After each, the server is
+still alive, has not panicked, and a fresh libnbd client reads exactly the
+bytes the export must hold (a payload parsed as requests would show up here
+as changed bytes)."""
+
+import errno
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+import wire
+from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, make_image,
+                     random_bytes)
+
+SIZE = 8 * MiB
+
+
+@pytest.fixture
+def export(workdir, serve):
+    path, model = make_image(workdir, "disk.img", SIZE, seed=31)
+    return path, model, serve(path)
+
+
+def assert_healthy(srv, path, model):
+    srv.assert_alive()
+    assert_export_is(srv.uri, model, "export after the hostile client")
+    assert_target_is(path, model)
+    srv.assert_alive()
+
+
+_open_sockets = []
+
+
+def raw(srv):
+    c = wire.RawClient(srv.connect_unix_or_tcp())
+    _open_sockets.append(c.sock)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def close_raw_sockets(serve):
+    """A failed test must not leave a socket open: the server would wait for
+    it at SIGTERM. (Depends on `serve` so it is torn down before it.)"""
+    yield
+    while _open_sockets:
+        _open_sockets.pop().close()
+
+
+def warm_up(srv):
+    """Make the server start its threads and pools before memory is measured."""
+    with connected(srv.uri) as h:
+        h.pread(2 * MiB, 0)
+
+
+# -- handshake ------------------------------------------------------------------
+
+def test_garbage_instead_of_client_flags(export):
+    path, model, srv = export
+    c = raw(srv)
+    c.read_greeting()
+    c.sock.sendall(random_bytes(64, seed=1))
+    assert wire.wait_for_close(c.sock, 10), "server kept a garbage-speaking client"
+    assert_healthy(srv, path, model)
+
+
+def test_bad_option_magic(export):
+    path, model, srv = export
+    c = raw(srv).start()
+    c.sock.sendall(struct.pack(">QII", 0x1122334455667788, wire.OPT_GO, 0))
+    assert wire.wait_for_close(c.sock, 10)
+    assert_healthy(srv, path, model)
+
+
+def test_bad_request_magic(export):
+    path, model, srv = export
+    c = raw(srv).start().go()
+    c.sock.sendall(struct.pack(">IHHQQI", 0xDEADBEEF, 0, wire.CMD_WRITE, 1, 0, 4096)
+                   + b"\xee" * 4096)
+    assert wire.wait_for_close(c.sock, 10), "a request with a bad magic must end the connection"
+    assert_healthy(srv, path, model)
+
+
+TRUNCATIONS = {
+    "nothing": b"",
+    "half_client_flags": b"\x00\x00",
+    "half_option_header": struct.pack(">QII", wire.IHAVEOPT, wire.OPT_GO, 20)[:11],
+    "half_option_data": struct.pack(">QII", wire.IHAVEOPT, wire.OPT_GO, 100) + b"\x00" * 50,
+}
+
+
+@pytest.mark.parametrize("sent", TRUNCATIONS.values(), ids=TRUNCATIONS.keys())
+def test_truncated_handshake_then_close(export, sent):
+    path, model, srv = export
+    c = raw(srv)
+    c.read_greeting()
+    if sent and sent != TRUNCATIONS["half_client_flags"]:
+        c.send_client_flags()
+    c.sock.sendall(sent)
+    c.sock.close()
+    assert_healthy(srv, path, model)
+
+
+def test_unknown_option_is_unsupported_and_the_handshake_goes_on(export):
+    path, model, srv = export
+    c = raw(srv).start()
+    c.send_option(0x7777, b"whatever the client wants")
+    option, rtype, _ = c.read_option_reply()
+    assert (option, rtype) == (0x7777, wire.REP_ERR_UNSUP)
+    c.send_option(0x4242)
+    option, rtype, _ = c.read_option_reply()
+    assert (option, rtype) == (0x4242, wire.REP_ERR_UNSUP)
+    c.go()
+    assert c.size == SIZE
+    assert c.request(wire.CMD_READ, 4096, 8192) == (0, bytes(model[4096:12288]))
+    c.disconnect()
+    assert_healthy(srv, path, model)
+
+
+def test_starttls_gets_a_clean_error(export):
+    """No TLS yet: STARTTLS must be refused with an error reply, not an ACK
+    (which would make the client start a TLS handshake) and not a hang."""
+    path, model, srv = export
+    c = raw(srv).start()
+    c.send_option(wire.OPT_STARTTLS)
+    option, rtype, _ = c.read_option_reply()
+    assert option == wire.OPT_STARTTLS and rtype & wire.REP_ERR, hex(rtype)
+    c.go()
+    assert c.request(wire.CMD_READ, 0, 512) == (0, bytes(model[:512]))
+    c.disconnect()
+    assert_healthy(srv, path, model)
+
+
+HUGE_OPTIONS = {"unknown": 0x7777, "export_name": wire.OPT_EXPORT_NAME, "go": wire.OPT_GO,
+                "list": wire.OPT_LIST, "set_meta_context": wire.OPT_SET_META_CONTEXT}
+
+
+@pytest.mark.parametrize("option", HUGE_OPTIONS.values(), ids=HUGE_OPTIONS.keys())
+def test_option_declaring_one_gib_is_not_allocated(export, option):
+    """Option data is capped (the issue suggests 64 KiB): a declared 1 GiB
+    must get an error or a disconnect, never a 1 GiB buffer."""
+    path, model, srv = export
+    warm_up(srv)
+    peak_before, hwm_before = srv.status("VmPeak"), srv.status("VmHWM")
+    c = raw(srv).start()
+    c.send_option(option, declared_len=1 << 30)
+    c.sock.settimeout(0.5)
+    sent = 0
+    try:
+        # Keep feeding data as a real flood would, up to 8 MiB.
+        while sent < 8 * MiB:
+            sent += c.sock.send(b"\x00" * (256 * KiB))
+    except (BrokenPipeError, ConnectionResetError, socket.timeout, TimeoutError):
+        pass
+    srv.assert_alive()
+    assert srv.status("VmPeak") - peak_before < 512 * MiB, "server reserved the declared length"
+    assert srv.status("VmHWM") - hwm_before < 48 * MiB
+    c.sock.close()
+    assert_healthy(srv, path, model)
+
+
+def test_flood_of_options(export):
+    """Thousands of options: each answered, or the server hangs up on a
+    client that never gets to the point; either way memory stays flat."""
+    path, model, srv = export
+    warm_up(srv)
+    hwm_before = srv.status("VmHWM")
+    c = raw(srv).start()
+    answered = 0
+    try:
+        for _ in range(40):
+            c.sock.sendall(b"".join(struct.pack(">QII", wire.IHAVEOPT, 0x7000 + i, 4) + b"abcd"
+                                    for i in range(500)))
+            for i in range(500):
+                option, rtype, _ = c.read_option_reply()
+                assert (option, rtype) == (0x7000 + i, wire.REP_ERR_UNSUP)
+                answered += 1
+        c.go()
+        assert c.request(wire.CMD_READ, 0, 4096) == (0, bytes(model[:4096]))
+    except (wire.Closed, BrokenPipeError, ConnectionResetError):
+        assert answered >= 16, "cut off after too few options to be a flood"
+    c.sock.close()
+    assert srv.status("VmHWM") - hwm_before < 32 * MiB
+    assert_healthy(srv, path, model)
+
+
+# -- transmission -----------------------------------------------------------------
+
+def test_unknown_command_and_unknown_flags_get_einval(export):
+    path, model, srv = export
+    c = raw(srv).start().go()
+    assert c.request(99, 0, 4096) == (errno.EINVAL, b"")
+    assert c.request(wire.CMD_READ, 0, 4096, flags=0x8000) == (errno.EINVAL, b"")
+    # NO_HOLE is documented for WRITE_ZEROES only.
+    assert c.request(wire.CMD_READ, 0, 4096, flags=0x2) == (errno.EINVAL, b"")
+    assert c.request(wire.CMD_READ, 512, 1024) == (0, bytes(model[512:1536]))
+    c.disconnect()
+    assert_healthy(srv, path, model)
+
+
+def crafted_writes(total):
+    """Bytes that are, back to back, valid WRITE requests putting 0xEE at
+    offset 0: if any of them is ever parsed as a request, the file shows it."""
+    one = wire.request_bytes(wire.CMD_WRITE, 0, 4096, payload=b"\xee" * 4096)
+    return (one * (total // len(one) + 1))[:total]
+
+
+def max_payload(c):
+    return c.block_size[2] if c.block_size else 32 * MiB
+
+
+def replies_until_close(c, timeout, limit=None):
+    """(cookie, error) of the simple replies received until the server
+    closes, goes quiet for `timeout` seconds, or `limit` replies came."""
+    c.sock.settimeout(timeout)
+    got = []
+    try:
+        while limit is None or len(got) < limit:
+            cookie, error, _ = c.read_simple_reply()
+            got.append((cookie, error))
+    except (wire.Closed, socket.timeout, TimeoutError, ConnectionResetError):
+        pass
+    return got
+
+
+@pytest.fixture
+def big_export(workdir, serve):
+    """128 MiB, so a 64 MiB write is oversized without being out of bounds."""
+    path, model = make_image(workdir, "big.img", 128 * MiB, seed=32, sparse=True)
+    return path, model, serve(path)
+
+
+def test_oversized_write_header_without_payload(big_export):
+    path, model, srv = big_export
+    c = raw(srv).start().go()
+    declared = max_payload(c) + 4096
+    cookie = c.send_request(wire.CMD_WRITE, 0, declared)
+    c.sock.sendall(crafted_writes(10 * 4124))
+    replies = replies_until_close(c, 2)
+    assert all(cookie_ == cookie and err != 0 for cookie_, err in replies), replies
+    c.sock.close()
+    assert_healthy(srv, path, model)
+
+
+def test_oversized_write_with_payload_is_never_parsed(big_export):
+    """The payload (valid-looking WRITE requests) is consumed or the
+    connection closed; it is never read as requests."""
+    path, model, srv = big_export
+    c = raw(srv).start().go()
+    declared = max(max_payload(c), 32 * MiB) * 2 + 4096
+    assert declared < 128 * MiB
+    cookie = c.send_request(wire.CMD_WRITE, 0, declared)
+    payload = crafted_writes(declared)
+
+    def feed():
+        try:
+            c.sock.sendall(payload)
+        except OSError:
+            pass  # the server hung up: allowed
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    replies = replies_until_close(c, 10, limit=1)
+    feeder.join(30)
+    assert not feeder.is_alive()
+    if replies:
+        assert replies[0][0] == cookie and replies[0][1] != 0, replies
+        # The server answered: either it consumed the payload and the next
+        # request is read as one, or it closes now.
+        try:
+            read = c.send_request(wire.CMD_READ, 0, 4096)
+            got, error, data = c.read_simple_reply(4096)
+            assert (got, error, data) == (read, 0, bytes(model[:4096]))
+        except (wire.Closed, BrokenPipeError, ConnectionResetError):
+            pass
+    c.sock.close()
+    assert_healthy(srv, path, model)
+
+
+OVERFLOWS = [
+    # The spec: ENOSPC for writes beyond the end, EINVAL for reads and trims.
+    ("read", wire.CMD_READ, (1 << 64) - 1, 1, errno.EINVAL),
+    ("read_wrapping", wire.CMD_READ, (1 << 64) - 4096, 8192, errno.EINVAL),
+    ("write", wire.CMD_WRITE, (1 << 64) - 512, 1024, errno.ENOSPC),
+    ("write_zeroes", wire.CMD_WRITE_ZEROES, (1 << 64) - 4096, 8192, errno.ENOSPC),
+    ("trim", wire.CMD_TRIM, (1 << 64) - 4096, 8192, errno.EINVAL),
+]
+
+
+@pytest.mark.parametrize("cmd,offset,length,expected",
+                         [o[1:] for o in OVERFLOWS], ids=[o[0] for o in OVERFLOWS])
+def test_offsets_that_overflow(export, cmd, offset, length, expected):
+    path, model, srv = export
+    c = raw(srv).start().go()
+    payload = b"\xee" * length if cmd == wire.CMD_WRITE else b""
+    cookie = c.send_request(cmd, offset, length, payload=payload)
+    got, error, _ = c.read_simple_reply()
+    assert (got, error) == (cookie, expected)
+    assert c.request(wire.CMD_READ, SIZE - 4096, 4096) == (0, bytes(model[SIZE - 4096:]))
+    c.disconnect()
+    assert_healthy(srv, path, model)
+
+
+def test_client_disappears_mid_payload(export):
+    """Half a write is not a write: nothing of it may reach the file."""
+    path, model, srv = export
+    c = raw(srv).start().go()
+    c.send_request(wire.CMD_WRITE, MiB, MiB)
+    c.sock.sendall(b"\xee" * (100 * KiB))
+    c.sock.close()
+    time.sleep(0.2)
+    assert_healthy(srv, path, model)
+
+
+def test_client_disappears_with_requests_in_flight(export):
+    path, model, srv = export
+    c = raw(srv).start().go()
+    writes = []
+    for i in range(64):
+        off = i * 96 * KiB
+        data = random_bytes(64 * KiB, seed=300 + i)
+        writes.append((off, data))
+        c.send_request(wire.CMD_WRITE, off, len(data), payload=data)
+        # Small reads: the replies must fit in the socket buffers, since this
+        # client never reads them.
+        c.send_request(wire.CMD_READ, SIZE - 512, 512)
+    c.sock.close()
+    # The server may have done any of the writes before noticing: each 4 KiB
+    # block of them is either old or new, and nothing else changed.
+    srv.assert_alive()
+    time.sleep(0.5)
+    with connected(srv.uri) as h:
+        now = bytearray(h.pread(SIZE, 0))
+    for off, data in writes:
+        for b in range(0, len(data), 4 * KiB):
+            block = now[off + b:off + b + 4 * KiB]
+            assert block in (model[off + b:off + b + 4 * KiB], data[b:b + 4 * KiB]), off + b
+        model[off:off + len(data)] = now[off:off + len(data)]
+    assert_healthy(srv, path, model)
+
+
+def test_stalled_handshakes_do_not_block_other_clients(export):
+    path, model, srv = export
+    stalled = []
+    for i in range(8):
+        s = srv.connect_unix_or_tcp()
+        _open_sockets.append(s)
+        if i % 2:
+            wire.RawClient(s).read_greeting()  # and then never answer
+        stalled.append(s)
+    with connected(srv.uri) as h:
+        data = random_bytes(MiB, seed=77)
+        h.pwrite(data, 3 * MiB)
+        h.flush()
+        model[3 * MiB:4 * MiB] = data
+    assert_healthy(srv, path, model)
+    for s in stalled:
+        s.close()
+
+
+@pytest.mark.rawdisk_only("nbdkit 1.32 has no handshake timeout")
+def test_handshake_timeout_closes_a_stalled_client(export):
+    """The issue: a client that never finishes the handshake is dropped
+    after a timeout of at most 30 s."""
+    path, model, srv = export
+    s = srv.connect_unix_or_tcp()
+    _open_sockets.append(s)
+    wire.RawClient(s).read_greeting()
+    start = time.monotonic()
+    assert wire.wait_for_close(s, 35), "stalled handshake still open after 35 s"
+    assert time.monotonic() - start <= 31
+    s.close()
+    assert_healthy(srv, path, model)
