@@ -1,4 +1,19 @@
 //! The image commands' logic (the binary only parses arguments and prints).
+//!
+//! * [`create`]: new images with preallocation, or checking (and zeroing) a
+//!   block device, in `qemu-img create`'s idiom.
+//! * [`probe`]: what the storage under a target supports, without changing
+//!   a byte of it unless asked.
+//! * [`map`]: allocation map in `qemu-img map`'s JSON and human forms.
+//! * [`info`]: size, allocation and properties, in `qemu-img info`'s idiom.
 
-pub mod copy;
-pub mod endpoint;
+pub mod create;
+pub mod error;
+pub mod info;
+pub mod map;
+pub mod output;
+pub mod probe;
+pub mod progress;
+pub mod sysinfo;
+
+pub use error::{Error, Result};

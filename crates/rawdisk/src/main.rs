@@ -69,7 +69,11 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    init_logging(cli.verbose);
+    // The one-shot commands print their result themselves; the engine's
+    // info-level notes (capabilities learned) would only clutter stderr,
+    // where a failure must stay one line. The server keeps info.
+    let quiet = !matches!(cli.command, Command::Serve(_));
+    init_logging(cli.verbose, quiet);
     let result = match cli.command {
         Command::Serve(a) => cmd::serve::run(a),
         Command::Create(a) => cmd::create::run(a),
@@ -87,9 +91,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(verbose: u8) {
+fn init_logging(verbose: u8, quiet: bool) {
     use tracing_subscriber::EnvFilter;
     let default = match verbose {
+        0 if quiet => "warn",
         0 => "info",
         1 => "debug",
         _ => "trace",

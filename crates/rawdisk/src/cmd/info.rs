@@ -1,9 +1,32 @@
+//! `rawdisk info [--output human|json] TARGET|NBD-URI`
+
 use std::process::ExitCode;
 
-/// STUB: filled in by the info issue.
-#[derive(clap::Args)]
-pub struct Args {}
+use rawdisk_image::info;
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("'info' is not implemented yet")
+/// `--output`, shared by info, map and probe.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum OutputArg {
+    Human,
+    Json,
+}
+
+/// Print size, allocation and properties, as `qemu-img info` does (plus
+/// kind, sector sizes and I/O hints; for an NBD URI the export's flags and
+/// block sizes, as nbdinfo shows them).
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_enum, default_value = "human")]
+    output: OutputArg,
+    /// File, block device, or NBD URI.
+    target: String,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let i = info::info_target_or_uri(&args.target)?;
+    match args.output {
+        OutputArg::Human => print!("{}", i.to_human()),
+        OutputArg::Json => print!("{}", i.to_json()),
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,9 +1,37 @@
+//! `rawdisk probe [--output human|json] [--destructive] TARGET`
+
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// STUB: filled in by the probe issue.
-#[derive(clap::Args)]
-pub struct Args {}
+use rawdisk_image::probe::{probe, ProbeOptions};
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("'probe' is not implemented yet")
+use super::info::OutputArg;
+
+/// Report what the storage under a file or block device supports.
+///
+/// For a file, each method is tried on a scratch file created beside it
+/// (removed after); the file itself is not changed. For a block device only
+/// sysfs and ioctls are read, unless --destructive.
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long, value_enum, default_value = "human")]
+    output: OutputArg,
+    /// Block device: try each method on the device itself (its first
+    /// megabytes are saved and written back; refused while it is mounted).
+    #[arg(long)]
+    destructive: bool,
+    /// File or block device.
+    target: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let r = probe(&ProbeOptions {
+        path: args.target,
+        destructive: args.destructive,
+    })?;
+    match args.output {
+        OutputArg::Human => print!("{}", r.to_human()),
+        OutputArg::Json => print!("{}", r.to_json()),
+    }
+    Ok(ExitCode::SUCCESS)
 }

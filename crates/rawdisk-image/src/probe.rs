@@ -1,0 +1,1107 @@
+//! `rawdisk probe`: what the storage under a target supports, method by
+//! method, and which method `rawdisk`'s zero would use.
+//!
+//! * Regular file: every method is tried on a scratch file created beside the
+//!   target (same directory, so same file system and mount options) and
+//!   removed afterwards; the target itself is only stat'ed. Each method is
+//!   called directly through the engine's syscall layer on its own 1 MiB of
+//!   written data and checked (reads back zeros; allocation freed or kept),
+//!   then the engine's own zero chain runs on the scratch file to show which
+//!   method it picks.
+//! * Block device, default: nothing is written. The device is opened
+//!   read-only and its queue limits in sysfs say what the kernel will do:
+//!   `write_zeroes_max_bytes` = 0 means PUNCH_HOLE fails and ZERO_RANGE /
+//!   BLKZEROOUT make the kernel write zeros; non-zero is only an
+//!   advertisement (a loop device over tmpfs drops it on first use), so it
+//!   stays "unknown". `discard_max_bytes` = 0 means BLKDISCARD fails.
+//! * Block device, `--destructive`: the device is opened O_EXCL (refused
+//!   while mounted), the first 1 MiB is saved, every method is tried on it,
+//!   and the saved bytes are written back.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use rawdisk_storage::sys::{FallocMode, RealSys, Sys};
+use rawdisk_storage::{Kind, Method, OpenOptions, Target, ZeroFlags};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::info::yes_no;
+use crate::output::{human_size, table, Fields};
+use crate::sysinfo::{self, MountInfo, QueueLimits};
+
+#[derive(Debug, Clone)]
+pub struct ProbeOptions {
+    pub path: PathBuf,
+    /// Block devices: try each method on the device itself.
+    pub destructive: bool,
+}
+
+/// What is known about one method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum State {
+    Works,
+    Fails,
+    Unknown,
+    NotApplicable,
+}
+
+impl State {
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Works => "works",
+            State::Fails => "known to fail",
+            State::Unknown => "unknown",
+            State::NotApplicable => "n/a",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MethodReport {
+    pub method: &'static str,
+    /// The call behind the method.
+    pub call: &'static str,
+    pub state: State,
+    /// Why: the errno, what the data and allocation looked like after, or the
+    /// sysfs value the state was inferred from.
+    pub detail: String,
+}
+
+/// Which method a zero request would use.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Choice {
+    /// The method(s), joined with " + " when the engine split the request
+    /// (an unaligned head written, the aligned middle offloaded).
+    pub method: String,
+    /// Observed (the engine did it) or inferred from known states; false when
+    /// an earlier method in the chain is still unknown.
+    pub certain: bool,
+    /// What it would fall back to if the uncertain method failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otherwise: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ZeroReport {
+    #[serde(rename = "with-trim")]
+    pub with_trim: Choice,
+    #[serde(rename = "without-trim")]
+    pub without_trim: Choice,
+    /// Whether a zero that must not fall back to writing can succeed
+    /// (NBD_FLAG_SEND_FAST_ZERO): "yes", "no" or "unknown".
+    #[serde(rename = "fast-zero")]
+    pub fast_zero: &'static str,
+    #[serde(rename = "fast-zero-method", skip_serializing_if = "Option::is_none")]
+    pub fast_zero_method: Option<String>,
+    /// Whether trim can free space: "yes", "no" or "unknown".
+    pub trim: &'static str,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeReport {
+    pub target: String,
+    /// "file" or "block".
+    pub kind: &'static str,
+    pub size: u64,
+    #[serde(rename = "logical-sector-size")]
+    pub logical_sector_size: u32,
+    #[serde(rename = "physical-sector-size")]
+    pub physical_sector_size: u32,
+    #[serde(rename = "minimum-io-size")]
+    pub minimum_io_size: u32,
+    #[serde(rename = "optimal-io-size")]
+    pub optimal_io_size: u32,
+    pub rotational: bool,
+    #[serde(rename = "read-only")]
+    pub read_only: bool,
+    #[serde(rename = "direct-io")]
+    pub direct_io: State,
+    #[serde(
+        rename = "direct-io-alignment",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub direct_io_alignment: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<MountInfo>,
+    #[serde(rename = "queue-limits", skip_serializing_if = "Option::is_none")]
+    pub queue_limits: Option<QueueLimits>,
+    /// Queue limits after a destructive probe, when trying changed them (a
+    /// loop device dropping write-zeroes).
+    #[serde(rename = "queue-limits-after", skip_serializing_if = "Option::is_none")]
+    pub queue_limits_after: Option<QueueLimits>,
+    /// "scratch-file", "sysfs" (nothing tried) or "device" (--destructive).
+    #[serde(rename = "tested-on")]
+    pub tested_on: &'static str,
+    #[serde(rename = "scratch-file", skip_serializing_if = "Option::is_none")]
+    pub scratch_file: Option<String>,
+    /// Why the scratch file could not be used (methods then stay unknown).
+    #[serde(rename = "scratch-error", skip_serializing_if = "Option::is_none")]
+    pub scratch_error: Option<String>,
+    pub methods: Vec<MethodReport>,
+    pub zero: ZeroReport,
+}
+
+const MIB: u64 = 1 << 20;
+
+pub fn probe(opts: &ProbeOptions) -> Result<ProbeReport> {
+    let path = &opts.path;
+    let shown = path.display();
+    let md = fs::metadata(path).map_err(|e| Error::with(format!("cannot probe '{shown}'"), e))?;
+    let ft = md.file_type();
+    if !ft.is_file() && !ft.is_block_device() {
+        return Err(Error::msg(format!(
+            "cannot probe '{shown}': not a regular file or block device"
+        )));
+    }
+    let t = Target::open(
+        path,
+        &OpenOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| Error::with(format!("cannot open '{shown}'"), e))?;
+    let g = t.geometry();
+    let mut r = ProbeReport {
+        target: path.display().to_string(),
+        kind: if t.kind() == Kind::Block {
+            "block"
+        } else {
+            "file"
+        },
+        size: t.size(),
+        logical_sector_size: g.logical_sector,
+        physical_sector_size: g.physical_sector,
+        minimum_io_size: g.min_io,
+        optimal_io_size: g.opt_io,
+        rotational: g.rotational,
+        read_only: sysinfo::read_only(path),
+        direct_io: State::Unknown,
+        direct_io_alignment: None,
+        filesystem: None,
+        queue_limits: None,
+        queue_limits_after: None,
+        tested_on: "sysfs",
+        scratch_file: None,
+        scratch_error: None,
+        methods: Vec::new(),
+        zero: ZeroReport {
+            with_trim: unknown_choice(),
+            without_trim: unknown_choice(),
+            fast_zero: "unknown",
+            fast_zero_method: None,
+            trim: "unknown",
+        },
+    };
+    drop(t);
+    match md.file_type().is_block_device() {
+        false => probe_file(path, &mut r),
+        true if opts.destructive => probe_device_destructive(path, &mut r)?,
+        true => probe_device_sysfs(path, &mut r),
+    }
+    Ok(r)
+}
+
+fn unknown_choice() -> Choice {
+    Choice {
+        method: "unknown".into(),
+        certain: false,
+        otherwise: None,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors and data helpers
+
+/// The errno name for the report ("EOPNOTSUPP"), or the io::Error text.
+fn errno_name(e: &io::Error) -> String {
+    let names: &[(i32, &str)] = &[
+        (libc::EOPNOTSUPP, "EOPNOTSUPP"),
+        (libc::ENOSYS, "ENOSYS"),
+        (libc::ENOTTY, "ENOTTY"),
+        (libc::ENODEV, "ENODEV"),
+        (libc::EINVAL, "EINVAL"),
+        (libc::EIO, "EIO"),
+        (libc::ENOSPC, "ENOSPC"),
+        (libc::EPERM, "EPERM"),
+        (libc::EACCES, "EACCES"),
+        (libc::EROFS, "EROFS"),
+        (libc::EBADF, "EBADF"),
+        (libc::EBUSY, "EBUSY"),
+        (libc::ENXIO, "ENXIO"),
+    ];
+    match e.raw_os_error() {
+        Some(n) => names
+            .iter()
+            .find(|(v, _)| *v == n)
+            .map(|(_, s)| s.to_string())
+            .unwrap_or_else(|| e.to_string()),
+        None => e.to_string(),
+    }
+}
+
+/// "Not supported" as the storage engine counts it: these errnos mean the
+/// method does not exist here; anything else (EIO, ENOSPC, EPERM) says
+/// nothing about support.
+fn is_unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::ENOTTY | libc::ENODEV)
+    )
+}
+
+fn state_of_error(e: &io::Error) -> (State, String) {
+    if is_unsupported(e) {
+        (State::Fails, errno_name(e))
+    } else {
+        (State::Unknown, format!("error {}", errno_name(e)))
+    }
+}
+
+/// Non-zero bytes that depend on the offset, so a method that zeroed or
+/// moved the wrong range is caught.
+fn pattern(off: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            let x = (off + i).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56;
+            (x as u8) | 1
+        })
+        .collect()
+}
+
+fn write_all_at(sys: &RealSys, f: &File, buf: &[u8], off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match sys.pwrite(f.as_fd(), &buf[done..], off + done as u64) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn read_all_at(sys: &RealSys, f: &File, buf: &mut [u8], off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match sys.pread(f.as_fd(), &mut buf[done..], off + done as u64) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn reads_zero(sys: &RealSys, f: &File, off: u64, len: u64) -> io::Result<bool> {
+    let mut buf = vec![0u8; len as usize];
+    read_all_at(sys, f, &mut buf, off)?;
+    Ok(buf.iter().all(|&b| b == 0))
+}
+
+fn blocks(f: &File) -> u64 {
+    f.metadata().map(|m| m.blocks()).unwrap_or(0)
+}
+
+/// Tries one zeroing call on [off, off+len) holding written data; returns the
+/// state and what the data and allocation looked like after.
+fn try_zeroing(
+    sys: &RealSys,
+    f: &File,
+    off: u64,
+    len: u64,
+    check_alloc: bool,
+    call: impl FnOnce() -> io::Result<()>,
+) -> (State, String) {
+    if let Err(e) = write_all_at(sys, f, &pattern(off, len as usize), off)
+        .and_then(|_| sys.fdatasync(f.as_fd()))
+    {
+        return (
+            State::Unknown,
+            format!("could not write test data: {}", errno_name(&e)),
+        );
+    }
+    let before = blocks(f);
+    if let Err(e) = call() {
+        return state_of_error(&e);
+    }
+    match reads_zero(sys, f, off, len) {
+        Ok(true) => {}
+        Ok(false) => {
+            return (
+                State::Fails,
+                "succeeded but the range does not read back as zeros".into(),
+            )
+        }
+        Err(e) => return (State::Unknown, format!("read back: {}", errno_name(&e))),
+    }
+    let after = blocks(f);
+    if !check_alloc {
+        return (State::Works, "reads back zeros".into());
+    }
+    let detail = if after < before {
+        "reads back zeros, frees allocation"
+    } else {
+        "reads back zeros, keeps allocation"
+    };
+    (State::Works, detail.into())
+}
+
+// ---------------------------------------------------------------------------
+// Regular files: a scratch file beside the target
+
+/// The scratch file, removed on drop (also when probing panics).
+struct ScratchFile {
+    path: PathBuf,
+}
+
+impl Drop for ScratchFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+fn create_scratch(target: &Path) -> io::Result<(ScratchFile, File)> {
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let base = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "target".into());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    for i in 0..16u32 {
+        let p = dir.join(format!(
+            ".{base}.rawdisk-probe-{}-{:08x}",
+            std::process::id(),
+            nanos.wrapping_add(i)
+        ));
+        match fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&p)
+        {
+            Ok(f) => return Ok((ScratchFile { path: p }, f)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(io::Error::from(io::ErrorKind::AlreadyExists))
+}
+
+/// Scratch layout, 1 MiB regions: 0 punch-hole, 1 zero-range, 2 punch-alloc,
+/// 3..6 the engine's zero chain, 6 data, 7 a hole (never written), then
+/// fallocate(0) extends the file from 8 to 9 MiB.
+fn probe_file(path: &Path, r: &mut ProbeReport) {
+    r.filesystem = sysinfo::mount_of(path);
+    r.tested_on = "scratch-file";
+    let (scratch, f) = match create_scratch(path) {
+        Ok(x) => x,
+        Err(e) => {
+            r.scratch_error = Some(format!(
+                "cannot create a scratch file beside '{}': {e}",
+                path.display()
+            ));
+            r.methods = file_methods_unknown(&r.scratch_error.clone().unwrap_or_default());
+            return;
+        }
+    };
+    r.scratch_file = Some(scratch.path.display().to_string());
+    let sys = RealSys;
+    let fd = f.as_fd();
+    let mut methods = Vec::new();
+    let setup = write_all_at(&sys, &f, &pattern(0, (7 * MIB) as usize), 0)
+        .and_then(|_| f.set_len(8 * MIB))
+        .and_then(|_| sys.fdatasync(fd));
+    if let Err(e) = setup {
+        r.scratch_error = Some(format!(
+            "cannot write the scratch file '{}': {}",
+            scratch.path.display(),
+            errno_name(&e)
+        ));
+        r.methods = file_methods_unknown(&r.scratch_error.clone().unwrap_or_default());
+        return;
+    }
+
+    let (s, d) = try_zeroing(&sys, &f, 0, MIB, true, || {
+        sys.fallocate(fd, FallocMode::PunchHole, 0, MIB)
+    });
+    methods.push(mr(
+        Method::PunchHole,
+        "fallocate(PUNCH_HOLE|KEEP_SIZE)",
+        s,
+        d,
+    ));
+    let (s, d) = try_zeroing(&sys, &f, MIB, MIB, true, || {
+        sys.fallocate(fd, FallocMode::ZeroRange { keep_size: true }, MIB, MIB)
+    });
+    methods.push(mr(Method::ZeroRange, "fallocate(ZERO_RANGE)", s, d));
+    let (s, d) = try_zeroing(&sys, &f, 2 * MIB, MIB, true, || {
+        sys.fallocate(fd, FallocMode::PunchHole, 2 * MIB, MIB)?;
+        sys.fallocate(fd, FallocMode::Allocate, 2 * MIB, MIB)
+    });
+    methods.push(mr(
+        Method::PunchAlloc,
+        "fallocate(PUNCH_HOLE) + fallocate(0)",
+        s,
+        d,
+    ));
+
+    // SEEK_HOLE before fallocate(0) fills the tail: [6, 7) MiB is data and
+    // [7, 8) MiB was never written.
+    let seek = match sys.seek_hole(fd, 6 * MIB) {
+        Ok(Some(h)) if h == 7 * MIB => (State::Works, "reports holes".to_string()),
+        Ok(Some(h)) if h == 8 * MIB => (
+            State::Works,
+            "reports everything as data (no holes: map shows all data)".to_string(),
+        ),
+        Ok(other) => (
+            State::Unknown,
+            format!("unexpected answer {other:?} for a hole at 7 MiB"),
+        ),
+        Err(e) => state_of_error(&e),
+    };
+    methods.push(mr(
+        Method::SeekHole,
+        "lseek(SEEK_DATA/SEEK_HOLE)",
+        seek.0,
+        seek.1,
+    ));
+
+    let before = blocks(&f);
+    let falloc = match sys.fallocate(fd, FallocMode::Allocate, 8 * MIB, MIB) {
+        Ok(()) => {
+            let grew = f.metadata().map(|m| m.len()).unwrap_or(0) == 9 * MIB;
+            let alloc = blocks(&f) > before;
+            match (grew, alloc) {
+                (true, true) => (
+                    State::Works,
+                    "allocates (preallocation=falloc uses it)".into(),
+                ),
+                (true, false) => (
+                    State::Works,
+                    "extends the file but allocation did not grow".into(),
+                ),
+                _ => (State::Unknown, "succeeded but the file did not grow".into()),
+            }
+        }
+        Err(e) => {
+            let (s, d) = state_of_error(&e);
+            if s == State::Fails {
+                (
+                    s,
+                    format!("{d} (preallocation=falloc falls back to writing zeros)"),
+                )
+            } else {
+                (s, d)
+            }
+        }
+    };
+    methods.push(mr(Method::Fallocate, "fallocate(0)", falloc.0, falloc.1));
+    methods.push(mr(
+        Method::BlkZeroout,
+        "ioctl(BLKZEROOUT)",
+        State::NotApplicable,
+        "block devices only".into(),
+    ));
+    methods.push(mr(
+        Method::BlkDiscard,
+        "ioctl(BLKDISCARD)",
+        State::NotApplicable,
+        "block devices only".into(),
+    ));
+    methods.push(mr(
+        Method::WriteZeros,
+        "pwrite of zeros",
+        State::Works,
+        "always (the last resort)".into(),
+    ));
+
+    // O_DIRECT (--cache none): ramfs refuses it with EINVAL.
+    let dio = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&scratch.path);
+    match dio {
+        Ok(df) => {
+            r.direct_io = State::Works;
+            r.direct_io_alignment = sys.dio_align(df.as_fd()).ok().flatten().map(|a| a.offset);
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => r.direct_io = State::Fails,
+        Err(_) => r.direct_io = State::Unknown,
+    }
+
+    r.methods = methods;
+    engine_zero_chain(&scratch.path, 3 * MIB, Some(&f), r);
+    drop(f);
+    drop(scratch);
+}
+
+fn mr(m: Method, call: &'static str, state: State, detail: String) -> MethodReport {
+    MethodReport {
+        method: m.name(),
+        call,
+        state,
+        detail,
+    }
+}
+
+fn file_methods_unknown(why: &str) -> Vec<MethodReport> {
+    let mut v = Vec::new();
+    for (m, call) in [
+        (Method::PunchHole, "fallocate(PUNCH_HOLE|KEEP_SIZE)"),
+        (Method::ZeroRange, "fallocate(ZERO_RANGE)"),
+        (Method::PunchAlloc, "fallocate(PUNCH_HOLE) + fallocate(0)"),
+        (Method::SeekHole, "lseek(SEEK_DATA/SEEK_HOLE)"),
+        (Method::Fallocate, "fallocate(0)"),
+    ] {
+        v.push(mr(m, call, State::Unknown, why.to_string()));
+    }
+    v.push(mr(
+        Method::BlkZeroout,
+        "ioctl(BLKZEROOUT)",
+        State::NotApplicable,
+        "block devices only".into(),
+    ));
+    v.push(mr(
+        Method::BlkDiscard,
+        "ioctl(BLKDISCARD)",
+        State::NotApplicable,
+        "block devices only".into(),
+    ));
+    v.push(mr(
+        Method::WriteZeros,
+        "pwrite of zeros",
+        State::Works,
+        "always (the last resort)".into(),
+    ));
+    v
+}
+
+/// Runs the engine's zero chain on three 1 MiB ranges from `base` of a file
+/// or device that may be written, and records which methods it used. The
+/// ranges are filled with data first (through `raw` when given).
+fn engine_zero_chain(path: &Path, base: u64, raw: Option<&File>, r: &mut ProbeReport) {
+    let sys = RealSys;
+    let t = match Target::open(path, &OpenOptions::default()) {
+        Ok(t) => t,
+        Err(e) => {
+            let why = format!("engine: {e}");
+            r.zero.with_trim.method = why.clone();
+            r.zero.without_trim.method = why;
+            return;
+        }
+    };
+    let fill = |off: u64| {
+        if let Some(f) = raw {
+            let _ = write_all_at(&sys, f, &pattern(off, MIB as usize), off);
+            let _ = sys.fdatasync(f.as_fd());
+        }
+    };
+    let names = |ms: &[Method]| {
+        if ms.is_empty() {
+            "none".to_string()
+        } else {
+            ms.iter().map(|m| m.name()).collect::<Vec<_>>().join(" + ")
+        }
+    };
+    fill(base);
+    r.zero.with_trim = match t.zero(
+        base,
+        MIB,
+        ZeroFlags {
+            may_trim: true,
+            fast_only: false,
+        },
+    ) {
+        Ok(o) => Choice {
+            method: names(&o.methods),
+            certain: true,
+            otherwise: None,
+        },
+        Err(e) => Choice {
+            method: format!("error: {e}"),
+            certain: false,
+            otherwise: None,
+        },
+    };
+    fill(base + MIB);
+    r.zero.without_trim = match t.zero(
+        base + MIB,
+        MIB,
+        ZeroFlags {
+            may_trim: false,
+            fast_only: false,
+        },
+    ) {
+        Ok(o) => Choice {
+            method: names(&o.methods),
+            certain: true,
+            otherwise: None,
+        },
+        Err(e) => Choice {
+            method: format!("error: {e}"),
+            certain: false,
+            otherwise: None,
+        },
+    };
+    fill(base + 2 * MIB);
+    let fast = t.zero(
+        base + 2 * MIB,
+        MIB,
+        ZeroFlags {
+            may_trim: false,
+            fast_only: true,
+        },
+    );
+    match fast {
+        Ok(o) => {
+            r.zero.fast_zero = "yes";
+            r.zero.fast_zero_method = Some(names(&o.methods));
+        }
+        Err(e) if e.errno().map(|n| n == libc::EOPNOTSUPP).unwrap_or(false) => {
+            r.zero.fast_zero = "no";
+        }
+        Err(_) => r.zero.fast_zero = "unknown",
+    }
+    r.zero.trim = if t.can_trim() { "yes" } else { "no" };
+}
+
+// ---------------------------------------------------------------------------
+// Block devices
+
+fn probe_device_sysfs(path: &Path, r: &mut ProbeReport) {
+    r.tested_on = "sysfs";
+    r.direct_io = State::Works;
+    r.direct_io_alignment = Some(r.logical_sector_size);
+    let q = sysinfo::queue_limits(path);
+    let wz = q.as_ref().and_then(|q| q.write_zeroes_max_bytes);
+    let dmax = q.as_ref().and_then(|q| q.discard_max_bytes);
+    r.queue_limits = q;
+    let mut methods = Vec::new();
+    let (punch, zr_detail) = match wz {
+        Some(0) => (
+            (State::Fails, "write_zeroes_max_bytes=0: no write-zeroes, and PUNCH_HOLE never falls back".to_string()),
+            "write_zeroes_max_bytes=0: the kernel writes zero pages (slow)".to_string(),
+        ),
+        Some(n) => (
+            (
+                State::Unknown,
+                format!("write-zeroes advertised (write_zeroes_max_bytes={n}); only trying tells (--destructive): a loop device over tmpfs drops it on first use"),
+            ),
+            format!("offloaded while write-zeroes holds (write_zeroes_max_bytes={n}), else the kernel writes zero pages"),
+        ),
+        None => (
+            (State::Unknown, "write_zeroes_max_bytes not readable".to_string()),
+            "the kernel falls back to writing zero pages".to_string(),
+        ),
+    };
+    methods.push(mr(
+        Method::PunchHole,
+        "fallocate(PUNCH_HOLE|KEEP_SIZE) = write-zeroes with unmap, no fallback",
+        punch.0,
+        punch.1,
+    ));
+    methods.push(mr(
+        Method::ZeroRange,
+        "fallocate(ZERO_RANGE) = write-zeroes, kernel fallback",
+        State::Works,
+        zr_detail.clone(),
+    ));
+    methods.push(mr(
+        Method::PunchAlloc,
+        "fallocate(PUNCH_HOLE) + fallocate(0)",
+        State::NotApplicable,
+        "regular files only".into(),
+    ));
+    methods.push(mr(
+        Method::Fallocate,
+        "fallocate(0)",
+        State::NotApplicable,
+        "a block device is allocated already".into(),
+    ));
+    methods.push(mr(
+        Method::BlkZeroout,
+        "ioctl(BLKZEROOUT)",
+        State::Works,
+        zr_detail,
+    ));
+    let discard = match dmax {
+        Some(0) => (State::Fails, "discard_max_bytes=0: no discard".to_string()),
+        Some(n) => (State::Works, format!("advertised (discard_max_bytes={n}); whether the device then reads zeros is not promised")),
+        None => (State::Unknown, "discard_max_bytes not readable".to_string()),
+    };
+    methods.push(mr(
+        Method::BlkDiscard,
+        "ioctl(BLKDISCARD)",
+        discard.0,
+        discard.1,
+    ));
+    methods.push(mr(
+        Method::SeekHole,
+        "lseek(SEEK_DATA/SEEK_HOLE)",
+        State::NotApplicable,
+        "a block device maps as all data".into(),
+    ));
+    methods.push(mr(
+        Method::WriteZeros,
+        "pwrite of zeros",
+        State::Works,
+        "always (the last resort)".into(),
+    ));
+    r.methods = methods;
+
+    let st = |m: Method| state_in(&r.methods, m);
+    r.zero.with_trim = predict(
+        &[
+            Method::PunchHole,
+            Method::ZeroRange,
+            Method::BlkZeroout,
+            Method::WriteZeros,
+        ],
+        &st,
+    );
+    r.zero.without_trim = predict(
+        &[Method::ZeroRange, Method::BlkZeroout, Method::WriteZeros],
+        &st,
+    );
+    // On a block device only PUNCH_HOLE cannot fall back to writing.
+    r.zero.fast_zero = match st(Method::PunchHole) {
+        State::Works => "yes",
+        State::Fails => "no",
+        _ => "unknown",
+    };
+    if r.zero.fast_zero != "no" {
+        r.zero.fast_zero_method = Some(Method::PunchHole.name().into());
+    }
+    r.zero.trim = match st(Method::BlkDiscard) {
+        State::Works => "yes",
+        State::Fails => "no",
+        _ => "unknown",
+    };
+}
+
+fn state_in(methods: &[MethodReport], m: Method) -> State {
+    methods
+        .iter()
+        .find(|x| x.method == m.name())
+        .map(|x| x.state)
+        .unwrap_or(State::Unknown)
+}
+
+/// The first method of `chain` that is not known to fail; certain when it is
+/// known to work.
+fn predict(chain: &[Method], st: &dyn Fn(Method) -> State) -> Choice {
+    let mut it = chain
+        .iter()
+        .filter(|m| !matches!(st(**m), State::Fails | State::NotApplicable));
+    match it.next() {
+        Some(m) => {
+            let certain = st(*m) == State::Works;
+            Choice {
+                method: m.name().into(),
+                certain,
+                otherwise: if certain {
+                    None
+                } else {
+                    it.next().map(|n| n.name().to_string())
+                },
+            }
+        }
+        None => unknown_choice(),
+    }
+}
+
+fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
+    let shown = path.display();
+    r.tested_on = "device";
+    r.direct_io = State::Works;
+    r.direct_io_alignment = Some(r.logical_sector_size);
+    if r.read_only {
+        return Err(Error::msg(format!(
+            "cannot probe '{shown}' destructively: the device is read-only"
+        )));
+    }
+    // O_EXCL on a block device: refused (EBUSY) while it is mounted or held
+    // by another exclusive user, so the probe never writes under a mounted
+    // file system.
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_EXCL)
+        .open(path)
+        .map_err(|e| {
+            Error::with(
+                format!("cannot open '{shown}' exclusively (is it mounted or in use?)"),
+                e,
+            )
+        })?;
+    r.queue_limits = sysinfo::queue_limits(path);
+    let sector = u64::from(r.logical_sector_size.max(512));
+    // Three ranges for direct tries, three for the engine's chain.
+    let len = (MIB.min(r.size / 8) / sector) * sector;
+    if len == 0 {
+        return Err(Error::msg(format!(
+            "cannot probe '{shown}' destructively: the device is too small ({} bytes)",
+            r.size
+        )));
+    }
+    let area = 6 * len;
+    let sys = RealSys;
+    let mut saved = vec![0u8; area as usize];
+    read_all_at(&sys, &f, &mut saved, 0).map_err(|e| {
+        Error::with(
+            format!("cannot save the first {area} bytes of '{shown}'"),
+            e,
+        )
+    })?;
+
+    let fd = f.as_fd();
+    let mut methods = Vec::new();
+    // PUNCH_HOLE first: on a loop device whose backing file system has no
+    // ZERO_RANGE, the first write-zeroes fails and the driver turns the
+    // offload off; trying it first shows the device as it will behave.
+    let (s, d) = try_zeroing(&sys, &f, 0, len, false, || {
+        sys.fallocate(fd, FallocMode::PunchHole, 0, len)
+    });
+    methods.push(mr(
+        Method::PunchHole,
+        "fallocate(PUNCH_HOLE|KEEP_SIZE) = write-zeroes with unmap, no fallback",
+        s,
+        d,
+    ));
+    let (s, d) = try_zeroing(&sys, &f, len, len, false, || {
+        sys.fallocate(fd, FallocMode::ZeroRange { keep_size: true }, len, len)
+    });
+    methods.push(mr(
+        Method::ZeroRange,
+        "fallocate(ZERO_RANGE) = write-zeroes, kernel fallback",
+        s,
+        d,
+    ));
+    methods.push(mr(
+        Method::PunchAlloc,
+        "fallocate(PUNCH_HOLE) + fallocate(0)",
+        State::NotApplicable,
+        "regular files only".into(),
+    ));
+    methods.push(mr(
+        Method::Fallocate,
+        "fallocate(0)",
+        State::NotApplicable,
+        "a block device is allocated already".into(),
+    ));
+    let (s, d) = try_zeroing(&sys, &f, 2 * len, len, false, || {
+        sys.blkzeroout(fd, 2 * len, len)
+    });
+    methods.push(mr(Method::BlkZeroout, "ioctl(BLKZEROOUT)", s, d));
+    let discard = match write_all_at(&sys, &f, &pattern(3 * len, len as usize), 3 * len)
+        .and_then(|_| sys.fdatasync(fd))
+        .and_then(|_| sys.blkdiscard(fd, 3 * len, len))
+    {
+        Ok(()) => match reads_zero(&sys, &f, 3 * len, len) {
+            Ok(true) => (State::Works, "discarded range reads back zeros".to_string()),
+            Ok(false) => (
+                State::Works,
+                "works, but the discarded range still reads data".to_string(),
+            ),
+            Err(e) => (State::Works, format!("read back: {}", errno_name(&e))),
+        },
+        Err(e) => state_of_error(&e),
+    };
+    methods.push(mr(
+        Method::BlkDiscard,
+        "ioctl(BLKDISCARD)",
+        discard.0,
+        discard.1,
+    ));
+    methods.push(mr(
+        Method::SeekHole,
+        "lseek(SEEK_DATA/SEEK_HOLE)",
+        State::NotApplicable,
+        "a block device maps as all data".into(),
+    ));
+    methods.push(mr(
+        Method::WriteZeros,
+        "pwrite of zeros",
+        State::Works,
+        "always (the last resort)".into(),
+    ));
+    r.methods = methods;
+
+    // The engine's chain on ranges 3..6 (1 MiB each, or `len` when smaller).
+    if len == MIB {
+        engine_zero_chain(path, 3 * MIB, Some(&f), r);
+    } else {
+        let st = |m: Method| state_in(&r.methods, m);
+        r.zero.with_trim = predict(
+            &[
+                Method::PunchHole,
+                Method::ZeroRange,
+                Method::BlkZeroout,
+                Method::WriteZeros,
+            ],
+            &st,
+        );
+        r.zero.without_trim = predict(
+            &[Method::ZeroRange, Method::BlkZeroout, Method::WriteZeros],
+            &st,
+        );
+    }
+    let after = sysinfo::queue_limits(path);
+    if after != r.queue_limits {
+        r.queue_limits_after = after;
+    }
+
+    write_all_at(&sys, &f, &saved, 0)
+        .and_then(|_| sys.fsync(fd))
+        .map_err(|e| {
+            Error::with(
+                format!("could not restore the first {area} bytes of '{shown}' after probing"),
+                e,
+            )
+        })?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Output
+
+impl ProbeReport {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+    }
+
+    pub fn to_human(&self) -> String {
+        let mut f = Fields::new();
+        f.add("target", self.target.clone());
+        f.add(
+            "kind",
+            if self.kind == "block" {
+                "block device"
+            } else {
+                "regular file"
+            },
+        );
+        if let Some(m) = &self.filesystem {
+            f.add(
+                "file system",
+                format!("{} on {} ({})", m.fs_type, m.mount_point, m.source),
+            );
+        }
+        f.add(
+            "size",
+            format!("{} bytes ({})", self.size, human_size(self.size)),
+        );
+        f.add("logical sector", self.logical_sector_size.to_string());
+        f.add("physical sector", self.physical_sector_size.to_string());
+        f.add("minimum I/O", self.minimum_io_size.to_string());
+        f.add(
+            "optimal I/O",
+            if self.optimal_io_size == 0 {
+                "0 (none reported)".into()
+            } else {
+                self.optimal_io_size.to_string()
+            },
+        );
+        f.add("rotational", yes_no(self.rotational));
+        f.add("read-only", yes_no(self.read_only));
+        f.add(
+            "direct I/O",
+            match (self.direct_io, self.direct_io_alignment) {
+                (State::Works, Some(a)) => format!("works (alignment {a})"),
+                (s, _) => s.name().to_string(),
+            },
+        );
+        if let Some(q) = &self.queue_limits {
+            f.add("write-zeroes max", opt_bytes(q.write_zeroes_max_bytes));
+            f.add("discard max", opt_bytes(q.discard_max_bytes));
+            f.add("discard granularity", opt_bytes(q.discard_granularity));
+        }
+        if let Some(q) = &self.queue_limits_after {
+            f.add(
+                "after trying",
+                format!(
+                    "write-zeroes max {}, discard max {}",
+                    opt_bytes(q.write_zeroes_max_bytes),
+                    opt_bytes(q.discard_max_bytes)
+                ),
+            );
+        }
+        f.add(
+            "tested on",
+            match self.tested_on {
+                "scratch-file" => match &self.scratch_file {
+                    Some(s) => format!("scratch file {s} (removed)"),
+                    None => "scratch file (could not be created)".into(),
+                },
+                "device" => "the device itself (first bytes saved and restored)".into(),
+                _ => "sysfs and ioctls only, nothing written (--destructive tries each method)"
+                    .into(),
+            },
+        );
+        if let Some(e) = &self.scratch_error {
+            f.add("scratch error", e.clone());
+        }
+        let mut s = f.render();
+        s.push('\n');
+        let rows: Vec<Vec<String>> = self
+            .methods
+            .iter()
+            .map(|m| {
+                vec![
+                    m.method.to_string(),
+                    m.state.name().to_string(),
+                    m.detail.clone(),
+                ]
+            })
+            .collect();
+        s.push_str(&table(&["method", "state", "detail"], &rows));
+        s.push('\n');
+        let choice = |c: &Choice| {
+            let mut t = c.method.clone();
+            if !c.certain && c.method != "unknown" {
+                t.push_str(" (if it works");
+                if let Some(o) = &c.otherwise {
+                    t.push_str(&format!("; else {o}"));
+                }
+                t.push(')');
+            }
+            t
+        };
+        let mut z = Fields::new();
+        z.add("zero, trim allowed", choice(&self.zero.with_trim));
+        z.add("zero, no trim", choice(&self.zero.without_trim));
+        z.add(
+            "fast zero",
+            match &self.zero.fast_zero_method {
+                Some(m) if self.zero.fast_zero != "no" => format!("{} ({m})", self.zero.fast_zero),
+                _ => self.zero.fast_zero.to_string(),
+            },
+        );
+        z.add("trim", self.zero.trim);
+        s.push_str(&z.render());
+        s
+    }
+}
+
+fn opt_bytes(v: Option<u64>) -> String {
+    match v {
+        Some(0) => "0 (none)".into(),
+        Some(n) => format!("{n} ({})", human_size(n)),
+        None => "unknown".into(),
+    }
+}
