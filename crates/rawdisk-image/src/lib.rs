@@ -7,7 +7,9 @@
 //! * [`map`]: allocation map in `qemu-img map`'s JSON and human forms.
 //! * [`info`]: size, allocation and properties, in `qemu-img info`'s idiom.
 
+pub mod copy;
 pub mod create;
+pub mod endpoint;
 pub mod error;
 pub mod info;
 pub mod map;
