@@ -2,5 +2,6 @@
 //! fuzzed), and the server and client built on it.
 
 pub mod proto;
+pub mod server;
 pub mod uri;
 pub mod client;

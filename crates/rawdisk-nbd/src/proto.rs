@@ -998,15 +998,11 @@ impl Request {
 
     /// Number of payload bytes that follow this header on the wire. Compact
     /// headers: only NBD_CMD_WRITE carries one. Extended headers: whatever
-    /// sets NBD_CMD_FLAG_PAYLOAD_LEN.
+    /// sets NBD_CMD_FLAG_PAYLOAD_LEN, and NBD_CMD_WRITE always: the spec says
+    /// a write MUST set the flag, but qemu 10's client sends extended writes
+    /// without it, and its length can only be the payload's.
     pub fn payload_len(&self, extended: bool) -> u64 {
-        if extended {
-            if self.flags & CMD_FLAG_PAYLOAD_LEN != 0 {
-                self.length
-            } else {
-                0
-            }
-        } else if self.typ == CMD_WRITE {
+        if self.typ == CMD_WRITE || (extended && self.flags & CMD_FLAG_PAYLOAD_LEN != 0) {
             self.length
         } else {
             0
@@ -1756,7 +1752,15 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(w.payload_len(false), 512);
-        assert_eq!(w.payload_len(true), 0);
+        assert_eq!(w.payload_len(true), 512);
+        let bs = Request {
+            typ: CMD_BLOCK_STATUS,
+            flags: CMD_FLAG_PAYLOAD_LEN,
+            length: 16,
+            ..Default::default()
+        };
+        assert_eq!(bs.payload_len(true), 16);
+        assert_eq!(bs.payload_len(false), 0);
         let wp = Request {
             flags: CMD_FLAG_PAYLOAD_LEN,
             ..w

@@ -1,9 +1,308 @@
+//! `rawdisk serve [--socket PATH | --bind HOST:PORT] [--read-only]
+//! [--export-name NAME] [--cache writeback|none] [--create SIZE
+//! [--preallocation off|falloc|full]] [--pid-file PATH] [-v] TARGET`
+//!
+//! Prints the URI to connect to on stdout, one line, once the listener is
+//! accepting. SIGINT/SIGTERM: stop accepting, finish in-flight requests,
+//! flush, exit 0.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-/// STUB: filled in by the serve issue.
+use anyhow::{bail, Context};
+use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CacheArg {
+    /// Through the page cache; flush is fdatasync.
+    Writeback,
+    /// O_DIRECT; unaligned requests are served by read-modify-write.
+    None,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PreallocArg {
+    /// Sparse: set the size only.
+    Off,
+    /// fallocate(); writes zeros where the file system has no fallocate.
+    Falloc,
+    /// Write zeros over the whole image.
+    Full,
+}
+
+/// Export a file or block device over NBD.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Listen on this Unix socket (replaces a stale socket file).
+    #[arg(long, value_name = "PATH", conflicts_with = "bind")]
+    socket: Option<PathBuf>,
+    /// Listen on this TCP address [default: 127.0.0.1:10809].
+    #[arg(long, value_name = "HOST:PORT")]
+    bind: Option<String>,
+    /// Refuse writes (NBD_FLAG_READ_ONLY); opens the target read-only.
+    #[arg(long)]
+    read_only: bool,
+    /// Name of the export; clients asking for another name are refused.
+    #[arg(long, value_name = "NAME", default_value = "")]
+    export_name: String,
+    /// Page cache or O_DIRECT.
+    #[arg(long, value_enum, default_value = "writeback")]
+    cache: CacheArg,
+    /// Create TARGET with this size first (qemu-img suffixes); an existing
+    /// target of the same size is served as it is, another size refused.
+    #[arg(long, value_name = "SIZE", value_parser = crate::size::size_arg)]
+    create: Option<u64>,
+    /// Allocation of a file made by --create.
+    #[arg(long, value_enum, requires = "create", default_value = "off")]
+    preallocation: PreallocArg,
+    /// Write the server's pid here once it is ready; removed at exit.
+    #[arg(long, value_name = "PATH")]
+    pid_file: Option<PathBuf>,
+    /// Seconds a client gets to finish the handshake.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    handshake_timeout: f64,
+    /// Connections served at once; more are closed at accept.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    max_connections: usize,
+    /// File or block device to export.
+    target: PathBuf,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("'serve' is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
+        bail!("--handshake-timeout must be a positive number of seconds");
+    }
+    let cache = match args.cache {
+        CacheArg::Writeback => CacheMode::Writeback,
+        CacheArg::None => CacheMode::None,
+    };
+    let created = match args.create {
+        Some(size) => create_target(&args.target, size, prealloc(args.preallocation), cache)?,
+        None => false,
+    };
+    let opened = Target::open(
+        &args.target,
+        &OpenOptions {
+            read_only: args.read_only,
+            cache,
+            ..Default::default()
+        },
+    );
+    let target = match opened {
+        Ok(t) => Arc::new(t),
+        Err(e) => {
+            return Err(anyhow::Error::new(e))
+                .with_context(|| format!("cannot serve '{}'", args.target.display()));
+        }
+    };
+    if let Some(size) = args.create {
+        if !created && target.size() != size {
+            bail!(
+                "'{}' exists with size {} bytes, not the {size} bytes --create asks for",
+                args.target.display(),
+                target.size()
+            );
+        }
+    }
+
+    let cfg = ServerConfig {
+        export_name: args.export_name.clone(),
+        read_only: args.read_only,
+        max_connections: args.max_connections.max(1),
+        handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        ..Default::default()
+    };
+
+    // Two cores in the target machine: two workers for sockets is plenty;
+    // storage calls block on the blocking pool, whose size bounds how many
+    // hit the storage at once.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(64)
+        .thread_name("rawdisk-serve")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(serve(args, target, cfg))
+}
+
+fn prealloc(p: PreallocArg) -> Prealloc {
+    match p {
+        PreallocArg::Off => Prealloc::Off,
+        PreallocArg::Falloc => Prealloc::Falloc,
+        PreallocArg::Full => Prealloc::Full,
+    }
+}
+
+/// --create: make the file if it does not exist. Returns whether it did.
+fn create_target(path: &Path, size: u64, mode: Prealloc, cache: CacheMode) -> anyhow::Result<bool> {
+    match fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+    {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
+        Err(e) => return Err(e).with_context(|| format!("cannot create '{}'", path.display())),
+    }
+    let made = (|| -> anyhow::Result<()> {
+        let t = Target::open(
+            path,
+            &OpenOptions {
+                cache,
+                ..Default::default()
+            },
+        )?;
+        t.preallocate(size, mode)?;
+        t.flush()?;
+        Ok(())
+    })();
+    if let Err(e) = made {
+        let _ = fs::remove_file(path);
+        return Err(e)
+            .with_context(|| format!("cannot create '{}' ({size} bytes)", path.display()));
+    }
+    tracing::info!("created '{}' ({size} bytes)", path.display());
+    Ok(true)
+}
+
+/// Percent-encodes for an NBD URI (RFC 3986 unreserved characters stay,
+/// and '/' where it separates path segments).
+fn escape(s: &str, keep_slash: bool) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric()
+            || matches!(b, b'-' | b'.' | b'_' | b'~')
+            || (keep_slash && b == b'/')
+        {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// Removes the socket and pid files at exit, also on error.
+struct Cleanup {
+    files: Vec<PathBuf>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for f in &self.files {
+            let _ = fs::remove_file(f);
+        }
+    }
+}
+
+async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Result<ExitCode> {
+    let mut cleanup = Cleanup { files: Vec::new() };
+    let export = escape(&cfg.export_name, false);
+    let (listener, uri) = match &args.socket {
+        Some(path) => {
+            remove_stale_socket(path)?;
+            let l = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("cannot listen on '{}'", path.display()))?;
+            cleanup.files.push(path.clone());
+            let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+            let uri = format!(
+                "nbd+unix:///{export}?socket={}",
+                escape(&abs.to_string_lossy(), true)
+            );
+            (Listener::Unix(l), uri)
+        }
+        None => {
+            let bind = args.bind.as_deref().unwrap_or("127.0.0.1:10809");
+            let l = tokio::net::TcpListener::bind(bind)
+                .await
+                .with_context(|| format!("cannot listen on {bind}"))?;
+            let addr = l.local_addr().context("local address")?;
+            let host = match addr.ip() {
+                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                std::net::IpAddr::V4(ip) => ip.to_string(),
+            };
+            let uri = format!("nbd://{host}:{}/{export}", addr.port());
+            (Listener::Tcp(l), uri)
+        }
+    };
+
+    let server = Server::new(target.clone(), cfg);
+    let (min, pref, max) = server.block_sizes();
+    tracing::info!(
+        "serving '{}' ({} bytes, {:?}, cache={}{}) block sizes {min}/{pref}/{max}",
+        args.target.display(),
+        target.size(),
+        target.kind(),
+        match args.cache {
+            CacheArg::Writeback => "writeback",
+            CacheArg::None => "none",
+        },
+        if args.read_only { ", read-only" } else { "" },
+    );
+    tracing::info!("storage capabilities: {}", target.caps().snapshot());
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
+            _ = int.recv() => tracing::info!("SIGINT: finishing in-flight requests"),
+        }
+        let _ = stop_tx.send(true);
+        // A second signal while draining: give up waiting.
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+        }
+        tracing::warn!("second signal: exiting without waiting");
+        std::process::exit(1);
+    });
+
+    if let Some(p) = &args.pid_file {
+        fs::write(p, format!("{}\n", std::process::id()))
+            .with_context(|| format!("cannot write pid file '{}'", p.display()))?;
+        cleanup.files.push(p.clone());
+    }
+    {
+        let mut out = io::stdout().lock();
+        writeln!(out, "{uri}").context("stdout")?;
+        out.flush().context("stdout")?;
+    }
+
+    server
+        .serve(listener, stop_rx)
+        .await
+        .context("server failed")?;
+    tracing::info!("all connections closed; target flushed");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A socket file left by a server that died would make bind fail. Remove
+/// it only if it is a socket nobody listens on.
+fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(md) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !md.file_type().is_socket() {
+        bail!(
+            "'{}' exists and is not a socket; refusing to replace it",
+            path.display()
+        );
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        bail!("'{}' is in use by another server", path.display());
+    }
+    fs::remove_file(path)
+        .with_context(|| format!("cannot remove stale socket '{}'", path.display()))
 }

@@ -1,0 +1,1464 @@
+//! The NBD server: fixed newstyle handshake, then a transmission phase that
+//! runs many requests per connection in parallel and answers them out of
+//! order.
+//!
+//! Per connection (see docs/architecture.md):
+//! - the connection task reads and decodes requests (and, for writes, reads
+//!   the payload straight into the buffer the storage call will use);
+//! - every storage call runs on tokio's blocking pool, where it also encodes
+//!   its reply into one buffer (header and data together);
+//! - one writer task owns the socket's write half and sends finished replies
+//!   in completion order, so replies never interleave.
+//!
+//! Memory is bounded before it is allocated: a request takes a slot of the
+//! per-connection request limit and its bytes from the per-connection and
+//! server-wide byte limits, and gives them back only when its reply has been
+//! written. Every connection shares one `Arc<Target>`, so a flush on any
+//! connection (fdatasync) covers writes completed on all of them, which is
+//! what NBD_FLAG_CAN_MULTI_CONN promises.
+
+use std::cell::RefCell;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rawdisk_storage::{CacheMode, ExtentKind, Target, ZeroFlags};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tracing::{debug, info, trace, warn, Instrument};
+
+use crate::proto::*;
+
+/// Limits and identity of one export.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The export's name; "" is the default export.
+    pub export_name: String,
+    /// Sent as NBD_INFO_DESCRIPTION and in NBD_REP_SERVER when not empty.
+    pub description: String,
+    /// Refuse writes even if the target is writable.
+    pub read_only: bool,
+    /// Connections beyond this are closed right after accept.
+    pub max_connections: usize,
+    /// Requests in flight per connection; reading stops at the limit.
+    pub max_requests_per_conn: usize,
+    /// Payload and reply bytes in flight per connection.
+    pub max_bytes_per_conn: usize,
+    /// Payload and reply bytes in flight over all connections.
+    pub max_bytes_total: usize,
+    /// A client must reach the transmission phase within this time.
+    pub handshake_timeout: Duration,
+    /// Options per handshake before the server hangs up.
+    pub max_options: usize,
+    /// Largest option data accepted (spec: a server may refuse big options).
+    pub max_option_len: u32,
+    /// Maximum payload advertised in NBD_INFO_BLOCK_SIZE and enforced.
+    pub max_payload: u32,
+    /// After shutdown is requested, connections get this long to finish
+    /// their in-flight requests before they are dropped.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            export_name: String::new(),
+            description: String::new(),
+            read_only: false,
+            max_connections: 64,
+            max_requests_per_conn: 256,
+            max_bytes_per_conn: 128 << 20,
+            max_bytes_total: 512 << 20,
+            handshake_timeout: Duration::from_secs(30),
+            max_options: 64,
+            max_option_len: 64 << 10,
+            max_payload: 32 << 20,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Reads at least this long ask the storage for holes first and answer them
+/// with hole chunks; below it a lookup costs more than reading zeros.
+const SPARSE_READ_MIN: u64 = 64 << 10;
+/// Extents looked up for one sparse read.
+const SPARSE_READ_RUNS: usize = 64;
+/// Descriptors in one block status reply (the spec's SHOULD limit is 2^20;
+/// clients ask again from where the reply ends).
+const MAX_DESCRIPTORS: usize = 16 << 10;
+/// Replies and payloads are laid out so the data starts on this boundary,
+/// which lets O_DIRECT use the buffer without a bounce copy.
+const DATA_ALIGN: usize = 4096;
+/// Context id handed out for base:allocation.
+const BASE_ALLOCATION_ID: u32 = 1;
+
+/// A listening socket the server accepts on.
+pub enum Listener {
+    Unix(tokio::net::UnixListener),
+    Tcp(tokio::net::TcpListener),
+}
+
+/// One export served to any number of connections.
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    target: Arc<Target>,
+    cfg: ServerConfig,
+    read_only: bool,
+    min_block: u32,
+    preferred_block: u32,
+    conns: Arc<Semaphore>,
+    bytes_total: Arc<Semaphore>,
+    bytes_per_conn: usize,
+    pool: BufPool,
+    caps_logged: AtomicU64,
+    next_conn: AtomicU64,
+}
+
+impl Server {
+    pub fn new(target: Arc<Target>, mut cfg: ServerConfig) -> Server {
+        // The limits must admit the largest request, or it would wait forever.
+        let biggest = cfg.max_payload as usize + 2 * DATA_ALIGN;
+        cfg.max_bytes_total = cfg.max_bytes_total.max(biggest);
+        let bytes_per_conn = cfg.max_bytes_per_conn.max(biggest);
+        cfg.max_requests_per_conn = cfg.max_requests_per_conn.max(1);
+        let read_only = cfg.read_only || target.is_read_only();
+        let (min_block, preferred_block) = block_sizes(&target, cfg.max_payload);
+        let caps_gen = target.caps().generation();
+        Server {
+            shared: Arc::new(Shared {
+                conns: Arc::new(Semaphore::new(cfg.max_connections.max(1))),
+                bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
+                bytes_per_conn,
+                pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
+                caps_logged: AtomicU64::new(caps_gen),
+                next_conn: AtomicU64::new(1),
+                target,
+                cfg,
+                read_only,
+                min_block,
+                preferred_block,
+            }),
+        }
+    }
+
+    /// (minimum, preferred, maximum payload) as advertised in
+    /// NBD_INFO_BLOCK_SIZE.
+    pub fn block_sizes(&self) -> (u32, u32, u32) {
+        let s = &self.shared;
+        (s.min_block, s.preferred_block, s.cfg.max_payload)
+    }
+
+    /// Accepts connections until `shutdown` becomes true, then lets every
+    /// connection finish its in-flight requests, flushes the target and
+    /// returns.
+    pub async fn serve(
+        &self,
+        listener: Listener,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> io::Result<()> {
+        let sh = &self.shared;
+        let mut tasks = JoinSet::new();
+        loop {
+            let accepted = tokio::select! {
+                _ = shutdown.wait_for(|v| *v) => break,
+                a = accept(&listener) => a,
+            };
+            while tasks.try_join_next().is_some() {}
+            let (rd, wr, peer) = match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = sh.conns.clone().try_acquire_owned() else {
+                warn!(
+                    "refusing connection from {peer}: already serving {} connections",
+                    sh.cfg.max_connections
+                );
+                continue;
+            };
+            let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
+            let span = tracing::debug_span!("conn", id);
+            let fut = connection(sh.clone(), rd, wr, peer, shutdown.clone(), permit);
+            tasks.spawn(fut.instrument(span));
+        }
+        drop(listener);
+        let grace = sh.cfg.shutdown_grace;
+        let drained =
+            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
+        if drained.is_err() {
+            warn!(
+                "{} connection(s) still busy after {grace:?}; closing them",
+                tasks.len()
+            );
+            tasks.shutdown().await;
+        }
+        let target = sh.target.clone();
+        if !sh.read_only {
+            match tokio::task::spawn_blocking(move || target.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(io::Error::other(format!("final flush: {e}"))),
+                Err(e) => return Err(io::Error::other(format!("final flush: {e}"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves one already-connected stream (tests, socket activation of a
+    /// single connection, pipes). Returns when the connection ends.
+    pub async fn serve_stream<S>(&self, stream: S, shutdown: watch::Receiver<bool>)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let sh = &self.shared;
+        let Ok(permit) = sh.conns.clone().try_acquire_owned() else {
+            warn!("refusing stream: connection limit reached");
+            return;
+        };
+        let (rd, wr) = tokio::io::split(stream);
+        connection(sh.clone(), rd, wr, "stream".into(), shutdown, permit).await;
+    }
+}
+
+type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
+type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
+
+async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, String)> {
+    match l {
+        Listener::Unix(l) => {
+            let (s, _) = l.accept().await?;
+            let (r, w) = s.into_split();
+            Ok((Box::new(r), Box::new(w), "unix socket".into()))
+        }
+        Listener::Tcp(l) => {
+            let (s, peer) = l.accept().await?;
+            // Spec (Protocol phases): both sides SHOULD disable Nagle, or a
+            // reply header can wait for an ACK of the previous packet.
+            if let Err(e) = s.set_nodelay(true) {
+                warn!("TCP_NODELAY on {peer}: {e}");
+            }
+            let (r, w) = s.into_split();
+            Ok((Box::new(r), Box::new(w), peer.to_string()))
+        }
+    }
+}
+
+/// Minimum and preferred block size. Through the page cache any byte range
+/// works (minimum 1); under O_DIRECT the storage needs dio_align-aligned
+/// I/O and serves anything else through a read-modify-write, so that is the
+/// honest minimum. Preferred: the device's optimal I/O size when it is a
+/// usable power of two, else 4096.
+fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
+    let g = target.geometry();
+    let mut min = 1u32;
+    if target.cache_mode() == CacheMode::None {
+        min = g.dio_align.max(g.logical_sector).max(1);
+        // Spec (Size constraints): a power of two no larger than 64 KiB.
+        if !min.is_power_of_two() || min > 65536 {
+            min = 4096;
+        }
+    }
+    let floor = min.max(4096);
+    let mut pref = g.opt_io.max(floor);
+    if !pref.is_power_of_two() || pref > max_payload {
+        pref = floor;
+    }
+    (min, pref)
+}
+
+// ---------------------------------------------------------------------------
+// Connection
+// ---------------------------------------------------------------------------
+
+/// What the handshake settled for the transmission phase.
+#[derive(Debug, Clone)]
+struct Session {
+    mode: ReplyMode,
+    flags: u16,
+    size: u64,
+    /// Context id of base:allocation if the client selected it for this export.
+    base_allocation: Option<u32>,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in NBD_OPT_GO and so promised
+    /// to honour the minimum block size (spec: Size constraints).
+    enforce_min_block: bool,
+    min_block: u32,
+    max_payload: u32,
+}
+
+fn protocol_error(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+async fn connection<R, W>(
+    sh: Arc<Shared>,
+    rd: R,
+    wr: W,
+    peer: String,
+    mut shutdown: watch::Receiver<bool>,
+    _conn_permit: OwnedSemaphorePermit,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    debug!("connection from {peer}");
+    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    let hs = tokio::select! {
+        r = tokio::time::timeout(sh.cfg.handshake_timeout, handshake(&sh, &mut rd, &mut wr)) => r,
+        _ = shutdown.wait_for(|v| *v) => {
+            debug!("shutting down during handshake");
+            return;
+        }
+    };
+    let session = match hs {
+        Err(_) => {
+            warn!(
+                "{peer}: handshake not finished within {:?}; closing",
+                sh.cfg.handshake_timeout
+            );
+            return;
+        }
+        Ok(Err(e)) => {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                debug!("{peer}: closed during handshake");
+            } else {
+                warn!("{peer}: handshake failed: {e}");
+            }
+            return;
+        }
+        Ok(Ok(None)) => {
+            debug!("{peer}: client aborted the handshake");
+            return;
+        }
+        Ok(Ok(Some(s))) => s,
+    };
+    debug!(
+        "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",
+        match session.mode {
+            ReplyMode::Simple => "simple",
+            ReplyMode::Structured => "structured",
+            ReplyMode::Extended => "extended-header",
+        },
+        flag_names(session.flags),
+        session.size,
+        if session.base_allocation.is_some() {
+            "on"
+        } else {
+            "off"
+        },
+        session.min_block,
+        if session.enforce_min_block {
+            "agreed"
+        } else {
+            "not requested"
+        },
+    );
+    let result = transmission(sh, rd, wr, session, shutdown).await;
+    match result {
+        Ok(()) => debug!("{peer}: connection closed"),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            debug!("{peer}: client went away")
+        }
+        Err(e) => warn!("{peer}: connection ended: {e}"),
+    }
+}
+
+fn flag_names(f: u16) -> String {
+    let names = [
+        (FLAG_READ_ONLY, "READ_ONLY"),
+        (FLAG_SEND_FLUSH, "FLUSH"),
+        (FLAG_SEND_FUA, "FUA"),
+        (FLAG_ROTATIONAL, "ROTATIONAL"),
+        (FLAG_SEND_TRIM, "TRIM"),
+        (FLAG_SEND_WRITE_ZEROES, "WRITE_ZEROES"),
+        (FLAG_SEND_DF, "DF"),
+        (FLAG_CAN_MULTI_CONN, "MULTI_CONN"),
+        (FLAG_SEND_CACHE, "CACHE"),
+        (FLAG_SEND_FAST_ZERO, "FAST_ZERO"),
+    ];
+    let mut s = String::new();
+    for (bit, name) in names {
+        if f & bit != 0 {
+            if !s.is_empty() {
+                s.push('|');
+            }
+            s.push_str(name);
+        }
+    }
+    s
+}
+
+/// Transmission flags from what the target can do. Computed once per
+/// connection, so they never change while it lasts.
+fn transmission_flags(sh: &Shared) -> u16 {
+    let t = &sh.target;
+    let mut f =
+        FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA | FLAG_SEND_CACHE | FLAG_CAN_MULTI_CONN;
+    if sh.read_only {
+        f |= FLAG_READ_ONLY;
+    } else {
+        f |= FLAG_SEND_WRITE_ZEROES;
+        if t.can_trim() {
+            f |= FLAG_SEND_TRIM;
+        }
+        if t.can_fast_zero() {
+            f |= FLAG_SEND_FAST_ZERO;
+        }
+    }
+    if t.geometry().rotational {
+        f |= FLAG_ROTATIONAL;
+    }
+    f
+}
+
+async fn send<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut Vec<u8>) -> io::Result<()> {
+    wr.write_all(out).await?;
+    wr.flush().await?;
+    out.clear();
+    Ok(())
+}
+
+/// The option haggling phase. Ok(None): the client aborted.
+async fn handshake<R, W>(sh: &Shared, rd: &mut R, wr: &mut W) -> io::Result<Option<Session>>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let cfg = &sh.cfg;
+    let mut out = Vec::with_capacity(512);
+    encode_greeting(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    send(wr, &mut out).await?;
+
+    let mut b4 = [0u8; 4];
+    rd.read_exact(&mut b4).await?;
+    let cflags = u32::from_be_bytes(b4);
+    // Spec (Client flags): the server MUST drop the connection on unknown flags.
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(protocol_error(format!("unknown client flags {cflags:#x}")));
+    }
+    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+
+    let mut mode = ReplyMode::Simple;
+    // (export name, selected base:allocation) from the last SET_META_CONTEXT.
+    let mut meta: Option<(String, bool)> = None;
+    // Flags are fixed at the first INFO/GO so INFO and GO agree (spec).
+    let mut base_flags: Option<u16> = None;
+    let mut data = Vec::new();
+
+    for _ in 0..cfg.max_options {
+        let mut hb = [0u8; OPTION_HEADER_LEN];
+        rd.read_exact(&mut hb).await?;
+        let (h, _) = decode_option_header(&hb).map_err(|e| protocol_error(e.to_string()))?;
+        let name = option_name(h.option);
+        if h.len > cfg.max_option_len {
+            // Skipping megabytes of a hostile option is not worth it: say
+            // why, then hang up (spec: a server MAY hard disconnect on DoS).
+            let msg = format!(
+                "{name} data of {} bytes exceeds the limit of {}",
+                h.len, cfg.max_option_len
+            );
+            OptionReply::Error {
+                reply: REP_ERR_TOO_BIG,
+                message: msg.clone(),
+            }
+            .encode(h.option, &mut out);
+            let _ = send(wr, &mut out).await;
+            return Err(protocol_error(msg));
+        }
+        data.resize(h.len as usize, 0);
+        rd.read_exact(&mut data).await?;
+        trace!("option {name} ({} bytes)", h.len);
+
+        let opt = match ClientOption::parse(h.option, &data) {
+            Ok(o) => o,
+            Err(e) => {
+                if h.option == OPT_EXPORT_NAME {
+                    return Err(protocol_error(format!("{name}: {e}")));
+                }
+                reply_err(
+                    wr,
+                    &mut out,
+                    h.option,
+                    REP_ERR_INVALID,
+                    &format!("{name}: {e}"),
+                )
+                .await?;
+                continue;
+            }
+        };
+        match opt {
+            ClientOption::ExportName(export) => {
+                // No way to report an error here: the spec says hang up.
+                if export != cfg.export_name {
+                    return Err(protocol_error(format!(
+                        "NBD_OPT_EXPORT_NAME for unknown export {export:?}"
+                    )));
+                }
+                let flags =
+                    *base_flags.get_or_insert_with(|| transmission_flags(sh)) | df_flag(mode);
+                let size = sh.target.size();
+                encode_export_name_reply(&mut out, size, flags, no_zeroes);
+                send(wr, &mut out).await?;
+                let base_allocation = meta_for(&meta, &export);
+                return Ok(Some(session(sh, mode, flags, size, base_allocation, false)));
+            }
+            ClientOption::Abort => {
+                OptionReply::Ack.encode(h.option, &mut out);
+                // The client may already be gone (spec: handle both).
+                let _ = send(wr, &mut out).await;
+                return Ok(None);
+            }
+            ClientOption::List => {
+                OptionReply::Server {
+                    name: cfg.export_name.clone(),
+                    description: cfg.description.clone(),
+                }
+                .encode(h.option, &mut out);
+                OptionReply::Ack.encode(h.option, &mut out);
+                send(wr, &mut out).await?;
+            }
+            ClientOption::StartTls => {
+                reply_err(
+                    wr,
+                    &mut out,
+                    h.option,
+                    REP_ERR_POLICY,
+                    "TLS is not configured on this server",
+                )
+                .await?;
+            }
+            ClientOption::StructuredReply => {
+                if mode == ReplyMode::Extended {
+                    reply_err(
+                        wr,
+                        &mut out,
+                        h.option,
+                        REP_ERR_EXT_HEADER_REQD,
+                        "extended headers already negotiated",
+                    )
+                    .await?;
+                } else if mode == ReplyMode::Structured {
+                    reply_err(
+                        wr,
+                        &mut out,
+                        h.option,
+                        REP_ERR_INVALID,
+                        "structured replies already negotiated",
+                    )
+                    .await?;
+                } else {
+                    mode = ReplyMode::Structured;
+                    OptionReply::Ack.encode(h.option, &mut out);
+                    send(wr, &mut out).await?;
+                }
+            }
+            ClientOption::ExtendedHeaders => {
+                if mode == ReplyMode::Extended {
+                    reply_err(
+                        wr,
+                        &mut out,
+                        h.option,
+                        REP_ERR_INVALID,
+                        "extended headers already negotiated",
+                    )
+                    .await?;
+                } else {
+                    mode = ReplyMode::Extended;
+                    OptionReply::Ack.encode(h.option, &mut out);
+                    send(wr, &mut out).await?;
+                }
+            }
+            ClientOption::ListMetaContext(req) | ClientOption::SetMetaContext(req) => {
+                let set = h.option == OPT_SET_META_CONTEXT;
+                if set {
+                    // Spec: SET replaces the selection even when it fails.
+                    meta = None;
+                }
+                if !mode.structured() {
+                    reply_err(
+                        wr,
+                        &mut out,
+                        h.option,
+                        REP_ERR_INVALID,
+                        "negotiate structured replies first",
+                    )
+                    .await?;
+                    continue;
+                }
+                if req.name != cfg.export_name {
+                    let msg = format!("no export named {:?}", req.name);
+                    reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
+                    continue;
+                }
+                let matches = if set {
+                    // "base:" alone selects nothing during SET (spec).
+                    req.queries
+                        .iter()
+                        .any(|q| q == META_CONTEXT_BASE_ALLOCATION)
+                } else {
+                    req.queries.is_empty()
+                        || req
+                            .queries
+                            .iter()
+                            .any(|q| q == "base:" || q == META_CONTEXT_BASE_ALLOCATION)
+                };
+                if matches {
+                    OptionReply::MetaContext {
+                        // LIST: the id is reserved and SHOULD be zero.
+                        id: if set { BASE_ALLOCATION_ID } else { 0 },
+                        name: META_CONTEXT_BASE_ALLOCATION.into(),
+                    }
+                    .encode(h.option, &mut out);
+                }
+                OptionReply::Ack.encode(h.option, &mut out);
+                send(wr, &mut out).await?;
+                if set {
+                    meta = Some((req.name, matches));
+                }
+            }
+            ClientOption::Info(req) | ClientOption::Go(req) => {
+                let go = h.option == OPT_GO;
+                if req.name != cfg.export_name {
+                    let msg = format!("no export named {:?}", req.name);
+                    reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
+                    continue;
+                }
+                let flags =
+                    *base_flags.get_or_insert_with(|| transmission_flags(sh)) | df_flag(mode);
+                let size = sh.target.size();
+                OptionReply::Info(Info::Export { size, flags }).encode(h.option, &mut out);
+                if req.info.contains(&INFO_NAME) {
+                    OptionReply::Info(Info::Name(cfg.export_name.clone()))
+                        .encode(h.option, &mut out);
+                }
+                if req.info.contains(&INFO_DESCRIPTION) && !cfg.description.is_empty() {
+                    OptionReply::Info(Info::Description(cfg.description.clone()))
+                        .encode(h.option, &mut out);
+                }
+                // Sent even when not asked for: clients that understand it
+                // benefit, the others must ignore it (spec: NBD_OPT_INFO).
+                OptionReply::Info(Info::BlockSize {
+                    min: sh.min_block,
+                    preferred: sh.preferred_block,
+                    max: cfg.max_payload,
+                })
+                .encode(h.option, &mut out);
+                OptionReply::Ack.encode(h.option, &mut out);
+                send(wr, &mut out).await?;
+                if go {
+                    let base_allocation = meta_for(&meta, &req.name);
+                    let agreed = req.info.contains(&INFO_BLOCK_SIZE);
+                    return Ok(Some(session(
+                        sh,
+                        mode,
+                        flags,
+                        size,
+                        base_allocation,
+                        agreed,
+                    )));
+                }
+            }
+            ClientOption::Unknown { option, .. } => {
+                let msg = format!("option {option} is not supported");
+                reply_err(wr, &mut out, option, REP_ERR_UNSUP, &msg).await?;
+            }
+        }
+    }
+    Err(protocol_error(format!(
+        "more than {} options without entering transmission",
+        cfg.max_options
+    )))
+}
+
+fn df_flag(mode: ReplyMode) -> u16 {
+    // Spec: SEND_DF only when structured replies are in use.
+    if mode.structured() {
+        FLAG_SEND_DF
+    } else {
+        0
+    }
+}
+
+fn meta_for(meta: &Option<(String, bool)>, export: &str) -> Option<u32> {
+    match meta {
+        Some((name, true)) if name == export => Some(BASE_ALLOCATION_ID),
+        _ => None,
+    }
+}
+
+fn session(
+    sh: &Shared,
+    mode: ReplyMode,
+    flags: u16,
+    size: u64,
+    base_allocation: Option<u32>,
+    enforce_min_block: bool,
+) -> Session {
+    Session {
+        mode,
+        flags,
+        size,
+        base_allocation: if mode.structured() {
+            base_allocation
+        } else {
+            None
+        },
+        enforce_min_block,
+        min_block: sh.min_block,
+        max_payload: sh.cfg.max_payload,
+    }
+}
+
+async fn reply_err<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    out: &mut Vec<u8>,
+    option: u32,
+    reply: u32,
+    message: &str,
+) -> io::Result<()> {
+    debug!(
+        "{} -> {}: {message}",
+        option_name(option),
+        reply_type_name(reply)
+    );
+    OptionReply::Error {
+        reply,
+        message: message.to_string(),
+    }
+    .encode(option, out);
+    send(wr, out).await
+}
+
+// ---------------------------------------------------------------------------
+// Transmission
+// ---------------------------------------------------------------------------
+
+/// Resources a request holds until its reply is on the socket.
+struct Permits {
+    _slot: OwnedSemaphorePermit,
+    _conn_bytes: Option<OwnedSemaphorePermit>,
+    _total_bytes: Option<OwnedSemaphorePermit>,
+}
+
+/// One encoded reply: `buf[start..end]`.
+struct Out {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    _permits: Permits,
+}
+
+async fn transmission<R, W>(
+    sh: Arc<Shared>,
+    mut rd: BufReader<R>,
+    wr: BufWriter<W>,
+    s: Session,
+    mut shutdown: watch::Receiver<bool>,
+) -> io::Result<()>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let s = Arc::new(s);
+    // Unbounded is safe: every message holds a request slot, so at most
+    // max_requests_per_conn messages exist.
+    let (tx, rx) = mpsc::unbounded_channel::<Out>();
+    let writer = tokio::spawn(writer(wr, rx, sh.clone()).in_current_span());
+    let slots = Arc::new(Semaphore::new(sh.cfg.max_requests_per_conn));
+    let conn_bytes = Arc::new(Semaphore::new(sh.bytes_per_conn));
+    let ext = s.mode.extended();
+    let hlen = request_header_len(ext);
+    let mut hdr = [0u8; EXTENDED_REQUEST_LEN];
+    let mut result = Ok(());
+
+    loop {
+        if tx.is_closed() {
+            break;
+        }
+        let slot = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+            _ = shutdown.wait_for(|v| *v) => break,
+        };
+        let read = tokio::select! {
+            r = rd.read_exact(&mut hdr[..hlen]) => r,
+            _ = shutdown.wait_for(|v| *v) => break,
+        };
+        if let Err(e) = read {
+            if e.kind() != io::ErrorKind::UnexpectedEof {
+                result = Err(e);
+            }
+            // EOF between requests is a client hanging up without DISC.
+            break;
+        }
+        let req = match decode_request(&hdr[..hlen], ext) {
+            Ok((r, _)) => r,
+            Err(e) => {
+                // Without a valid header there is no way to find the next
+                // one: hard disconnect (spec: violation of a MUST).
+                result = Err(protocol_error(format!("bad request header: {e}")));
+                break;
+            }
+        };
+        trace!(
+            "{} flags {:#x} offset {} length {} cookie {:#x}",
+            command_name(req.typ),
+            req.flags,
+            req.offset,
+            req.length,
+            req.cookie
+        );
+        let to = ReplyTo {
+            cookie: req.cookie,
+            offset: req.offset,
+        };
+        if req.typ == CMD_DISC {
+            // Spec: finish what is in flight, then close; no reply.
+            break;
+        }
+        let payload = req.payload_len(ext);
+        if payload > s.max_payload as u64 {
+            // Reading it would cost unbounded memory or time, and skipping it
+            // unread would parse data as requests: answer, then hang up.
+            let msg = format!(
+                "payload of {payload} bytes exceeds the maximum of {}",
+                s.max_payload
+            );
+            let buf = small_error(&s, to, NBD_EINVAL, &msg);
+            send_small(&tx, buf, slot);
+            result = Err(protocol_error(msg));
+            break;
+        }
+        let check = validate(&s, &req);
+        // Bytes this request will hold: its payload, or the read reply.
+        let need = match (&check, req.typ) {
+            (Ok(()), CMD_READ) => req.length as usize + 2 * DATA_ALIGN,
+            _ if payload > 0 => payload as usize + DATA_ALIGN,
+            _ => 0,
+        };
+        let bytes = if need > 0 {
+            let limits = async {
+                let c = conn_bytes
+                    .clone()
+                    .acquire_many_owned(need as u32)
+                    .await
+                    .expect("semaphore never closed");
+                let t = sh
+                    .bytes_total
+                    .clone()
+                    .acquire_many_owned(need as u32)
+                    .await
+                    .expect("semaphore never closed");
+                (c, t)
+            };
+            tokio::select! {
+                p = limits => Some(p),
+                _ = shutdown.wait_for(|v| *v) => break,
+            }
+        } else {
+            None
+        };
+        let permits = match bytes {
+            Some((c, t)) => Permits {
+                _slot: slot,
+                _conn_bytes: Some(c),
+                _total_bytes: Some(t),
+            },
+            None => Permits {
+                _slot: slot,
+                _conn_bytes: None,
+                _total_bytes: None,
+            },
+        };
+
+        let mut data = None;
+        if payload > 0 {
+            let n = payload as usize;
+            let (mut buf, start) = sh.pool.get(0, n);
+            let r = tokio::select! {
+                r = rd.read_exact(&mut buf[start..start + n]) => r,
+                _ = shutdown.wait_for(|v| *v) => break,
+            };
+            if let Err(e) = r {
+                // Client vanished mid-payload: nothing to write.
+                if e.kind() != io::ErrorKind::UnexpectedEof {
+                    result = Err(e);
+                }
+                break;
+            }
+            data = Some((buf, start, n));
+        }
+
+        if let Err((err, msg)) = check {
+            debug!(
+                "{} offset {} length {}: {}: {msg}",
+                command_name(req.typ),
+                req.offset,
+                req.length,
+                error_name(err)
+            );
+            if let Some((buf, _, _)) = data {
+                sh.pool.put(buf);
+            }
+            let buf = small_error(&s, to, err, msg);
+            let end = buf.len();
+            let _ = tx.send(Out {
+                buf,
+                start: 0,
+                end,
+                _permits: permits,
+            });
+            continue;
+        }
+
+        let sh2 = sh.clone();
+        let s2 = s.clone();
+        let tx2 = tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let (buf, start, end) = execute(&sh2, &s2, &req, to, data);
+            sh2.note_caps();
+            let _ = tx2.send(Out {
+                buf,
+                start,
+                end,
+                _permits: permits,
+            });
+        });
+    }
+
+    // In-flight requests hold clones of tx: the writer ends after their
+    // replies are sent.
+    drop(tx);
+    match writer.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            if result.is_ok() {
+                result = Err(e);
+            }
+        }
+        Err(e) => {
+            if result.is_ok() {
+                result = Err(io::Error::other(e));
+            }
+        }
+    }
+    result
+}
+
+fn send_small(tx: &mpsc::UnboundedSender<Out>, buf: Vec<u8>, slot: OwnedSemaphorePermit) {
+    let end = buf.len();
+    let _ = tx.send(Out {
+        buf,
+        start: 0,
+        end,
+        _permits: Permits {
+            _slot: slot,
+            _conn_bytes: None,
+            _total_bytes: None,
+        },
+    });
+}
+
+async fn writer<W: AsyncWrite + Unpin>(
+    mut wr: BufWriter<W>,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    sh: Arc<Shared>,
+) -> io::Result<()> {
+    while let Some(out) = rx.recv().await {
+        wr.write_all(&out.buf[out.start..out.end]).await?;
+        sh.pool.put(out.buf);
+        // Coalesce whatever else is ready into the same flush.
+        while let Ok(out) = rx.try_recv() {
+            wr.write_all(&out.buf[out.start..out.end]).await?;
+            sh.pool.put(out.buf);
+        }
+        wr.flush().await?;
+    }
+    wr.shutdown().await
+}
+
+impl Shared {
+    /// Logs the target's learned capabilities once per change.
+    fn note_caps(&self) {
+        let caps = self.target.caps();
+        let gen = caps.generation();
+        let last = self.caps_logged.load(Ordering::Relaxed);
+        if gen != last
+            && self
+                .caps_logged
+                .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            info!("storage capabilities: {}", caps.snapshot());
+        }
+    }
+}
+
+type Reject = (u32, &'static str);
+
+/// Checks a request against the spec and the session before any work.
+fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
+    let ext = s.mode.extended();
+    let allowed = match req.typ {
+        CMD_READ => {
+            CMD_FLAG_FUA
+                | if s.flags & FLAG_SEND_DF != 0 {
+                    CMD_FLAG_DF
+                } else {
+                    0
+                }
+        }
+        CMD_WRITE => CMD_FLAG_FUA | if ext { CMD_FLAG_PAYLOAD_LEN } else { 0 },
+        CMD_WRITE_ZEROES => {
+            CMD_FLAG_FUA
+                | CMD_FLAG_NO_HOLE
+                | if s.flags & FLAG_SEND_FAST_ZERO != 0 {
+                    CMD_FLAG_FAST_ZERO
+                } else {
+                    0
+                }
+        }
+        CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
+        CMD_FLUSH | CMD_TRIM | CMD_CACHE => CMD_FLAG_FUA,
+        _ => return Err((NBD_EINVAL, "unknown command")),
+    };
+    if req.flags & !allowed != 0 {
+        return Err((NBD_EINVAL, "command flag not valid for this command"));
+    }
+    let writes = matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM);
+    if writes && s.flags & FLAG_READ_ONLY != 0 {
+        return Err((NBD_EPERM, "export is read-only"));
+    }
+    if req.typ == CMD_FLUSH {
+        return Ok(());
+    }
+    let past_end = match req.offset.checked_add(req.length) {
+        Some(end) => end > s.size,
+        None => true,
+    };
+    if past_end {
+        // Spec (Error values): writes past the end are ENOSPC, reads, trims
+        // and status queries EINVAL.
+        let err = if matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES) {
+            NBD_ENOSPC
+        } else {
+            NBD_EINVAL
+        };
+        return Err((err, "request extends past the end of the export"));
+    }
+    if req.typ == CMD_READ && req.length > s.max_payload as u64 {
+        return Err((NBD_EINVAL, "read longer than the maximum payload"));
+    }
+    if s.enforce_min_block && s.min_block > 1 && req.typ != CMD_BLOCK_STATUS {
+        // min_block is a power of two.
+        let mask = s.min_block as u64 - 1;
+        let end = req.offset + req.length;
+        if req.offset & mask != 0 || (req.length & mask != 0 && end != s.size) {
+            return Err((NBD_EINVAL, "request not aligned to the minimum block size"));
+        }
+    }
+    if req.typ == CMD_BLOCK_STATUS {
+        if s.base_allocation.is_none() {
+            return Err((NBD_EINVAL, "no metadata context was negotiated"));
+        }
+        if req.length == 0 {
+            return Err((NBD_EINVAL, "block status of an empty range"));
+        }
+    }
+    Ok(())
+}
+
+/// A reply without payload: success.
+fn small_ok(s: &Session, to: ReplyTo) -> Vec<u8> {
+    let mut b = Vec::with_capacity(EXTENDED_REPLY_HEADER_LEN);
+    match s.mode {
+        // Spec: simple replies stay allowed for payload-less success when
+        // structured replies are on, and are shorter.
+        ReplyMode::Simple | ReplyMode::Structured => encode_simple_reply(&mut b, to.cookie, 0),
+        ReplyMode::Extended => encode_chunk_none(&mut b, s.mode, to),
+    }
+    b
+}
+
+/// A reply without payload: failure, with a message when the mode has room
+/// for one.
+fn small_error(s: &Session, to: ReplyTo, err: u32, msg: &str) -> Vec<u8> {
+    error_reply(s, to, err, msg, None)
+}
+
+fn error_reply(s: &Session, to: ReplyTo, err: u32, msg: &str, offset: Option<u64>) -> Vec<u8> {
+    let mut b = Vec::with_capacity(64 + msg.len());
+    match s.mode {
+        ReplyMode::Simple => encode_simple_reply(&mut b, to.cookie, err),
+        _ => encode_error_chunk(&mut b, s.mode, to, REPLY_FLAG_DONE, err, msg, offset),
+    }
+    b
+}
+
+/// The NBD error for a storage failure.
+fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
+    if let Some(n) = e.errno() {
+        return errno_to_nbd(n);
+    }
+    match e.source.kind() {
+        io::ErrorKind::InvalidInput => NBD_EINVAL,
+        io::ErrorKind::PermissionDenied => NBD_EPERM,
+        io::ErrorKind::OutOfMemory => NBD_ENOMEM,
+        io::ErrorKind::Unsupported => NBD_ENOTSUP,
+        _ => NBD_EIO,
+    }
+}
+
+thread_local! {
+    /// Scratch for chunk headers encoded in place on the blocking threads.
+    static HDR: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(64));
+}
+
+/// Encodes a header with `f` and copies it to `dst` (exactly its length).
+fn put_header(dst: &mut [u8], f: impl FnOnce(&mut Vec<u8>)) {
+    HDR.with(|h| {
+        let mut h = h.borrow_mut();
+        h.clear();
+        f(&mut h);
+        debug_assert_eq!(h.len(), dst.len());
+        dst.copy_from_slice(&h);
+    })
+}
+
+type Encoded = (Vec<u8>, usize, usize);
+
+fn whole(b: Vec<u8>) -> Encoded {
+    let n = b.len();
+    (b, 0, n)
+}
+
+/// Runs one validated request on the blocking pool; returns the encoded reply.
+fn execute(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    data: Option<(Vec<u8>, usize, usize)>,
+) -> Encoded {
+    let t = &*sh.target;
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let fail = |op: &str, e: &rawdisk_storage::Error| -> Encoded {
+        let err = storage_errno(e);
+        debug!("{op}: {e} -> {}", error_name(err));
+        let off = (e.offset >= req.offset && e.offset < req.offset + req.length.max(1))
+            .then_some(e.offset);
+        whole(error_reply(s, to, err, &e.to_string(), off))
+    };
+    match req.typ {
+        CMD_READ => read(sh, s, req, to),
+        CMD_WRITE => {
+            let Some((buf, start, n)) = data else {
+                return whole(small_ok(s, to));
+            };
+            let r = t.write_at(&buf[start..start + n], req.offset, fua);
+            sh.pool.put(buf);
+            match r {
+                Ok(()) => whole(small_ok(s, to)),
+                Err(e) => fail("write", &e),
+            }
+        }
+        CMD_FLUSH => match t.flush() {
+            Ok(()) => whole(small_ok(s, to)),
+            Err(e) => fail("flush", &e),
+        },
+        CMD_TRIM => {
+            if req.length == 0 {
+                return whole(small_ok(s, to));
+            }
+            match t.trim(req.offset, req.length) {
+                Ok(()) => {}
+                // Trim is advisory; "not supported" is success (and the spec
+                // reserves ENOTSUP for fast zero).
+                Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
+                Err(e) => return fail("trim", &e),
+            }
+            if fua {
+                if let Err(e) = t.flush() {
+                    return fail("trim (FUA flush)", &e);
+                }
+            }
+            whole(small_ok(s, to))
+        }
+        CMD_CACHE => {
+            if req.length == 0 {
+                return whole(small_ok(s, to));
+            }
+            match t.cache(req.offset, req.length) {
+                Ok(()) => whole(small_ok(s, to)),
+                Err(e) => fail("cache", &e),
+            }
+        }
+        CMD_WRITE_ZEROES => {
+            if req.length == 0 {
+                return whole(small_ok(s, to));
+            }
+            let flags = ZeroFlags {
+                may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
+                fast_only: req.flags & CMD_FLAG_FAST_ZERO != 0,
+            };
+            match t.zero(req.offset, req.length, flags) {
+                Ok(outcome) => {
+                    trace!("zero used {:?}", outcome.methods);
+                }
+                Err(e) => {
+                    let mut err = storage_errno(&e);
+                    // Spec: ENOTSUP only answers FAST_ZERO.
+                    if err == NBD_ENOTSUP && !flags.fast_only {
+                        err = NBD_EIO;
+                    }
+                    debug!("write zeroes: {e} -> {}", error_name(err));
+                    return whole(error_reply(s, to, err, &e.to_string(), None));
+                }
+            }
+            if fua {
+                if let Err(e) = t.flush() {
+                    return fail("write zeroes (FUA flush)", &e);
+                }
+            }
+            whole(small_ok(s, to))
+        }
+        CMD_BLOCK_STATUS => block_status(sh, s, req, to),
+        _ => whole(small_error(s, to, NBD_EINVAL, "unknown command")),
+    }
+}
+
+fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
+    let t = &*sh.target;
+    let n = req.length as usize;
+    let df = req.flags & CMD_FLAG_DF != 0;
+    let read_err = |e: &rawdisk_storage::Error| -> Encoded {
+        let err = storage_errno(e);
+        debug!("read: {e} -> {}", error_name(err));
+        let off =
+            (e.offset >= req.offset && e.offset < req.offset + req.length).then_some(e.offset);
+        whole(error_reply(s, to, err, &e.to_string(), off))
+    };
+    match s.mode {
+        ReplyMode::Simple => {
+            let (mut buf, start) = sh.pool.get(SIMPLE_REPLY_LEN, n);
+            let d = start + SIMPLE_REPLY_LEN;
+            if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
+                sh.pool.put(buf);
+                return read_err(&e);
+            }
+            put_header(&mut buf[start..d], |h| encode_simple_reply(h, to.cookie, 0));
+            (buf, start, d + n)
+        }
+        ReplyMode::Structured | ReplyMode::Extended => {
+            if n == 0 {
+                let mut b = Vec::new();
+                encode_chunk_none(&mut b, s.mode, to);
+                return whole(b);
+            }
+            if !df && req.length >= SPARSE_READ_MIN {
+                if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
+                    if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
+                        return sparse_read(sh, s, req, to, &ext);
+                    }
+                }
+            }
+            let p = offset_data_header_len(s.mode);
+            let (mut buf, start) = sh.pool.get(p, n);
+            let d = start + p;
+            if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
+                sh.pool.put(buf);
+                return read_err(&e);
+            }
+            // Everything is read before the chunk goes out, so it may carry
+            // DONE itself (spec: no error can follow).
+            put_header(&mut buf[start..d], |h| {
+                encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n as u64)
+            });
+            (buf, start, d + n)
+        }
+    }
+}
+
+/// A read answered with data chunks for data and hole chunks for holes.
+fn sparse_read(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    extents: &[rawdisk_storage::Extent],
+) -> Encoded {
+    let t = &*sh.target;
+    let end = req.offset + req.length;
+    // (offset, len, hole), contiguous from req.offset to end.
+    let mut pieces: Vec<(u64, u64, bool)> = Vec::with_capacity(extents.len() + 1);
+    let mut pos = req.offset;
+    for e in extents {
+        let e_end = e.offset.saturating_add(e.len).min(end);
+        if e.offset > pos || e_end <= pos {
+            // Not contiguous with what we have: treat the rest as data.
+            break;
+        }
+        let hole = e.kind == ExtentKind::Hole;
+        match pieces.last_mut() {
+            Some(last) if last.2 == hole => last.1 += e_end - pos,
+            _ => pieces.push((pos, e_end - pos, hole)),
+        }
+        pos = e_end;
+    }
+    if pos < end {
+        match pieces.last_mut() {
+            Some(last) if !last.2 => last.1 += end - pos,
+            _ => pieces.push((pos, end - pos, false)),
+        }
+    }
+    let hl = s.mode.header_len();
+    let total: usize = pieces
+        .iter()
+        .map(|&(_, len, hole)| if hole { hl + 12 } else { hl + 8 + len as usize })
+        .sum();
+    let (mut buf, start) = sh.pool.get(0, total);
+    let mut at = start;
+    let last = pieces.len() - 1;
+    for (i, &(off, len, hole)) in pieces.iter().enumerate() {
+        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+        if hole {
+            put_header(&mut buf[at..at + hl + 12], |h| {
+                encode_offset_hole(h, s.mode, to, flags, off, len as u32)
+            });
+            at += hl + 12;
+        } else {
+            let p = hl + 8;
+            put_header(&mut buf[at..at + p], |h| {
+                encode_offset_data_header(h, s.mode, to, flags, off, len)
+            });
+            let d = at + p;
+            if let Err(e) = t.read_at(&mut buf[d..d + len as usize], off) {
+                sh.pool.put(buf);
+                let err = storage_errno(&e);
+                debug!("read: {e} -> {}", error_name(err));
+                let eoff = (e.offset >= req.offset && e.offset < end).then_some(e.offset);
+                return whole(error_reply(s, to, err, &e.to_string(), eoff));
+            }
+            at = d + len as usize;
+        }
+    }
+    (buf, start, at)
+}
+
+fn block_status(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
+    let t = &*sh.target;
+    let id = s.base_allocation.unwrap_or(BASE_ALLOCATION_ID);
+    let max_runs = if req.flags & CMD_FLAG_REQ_ONE != 0 {
+        1
+    } else {
+        MAX_DESCRIPTORS
+    };
+    let mut ds: Vec<Descriptor> = match t.extents(req.offset, req.length, max_runs) {
+        Ok(ext) => ext
+            .iter()
+            .filter(|e| e.len > 0)
+            .map(|e| Descriptor {
+                length: e.len,
+                status: match e.kind {
+                    ExtentKind::Hole => (STATE_HOLE | STATE_ZERO) as u64,
+                    ExtentKind::Data => 0,
+                },
+            })
+            .collect(),
+        Err(e) => {
+            // Spec: a server MAY describe the range as plain data instead of
+            // failing when the error is not the client's fault.
+            debug!("block status: {e}; reporting data");
+            Vec::new()
+        }
+    };
+    if ds.is_empty() {
+        ds.push(Descriptor {
+            length: req.length,
+            status: 0,
+        });
+    }
+    if !s.mode.extended() {
+        // Compact requests are 32-bit, so extents within them are too; clamp
+        // anyway rather than emit a wrapped length.
+        for d in &mut ds {
+            d.length = d.length.min(u32::MAX as u64 & !511);
+        }
+    }
+    let mut b = Vec::with_capacity(s.mode.header_len() + 8 + 16 * ds.len());
+    encode_block_status(&mut b, s.mode, to, REPLY_FLAG_DONE, id, &ds);
+    whole(b)
+}
+
+// ---------------------------------------------------------------------------
+// Buffer pool
+// ---------------------------------------------------------------------------
+
+/// Recycles large payload buffers, so a steady stream of 1 MiB reads or
+/// writes does not fault in fresh pages for every request. Small bounded
+/// retention: at most `max_bufs` buffers of at most `max_len` bytes.
+struct BufPool {
+    bufs: Mutex<Vec<Vec<u8>>>,
+    max_bufs: usize,
+    max_len: usize,
+}
+
+impl BufPool {
+    fn new(max_bufs: usize, max_len: usize) -> Self {
+        BufPool {
+            bufs: Mutex::new(Vec::new()),
+            max_bufs,
+            max_len,
+        }
+    }
+
+    /// A buffer holding `prefix + n` usable bytes from the returned start,
+    /// placed so that `start + prefix` is DATA_ALIGN-aligned in memory.
+    fn get(&self, prefix: usize, n: usize) -> (Vec<u8>, usize) {
+        let need = prefix + n + DATA_ALIGN;
+        let picked = {
+            let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+            // Smallest buffer that fits, else the largest (to grow).
+            let mut best: Option<usize> = None;
+            for (i, b) in g.iter().enumerate() {
+                best = match best {
+                    None => Some(i),
+                    Some(j) => {
+                        let (bj, bi) = (g[j].len(), b.len());
+                        let better = if bj >= need {
+                            bi >= need && bi < bj
+                        } else {
+                            bi > bj
+                        };
+                        Some(if better { i } else { j })
+                    }
+                };
+            }
+            best.map(|i| g.swap_remove(i))
+        };
+        let mut buf = picked.unwrap_or_default();
+        if buf.len() < need {
+            buf.resize(need, 0);
+        }
+        let addr = buf.as_ptr() as usize + prefix;
+        let start = (DATA_ALIGN - addr % DATA_ALIGN) % DATA_ALIGN;
+        (buf, start)
+    }
+
+    fn put(&self, buf: Vec<u8>) {
+        if buf.capacity() < (64 << 10) || buf.capacity() > self.max_len {
+            return;
+        }
+        let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        if g.len() < self.max_bufs {
+            g.push(buf);
+        }
+    }
+}
