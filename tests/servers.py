@@ -155,7 +155,7 @@ class Server:
             self.returncode = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            self.returncode = self.proc.wait()
             raise AssertionError(f"server did not exit within {timeout}s; stderr: {self.stderr()}")
         finally:
             self._watchdog.cancel()
