@@ -176,12 +176,41 @@ pub fn to_human(entries: &[MapEntry], file: &str) -> String {
 
 /// The map of a local path, or of an NBD export when `target` is an NBD URI.
 pub fn map_target_or_uri(target: &str) -> Result<Vec<MapEntry>> {
-    if rawdisk_nbd::uri::looks_like_nbd_uri(target) {
-        return Err(Error::msg(format!(
-            "'{target}': NBD URIs are not supported by map yet"
-        )));
+    if crate::endpoint::is_nbd(target) {
+        return map_nbd(target);
     }
     map_path(Path::new(target))
+}
+
+/// The map of an NBD export from NBD_CMD_BLOCK_STATUS (base:allocation):
+/// NBD_STATE_HOLE clear is `data`, NBD_STATE_ZERO is `zero`, as qemu-img
+/// maps them. A server without block status maps as all data.
+pub fn map_nbd(uri: &str) -> Result<Vec<MapEntry>> {
+    let ep = crate::endpoint::Endpoint::open(uri, false)
+        .map_err(|e| Error::with(format!("cannot connect to '{uri}'"), e))?;
+    let size = ep.size();
+    let mut out = Vec::new();
+    let mut off = 0u64;
+    while off < size {
+        let runs = ep
+            .extents(off, size - off)
+            .map_err(|e| Error::with(format!("map '{uri}'"), e))?;
+        let before = off;
+        for r in runs {
+            if r.offset != off || r.len == 0 {
+                break;
+            }
+            push_merged(&mut out, MapEntry::raw(r.offset, r.len, r.zero, r.data));
+            off += r.len;
+        }
+        if off == before {
+            return Err(Error::msg(format!(
+                "map '{uri}': the server returned no block status at offset {off}"
+            )));
+        }
+    }
+    let _ = ep.close();
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,0 +1,70 @@
+//! Bad command lines: one line on stderr, exit 2, nothing created.
+
+mod common;
+use common::*;
+
+#[test]
+fn bad_arguments_give_one_line_and_exit_2() {
+    let d = tempdir();
+    let img = d.path().join("x.img");
+    let img_s = img.to_str().unwrap();
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["create", img_s, "10Q"],
+        vec!["create", img_s, "1.2.3G"],
+        vec!["create", img_s, "-5"],
+        vec!["create", img_s],
+        vec!["create", "--preallocation", "metadata", img_s, "1M"],
+        vec!["create", "--cache", "unsafe", img_s, "1M"],
+        vec!["create", "-f", "qcow2", img_s, "1M"],
+        vec!["create", "--no-such-flag", img_s, "1M"],
+        vec!["create", img_s, "1M", "extra"],
+        vec!["probe", "--output", "xml", img_s],
+        vec!["probe"],
+        vec!["map", "--output", "yaml", img_s],
+        vec!["info", "--output", "text", img_s],
+        vec!["map"],
+    ];
+    for args in cases {
+        let r = run_rawdisk(&args);
+        assert_eq!(r.code, 2, "{args:?}: stderr={:?}", r.stderr);
+        assert_eq!(r.stderr.lines().count(), 1, "{args:?}: {:?}", r.stderr);
+        assert!(r.stdout.is_empty(), "{args:?}: stdout {:?}", r.stdout);
+        assert!(!img.exists(), "{args:?} created the file");
+    }
+}
+
+#[test]
+fn run_errors_give_one_line_and_exit_1() {
+    let d = tempdir();
+    let missing = d.path().join("missing.img");
+    for cmd in ["info", "map", "probe"] {
+        let r = run_rawdisk(&[cmd, missing.to_str().unwrap()]).fails_one_line(1);
+        assert!(r.stderr.contains("No such file"), "{cmd}: {}", r.stderr);
+    }
+    // A directory is neither a file nor a device.
+    let r = run_rawdisk(&["create", d.path().to_str().unwrap(), "1M"]).fails_one_line(1);
+    assert!(
+        r.stderr.contains("not a regular file or block device"),
+        "{}",
+        r.stderr
+    );
+    let r = run_rawdisk(&["probe", d.path().to_str().unwrap()]).fails_one_line(1);
+    assert!(
+        r.stderr.contains("not a regular file or block device"),
+        "{}",
+        r.stderr
+    );
+    // A parent directory that does not exist.
+    let r = run_rawdisk(&[
+        "create",
+        d.path().join("no/such/dir.img").to_str().unwrap(),
+        "1M",
+    ])
+    .fails_one_line(1);
+    assert!(r.stderr.contains("No such file"), "{}", r.stderr);
+    // An NBD URI nobody listens on.
+    let sock = d.path().join("nobody.sock");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    run_rawdisk(&["info", &uri]).fails_one_line(1);
+    run_rawdisk(&["map", &uri]).fails_one_line(1);
+}
