@@ -514,12 +514,25 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
     if let Some(bin) = std::env::var_os("RAWDISK_BIN") {
         let mut srv = Server::nbdkit(&exp, &["--filter=delay"], &["delay-write=50ms"]);
         let child = Command::new(bin)
-            .args(["copy", src.to_str().unwrap(), &srv.uri()])
+            .args([
+                "copy",
+                "-m",
+                "4",
+                "-C",
+                "1",
+                src.to_str().unwrap(),
+                &srv.uri(),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         std::thread::sleep(Duration::from_millis(400));
+        let mut child = child;
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "copy ended before the kill"
+        );
         srv.child.kill().unwrap();
         let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
