@@ -243,4 +243,8 @@ impl Sys for FaultSys {
         self.enter(CallKind::ReadSysfs)?;
         self.inner.read_sysfs(path)
     }
+    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        self.enter(CallKind::SyncRange)?;
+        self.inner.sync_range(fd, offset, len)
+    }
 }

@@ -56,6 +56,8 @@ pub enum CallKind {
     PwriteDsync,
     /// A read of a small sysfs attribute file.
     ReadSysfs,
+    /// sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)
+    SyncRange,
 }
 
 /// Block device geometry read by ioctls.
@@ -160,6 +162,11 @@ pub trait Sys: Send + Sync + 'static {
     fn read_sysfs(&self, path: &Path) -> io::Result<String> {
         RealSys.read_sysfs(path)
     }
+    /// Write back the dirty page cache of [offset, offset+len) and wait for
+    /// it (sync_file_range; no device cache flush, no metadata).
+    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        RealSys.sync_range(fd, offset, len)
+    }
 }
 
 /// The kernel.
@@ -198,6 +205,17 @@ mod blk {
     target_arch = "s390x"
 )))]
 compile_error!("BLK* ioctl numbers are only encoded for the generic _IOC layout");
+
+/// The kernel's page size (sysconf(_SC_PAGESIZE)); 4096 if it cannot say.
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf only reads its integer argument and has no preconditions.
+    let r = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if r > 0 {
+        r as u64
+    } else {
+        4096
+    }
+}
 
 /// ioctl with an `int` result written through a pointer (BLKSSZGET, BLKROGET, ...).
 fn ioctl_get_int(fd: BorrowedFd<'_>, req: u32) -> io::Result<libc::c_int> {
@@ -401,5 +419,22 @@ impl Sys for RealSys {
 
     fn read_sysfs(&self, path: &Path) -> io::Result<String> {
         std::fs::read_to_string(path)
+    }
+
+    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+            | libc::SYNC_FILE_RANGE_WRITE
+            | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+        let (off, n) = (
+            i64::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
+            i64::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
+        );
+        // SAFETY: sync_file_range only reads its integer arguments; `fd` is a
+        // valid open descriptor for the duration of the borrow.
+        let r = unsafe { libc::sync_file_range(fd.as_raw_fd(), off, n, flags) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }

@@ -162,8 +162,8 @@ pub struct Target {
     pub(crate) caps: Arc<Capabilities>,
     pub(crate) cache: CacheMode,
     pub(crate) read_only: bool,
-    /// Alignment the kernel demands for fallocate/BLKZEROOUT/BLKDISCARD
-    /// ranges: the logical sector on block devices, 1 on files.
+    /// Alignment of fallocate/BLKZEROOUT/BLKDISCARD ranges: the logical
+    /// sector or the page, whichever is larger, on block devices; 1 on files.
     pub(crate) offload_align: u64,
     /// Some under cache=none.
     pub(crate) direct: Option<Direct>,
@@ -342,8 +342,15 @@ impl Target {
         } else {
             None
         };
+        // Block devices: the kernel wants sector-aligned ranges (EINVAL
+        // otherwise), but we also keep to whole pages. blkdev_fallocate
+        // truncates the device's page cache over the range before it tries
+        // the zero-out, zeroing the cached part of a partially covered page;
+        // when the zero-out then fails (a loop device that lost its
+        // write-zeroes offload: EOPNOTSUPP) that page keeps reading zeros the
+        // device never got. Whole pages are only dropped, and re-read intact.
         let offload_align = if kind == Kind::Block {
-            geom.logical_sector as u64
+            (geom.logical_sector as u64).max(crate::sys::page_size())
         } else {
             1
         };

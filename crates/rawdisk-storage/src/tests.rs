@@ -660,3 +660,260 @@ fn real_sys_is_the_default() {
     let t = Target::open_with_sys(&tmp.path, &OpenOptions::default(), s).unwrap();
     assert_eq!(t.size(), 100);
 }
+
+/// Real storage, every kind: the chain picks the method the capability
+/// matrix in RESULTS-baseline.md says the storage has, unaligned ranges on
+/// block devices work, data around the range is untouched.
+#[test]
+#[ignore = "needs root"]
+fn smoke_every_storage_kind() {
+    use rawdisk_testkit::{Scratch, StorageKind, MIB};
+    use std::thread;
+    let trim = ZeroFlags {
+        may_trim: true,
+        fast_only: false,
+    };
+    let nohole = ZeroFlags::default();
+    let fast_nohole = ZeroFlags {
+        may_trim: false,
+        fast_only: true,
+    };
+    let handles: Vec<_> = StorageKind::ALL
+        .into_iter()
+        .filter(|k| std::env::var("RAWDISK_SMOKE_KIND").map_or(true, |v| v == k.name()))
+        .map(|kind| {
+            thread::spawn(move || {
+                let size = 16 * MIB;
+                let s = Scratch::new(kind, size);
+                let modes: &[CacheMode] = if kind == StorageKind::Ramfs {
+                    &[CacheMode::Writeback]
+                } else {
+                    &[CacheMode::Writeback, CacheMode::None]
+                };
+                for &cache in modes {
+                    let opts = OpenOptions {
+                        cache,
+                        ..Default::default()
+                    };
+                    let t = Target::open(s.path(), &opts).unwrap();
+                    let g = t.geometry();
+                    assert_eq!(g.size, size, "{kind}");
+                    if kind.is_block() {
+                        assert_eq!(t.kind(), Kind::Block);
+                        assert_eq!(g.logical_sector, kind.sector_size(), "{kind}");
+                        let q = t.block_queue_limits().expect("queue limits");
+                        assert_eq!(q.logical_block_size, Some(kind.sector_size() as u64));
+                    }
+                    fill(&t, size);
+                    // Unaligned on every sector size: head and tail by hand.
+                    let (off, len) = (4097 + 511, 3 * MIB + 1234);
+                    let o1 = t.zero(off, len, trim).unwrap();
+                    check_zeroed(&t, size, off, len);
+                    fill(&t, size);
+                    let o2 = t.zero(off, len, nohole).unwrap();
+                    check_zeroed(&t, size, off, len);
+                    fill(&t, size);
+                    let o3 = t.zero(off, len, fast_nohole).map(|o| o.methods);
+                    if o3.is_ok() {
+                        check_zeroed(&t, size, off, len);
+                    } else {
+                        check_zeroed(&t, size, 0, 0);
+                    }
+                    let (m1, m2) = (o1.methods, o2.methods);
+                    use Method::*;
+                    let w = WriteZeros;
+                    match kind {
+                        StorageKind::Tmpfs => {
+                            assert_eq!((m1, m2), (vec![PunchHole], vec![PunchAlloc]), "{cache:?}");
+                            assert_eq!(o3.unwrap(), vec![PunchAlloc]);
+                        }
+                        StorageKind::Ramfs => {
+                            assert_eq!((m1, m2), (vec![w], vec![w]));
+                            assert_eq!(o3.unwrap_err().errno(), Some(libc::ENOTSUP));
+                            let e = Target::open(
+                                s.path(),
+                                &OpenOptions {
+                                    cache: CacheMode::None,
+                                    ..Default::default()
+                                },
+                            )
+                            .unwrap_err()
+                            .to_string();
+                            assert!(e.contains("O_DIRECT") && e.contains("disk.img"), "{e}");
+                        }
+                        StorageKind::Ext4 | StorageKind::Xfs => {
+                            assert_eq!((m1, m2), (vec![PunchHole], vec![ZeroRange]));
+                            assert_eq!(o3.unwrap(), vec![ZeroRange]);
+                        }
+                        StorageKind::Loop512 | StorageKind::Loop4k => {
+                            assert_eq!((m1, m2), (vec![PunchHole, w], vec![ZeroRange, w]));
+                            assert_eq!(o3.unwrap(), vec![PunchHole, w]);
+                        }
+                        StorageKind::LoopTmpfs => {
+                            // PUNCH_HOLE needs the device's write-zeroes, which
+                            // the loop driver drops on first use: learned gone.
+                            assert_eq!(m1.last(), Some(&w), "{m1:?}");
+                            assert_eq!(t.caps().get(PunchHole), Tri::Fails);
+                            assert_eq!(o3.unwrap_err().errno(), Some(libc::ENOTSUP));
+                            assert!(!t.can_fast_zero());
+                        }
+                    }
+                    fill(&t, size);
+                    t.trim(off, len).unwrap();
+                    t.flush().unwrap();
+                    let mut b = vec![0u8; size as usize];
+                    t.read_at(&mut b, 0).unwrap();
+                    let p = pattern(0, size as usize);
+                    for i in
+                        (0..size as usize).filter(|i| (*i as u64) < off || *i as u64 >= off + len)
+                    {
+                        assert_eq!(
+                            b[i], p[i],
+                            "{kind}: trim changed byte {i} outside its range"
+                        );
+                    }
+                    drop(t);
+                }
+                drop(s);
+            })
+        })
+        .collect();
+    let mut failed = Vec::new();
+    for (h, k) in handles.into_iter().zip(StorageKind::ALL) {
+        if h.join().is_err() {
+            failed.push(k);
+        }
+    }
+    assert!(failed.is_empty(), "failed on {failed:?}");
+}
+
+fn direct_opts() -> OpenOptions {
+    OpenOptions {
+        cache: CacheMode::None,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn direct_unaligned_io_and_file_end() {
+    // /tmp is ext4: O_DIRECT works, alignment from STATX_DIOALIGN (512 or
+    // 4096 depending on the disk).
+    let tmp = tmp_file(0);
+    let t = Target::open(&tmp.path, &direct_opts()).unwrap();
+    let a = t.geometry().dio_align as u64;
+    assert!(a.is_power_of_two() && a >= 512, "{a}");
+    assert_eq!(t.geometry().logical_sector as u64, a);
+    // A write ending mid-block must not grow the file to the block end.
+    let d = pattern(0, 1000);
+    t.write_at(&d, 0, false).unwrap();
+    assert_eq!(t.size(), 1000);
+    t.write_at(&d[..10], 2 * a + 3, true).unwrap();
+    assert_eq!(t.size(), 2 * a + 13);
+    let mut b = vec![0u8; (2 * a + 13) as usize];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(&b[..1000], &d[..]);
+    assert!(b[1000..(2 * a + 3) as usize].iter().all(|x| *x == 0));
+    assert_eq!(&b[(2 * a + 3) as usize..], &d[..10]);
+    // Unaligned buffer address, aligned offset and length: bounced too.
+    let big = pattern(7, 3 * a as usize + 1);
+    t.write_at(&big[1..], a, false).unwrap();
+    let mut r = vec![0u8; 3 * a as usize + 1];
+    t.read_at(&mut r[1..], a).unwrap();
+    assert_eq!(&r[1..], &big[1..]);
+    // Larger than one bounce buffer, unaligned both ends.
+    let huge = pattern(9, (20 << 20) + 77);
+    t.write_at(&huge, 12345, false).unwrap();
+    let mut hr = vec![0u8; huge.len()];
+    t.read_at(&mut hr, 12345).unwrap();
+    assert!(hr == huge);
+    // Byte before is the earlier pattern, untouched by the RMW.
+    let mut one = [0u8; 1];
+    t.read_at(&mut one, 12344).unwrap();
+    let mut expect = vec![0u8; 12345];
+    t.read_at(&mut expect, 0).unwrap();
+    assert_eq!(one[0], expect[12344]);
+    assert!(t.read_at(&mut [0u8; 10], t.size() - 5).is_err());
+    // Zero with unaligned head/tail and preallocation under O_DIRECT.
+    let sz = t.size();
+    t.zero(100, sz - 200, ZeroFlags::default()).unwrap();
+    let mut all = vec![1u8; sz as usize];
+    t.read_at(&mut all, 0).unwrap();
+    assert!(all[100..(sz - 100) as usize].iter().all(|x| *x == 0));
+    assert_eq!(&all[..100], &d[..100]);
+    t.preallocate(sz + 5000, Prealloc::Full).unwrap();
+    assert_eq!(t.size(), sz + 5000);
+}
+
+#[test]
+fn direct_concurrent_unaligned_writes_to_one_block_lose_nothing() {
+    // Many threads write disjoint, unaligned byte ranges that share blocks:
+    // without the range lock two read-modify-writes of the same block would
+    // overwrite each other's bytes with stale data.
+    let tmp = tmp_file(64 << 10);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    let threads = 8u64;
+    let rounds = 200u64;
+    let piece = 37u64; // odd so pieces straddle block boundaries
+    let hs: Vec<_> = (0..threads)
+        .map(|k| {
+            let t = t.clone();
+            std::thread::spawn(move || {
+                for r in 0..rounds {
+                    // Slot (r, k): thread k owns every threads-th piece.
+                    let idx = r * threads + k;
+                    let off = idx * piece;
+                    let data = pattern(off, piece as usize);
+                    t.write_at(&data, off, false).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    let total = threads * rounds * piece;
+    let mut b = vec![0u8; total as usize];
+    t.read_at(&mut b, 0).unwrap();
+    let want = pattern(0, total as usize);
+    let bad = b.iter().zip(&want).position(|(x, y)| x != y);
+    assert_eq!(bad, None, "lost write at byte {bad:?}");
+}
+
+#[test]
+fn direct_zero_racing_unaligned_writes_in_the_same_block() {
+    let tmp = tmp_file(1 << 20);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    fill(&t, 1 << 20);
+    let a = t.geometry().dio_align as u64;
+    // In every block: bytes [0, a/2) are zeroed by one thread, [a/2, a)
+    // written by another.
+    let blocks = (1u64 << 20) / a;
+    let tz = t.clone();
+    let z = std::thread::spawn(move || {
+        for i in 0..blocks {
+            tz.zero(i * a, a / 2, ZeroFlags::default()).unwrap();
+        }
+    });
+    let tw = t.clone();
+    let w = std::thread::spawn(move || {
+        for i in 0..blocks {
+            let off = i * a + a / 2;
+            tw.write_at(&pattern(off + 99, (a / 2) as usize), off, false)
+                .unwrap();
+        }
+    });
+    z.join().unwrap();
+    w.join().unwrap();
+    let mut b = vec![0u8; 1 << 20];
+    t.read_at(&mut b, 0).unwrap();
+    for i in 0..blocks {
+        let s = (i * a) as usize;
+        let h = (a / 2) as usize;
+        assert!(b[s..s + h].iter().all(|x| *x == 0), "block {i}: zero lost");
+        assert_eq!(
+            &b[s + h..s + 2 * h],
+            &pattern(i * a + a / 2 + 99, h)[..],
+            "block {i}: write lost"
+        );
+    }
+}

@@ -16,7 +16,9 @@
 //!    shipped a fallback that rewrote the first chunk over and over).
 //!
 //! Block devices: the kernel rejects ranges not aligned to the logical
-//! sector with EINVAL, so the request is split into an unaligned head and
+//! sector with EINVAL (and a failing fallocate corrupts the cached copy of a
+//! partially covered page, see `offload_align` in target.rs), so the request
+//! is aligned to max(sector, page) and split into an unaligned head and
 //! tail (written by hand, under O_DIRECT through the read-modify-write path)
 //! and an aligned middle (offloaded), the middle first so a fast-only request
 //! that cannot be served changes nothing. For the middle:
@@ -113,7 +115,7 @@ impl Target {
         let a = self.offload_align;
         let (mid_s, mid_e) = (offset.div_ceil(a) * a, end / a * a);
         if mid_s >= mid_e {
-            // Less than two sectors, no aligned sector inside: by hand.
+            // No whole aligned block inside (less than two): by hand.
             self.write_zeros(offset, len, self.zero_chunk)?;
             push(&mut out, Method::WriteZeros);
             return Ok(out);
@@ -168,6 +170,18 @@ impl Target {
             }
             Kind::Block => {
                 if (flags.may_trim || flags.fast_only) && c.get(Method::PunchHole).may_work() {
+                    if flags.fast_only && self.direct.is_none() {
+                        // blkdev_fallocate drops the range's page cache,
+                        // dirty pages included, *before* it knows whether the
+                        // zero-out will work. If it then fails (a loop device
+                        // that lost write-zeroes), writes still in the cache
+                        // are gone and stale data reads back. Falling through
+                        // to the next method zeroes the range anyway; a fast
+                        // zero that fails must leave the data as it was, so
+                        // write the cache back first (cheap: usually clean).
+                        retry(|| self.sys.sync_range(self.fd(), off, n))
+                            .map_err(|e| Error::new("zero (write back cache)", off, n, e))?;
+                    }
                     if let Try::Done = self.try_falloc(Method::PunchHole, off, n)? {
                         return Ok(Some(Method::PunchHole));
                     }
