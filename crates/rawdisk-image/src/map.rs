@@ -156,6 +156,15 @@ pub fn to_json(entries: &[MapEntry]) -> String {
     s
 }
 
+/// printf's `%#x`: "0x..." except for zero, which is plain "0".
+fn c_hex(v: u64) -> String {
+    if v == 0 {
+        "0".into()
+    } else {
+        format!("{v:#x}")
+    }
+}
+
 /// qemu-img's human map: the runs that hold data, in hexadecimal.
 pub fn to_human(entries: &[MapEntry], file: &str) -> String {
     let mut s = format!(
@@ -165,9 +174,9 @@ pub fn to_human(entries: &[MapEntry], file: &str) -> String {
     for e in entries.iter().filter(|e| e.data && !e.zero) {
         s.push_str(&format!(
             "{:<16}{:<16}{:<16}{}\n",
-            format!("{:#x}", e.start),
-            format!("{:#x}", e.length),
-            format!("{:#x}", e.offset.unwrap_or(0)),
+            c_hex(e.start),
+            c_hex(e.length),
+            c_hex(e.offset.unwrap_or(0)),
             file
         ));
     }

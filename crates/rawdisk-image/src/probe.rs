@@ -940,6 +940,46 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
         State::Works,
         "always (the last resort)".into(),
     ));
+    // A loop device over a file system without ZERO_RANGE (tmpfs) serves
+    // PUNCH_HOLE (the driver punches the backing file) until a write-zeroes
+    // without unmap fails underneath; then it turns write-zeroes off for
+    // good. Report the device as it is now, and say what happened.
+    let wz_before = r
+        .queue_limits
+        .as_ref()
+        .and_then(|q| q.write_zeroes_max_bytes);
+    let wz_now = sysinfo::queue_limits(path).and_then(|q| q.write_zeroes_max_bytes);
+    let kernel_writes = match (wz_before, wz_now) {
+        (Some(b), Some(0)) if b > 0 => {
+            let (s, d) = try_zeroing(&sys, &f, 0, len, false, || {
+                sys.fallocate(fd, FallocMode::PunchHole, 0, len)
+            });
+            if let Some(m) = methods
+                .iter_mut()
+                .find(|m| m.method == Method::PunchHole.name())
+            {
+                if s != State::Works {
+                    m.state = s;
+                    m.detail = format!(
+                        "{d} now: worked at first, then the device turned write-zeroes off \
+                         (write_zeroes_max_bytes {b} -> 0) when ZERO_RANGE failed in the \
+                         storage underneath"
+                    );
+                }
+            }
+            true
+        }
+        (_, Some(0)) => true,
+        _ => false,
+    };
+    if kernel_writes {
+        for m in methods.iter_mut().filter(|m| {
+            m.state == State::Works
+                && (m.method == Method::ZeroRange.name() || m.method == Method::BlkZeroout.name())
+        }) {
+            m.detail = "reads back zeros, written by the kernel (no write-zeroes offload)".into();
+        }
+    }
     r.methods = methods;
 
     // The engine's chain on ranges 3..6 (1 MiB each, or `len` when smaller).
