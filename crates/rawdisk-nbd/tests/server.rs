@@ -1,0 +1,1376 @@
+//! The server in-process on a Unix socket over a temp file, driven with raw
+//! bytes through the codec: every handshake path, every command, pipelining,
+//! bounds errors and hostile clients. Every test that writes compares the
+//! whole file with a model afterwards, bytes it did not touch included.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rawdisk_nbd::proto::*;
+use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_storage::sys::CallKind;
+use rawdisk_storage::{FaultSys, OpenOptions, Target};
+use tokio::sync::watch;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * 1024;
+
+// ---------------------------------------------------------------------------
+// Harness: server thread
+// ---------------------------------------------------------------------------
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    sock: PathBuf,
+    stop: Option<watch::Sender<bool>>,
+    thread: Option<std::thread::JoinHandle<io::Result<()>>>,
+    model: Vec<u8>,
+    fault: Option<Arc<FaultSys>>,
+}
+
+struct Setup {
+    size: u64,
+    /// Fill the file with random bytes (else sparse zeros).
+    fill: bool,
+    cfg: ServerConfig,
+    fault: bool,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            size: 8 * MIB,
+            fill: true,
+            cfg: ServerConfig {
+                handshake_timeout: Duration::from_secs(10),
+                ..Default::default()
+            },
+            fault: false,
+        }
+    }
+}
+
+impl Harness {
+    fn start(setup: Setup) -> Harness {
+        let dir = tempfile::Builder::new()
+            .prefix("rawdisk-nbd-server-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("disk.img");
+        let sock = dir.path().join("nbd.sock");
+        let mut model = vec![0u8; setup.size as usize];
+        if setup.fill {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(setup.size);
+            rng.fill(&mut model[..]);
+            std::fs::write(&path, &model).unwrap();
+        } else {
+            let f = std::fs::File::create(&path).unwrap();
+            f.set_len(setup.size).unwrap();
+        }
+        let opts = OpenOptions {
+            read_only: setup.cfg.read_only,
+            ..Default::default()
+        };
+        let (target, fault) = if setup.fault {
+            let fs = FaultSys::real();
+            let t = Target::open_with_sys(&path, &opts, fs.clone()).unwrap();
+            (t, Some(fs))
+        } else {
+            (Target::open(&path, &opts).unwrap(), None)
+        };
+        let target = Arc::new(target);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let sock2 = sock.clone();
+        let cfg = setup.cfg;
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let l = tokio::net::UnixListener::bind(&sock2)?;
+                ready_tx.send(()).unwrap();
+                Server::new(target, cfg)
+                    .serve(Listener::Unix(l), stop_rx)
+                    .await
+            })
+        });
+        ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        Harness {
+            _dir: dir,
+            path,
+            sock,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+            model,
+            fault,
+        }
+    }
+
+    fn conn(&self) -> Conn {
+        Conn::connect(&self.sock)
+    }
+
+    /// Negotiated connection in `mode`, with base:allocation.
+    fn open(&self, mode: ReplyMode) -> (Conn, GoInfo) {
+        let mut c = self.conn();
+        let info = c.negotiate(mode, true);
+        (c, info)
+    }
+
+    fn check_file(&self) {
+        let f = std::fs::read(&self.path).unwrap();
+        assert_eq!(f.len(), self.model.len(), "file size changed");
+        if let Some(i) = (0..f.len()).find(|&i| f[i] != self.model[i]) {
+            panic!(
+                "file differs from the model at byte {i}: {:#x} != {:#x}",
+                f[i], self.model[i]
+            );
+        }
+    }
+
+    /// Stops the server and returns what serve() returned.
+    fn stop(&mut self) -> io::Result<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(true);
+        }
+        match self.thread.take() {
+            Some(t) => t.join().expect("server thread panicked"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let r = self.stop();
+        if !std::thread::panicking() {
+            r.expect("serve() failed");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Raw client through the codec
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+struct GoInfo {
+    size: u64,
+    flags: u16,
+    min: u32,
+    pref: u32,
+    max: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    typ: u16,
+    offset: u64,
+    len: u64,
+}
+
+#[derive(Debug, Default)]
+struct Reply {
+    cookie: u64,
+    error: u32,
+    message: String,
+    data: Vec<u8>,
+    data_chunks: usize,
+    hole_chunks: usize,
+    descriptors: Vec<Descriptor>,
+    context_id: Option<u32>,
+    simple: bool,
+    covered: Vec<(u64, u64)>,
+}
+
+struct Conn {
+    s: UnixStream,
+    mode: ReplyMode,
+    pending: HashMap<u64, Pending>,
+    partial: HashMap<u64, Reply>,
+    next_cookie: u64,
+}
+
+impl Conn {
+    fn connect(path: &Path) -> Conn {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        Conn {
+            s,
+            mode: ReplyMode::Simple,
+            pending: HashMap::new(),
+            partial: HashMap::new(),
+            next_cookie: 1,
+        }
+    }
+
+    fn read_n(&mut self, n: usize) -> io::Result<Vec<u8>> {
+        let mut b = vec![0u8; n];
+        self.s.read_exact(&mut b)?;
+        Ok(b)
+    }
+
+    fn send(&mut self, b: &[u8]) {
+        self.s.write_all(b).unwrap();
+    }
+
+    /// True if the server closed the connection (EOF or reset) within 5 s,
+    /// skipping anything it still sends.
+    fn closed_by_server(&mut self) -> bool {
+        self.s
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 4096];
+        loop {
+            match self.s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    fn greeting(&mut self) -> u16 {
+        let b = self.read_n(GREETING_LEN).unwrap();
+        decode_greeting(&b).unwrap().0
+    }
+
+    fn client_flags(&mut self, f: u32) {
+        let mut b = Vec::new();
+        encode_client_flags(&mut b, f);
+        self.send(&b);
+    }
+
+    fn start(&mut self) {
+        let hf = self.greeting();
+        assert_eq!(hf, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        self.client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+    }
+
+    fn send_opt(&mut self, o: &ClientOption) {
+        let mut b = Vec::new();
+        o.encode(&mut b);
+        self.send(&b);
+    }
+
+    fn opt_reply(&mut self) -> io::Result<(u32, OptionReply)> {
+        let h = self.read_n(OPTION_REPLY_HEADER_LEN)?;
+        let (hdr, _) = decode_option_reply_header(&h).unwrap();
+        assert!(hdr.len <= 64 * 1024, "option reply of {} bytes", hdr.len);
+        let data = self.read_n(hdr.len as usize)?;
+        Ok((hdr.option, OptionReply::parse(hdr.reply, &data).unwrap()))
+    }
+
+    /// Sends `o` and collects replies up to and including the final one.
+    fn opt(&mut self, o: &ClientOption) -> Vec<OptionReply> {
+        self.send_opt(o);
+        let mut v = Vec::new();
+        loop {
+            let (opt, r) = self.opt_reply().unwrap();
+            assert_eq!(opt, o.option(), "reply to the wrong option");
+            let fin = !matches!(
+                r,
+                OptionReply::Info(_) | OptionReply::Server { .. } | OptionReply::MetaContext { .. }
+            );
+            v.push(r);
+            if fin {
+                return v;
+            }
+        }
+    }
+
+    fn negotiate(&mut self, mode: ReplyMode, meta: bool) -> GoInfo {
+        self.start();
+        match mode {
+            ReplyMode::Simple => {}
+            ReplyMode::Structured => {
+                assert_eq!(self.opt(&ClientOption::StructuredReply), [OptionReply::Ack])
+            }
+            ReplyMode::Extended => {
+                assert_eq!(self.opt(&ClientOption::ExtendedHeaders), [OptionReply::Ack])
+            }
+        }
+        if meta && mode != ReplyMode::Simple {
+            let r = self.opt(&ClientOption::SetMetaContext(MetaContextRequest {
+                name: String::new(),
+                queries: vec![META_CONTEXT_BASE_ALLOCATION.into()],
+            }));
+            assert_eq!(r.len(), 2, "{r:?}");
+            assert!(
+                matches!(&r[0], OptionReply::MetaContext { name, .. } if name == META_CONTEXT_BASE_ALLOCATION)
+            );
+        }
+        let r = self.opt(&ClientOption::Go(InfoRequest {
+            name: String::new(),
+            info: vec![INFO_BLOCK_SIZE],
+        }));
+        self.mode = mode;
+        go_info(&r)
+    }
+
+    fn send_req(&mut self, typ: u16, flags: u16, offset: u64, len: u64, payload: &[u8]) -> u64 {
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
+        self.send_req_cookie(cookie, typ, flags, offset, len, payload);
+        cookie
+    }
+
+    fn send_req_cookie(
+        &mut self,
+        cookie: u64,
+        typ: u16,
+        mut flags: u16,
+        offset: u64,
+        len: u64,
+        payload: &[u8],
+    ) {
+        let ext = self.mode.extended();
+        if ext && !payload.is_empty() {
+            flags |= CMD_FLAG_PAYLOAD_LEN;
+        }
+        let mut b = Vec::with_capacity(32 + payload.len());
+        Request {
+            flags,
+            typ,
+            cookie,
+            offset,
+            length: len,
+        }
+        .encode(&mut b, ext);
+        b.extend_from_slice(payload);
+        self.send(&b);
+        self.pending.insert(cookie, Pending { typ, offset, len });
+    }
+
+    /// Reads messages until one reply is complete.
+    fn recv(&mut self) -> Reply {
+        loop {
+            if let Some(r) = self.recv_one() {
+                return r;
+            }
+        }
+    }
+
+    fn recv_one(&mut self) -> Option<Reply> {
+        let hl = match self.mode {
+            ReplyMode::Extended => EXTENDED_REPLY_HEADER_LEN,
+            _ => 4,
+        };
+        let mut h = self.read_n(hl).unwrap();
+        if !self.mode.extended() {
+            let magic = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+            let rest = if magic == SIMPLE_REPLY_MAGIC {
+                SIMPLE_REPLY_LEN - 4
+            } else {
+                STRUCTURED_REPLY_HEADER_LEN - 4
+            };
+            h.extend(self.read_n(rest).unwrap());
+        }
+        let (hdr, _) = decode_reply_header(&h, self.mode).unwrap();
+        let cookie = hdr.cookie();
+        let p = *self
+            .pending
+            .get(&cookie)
+            .unwrap_or_else(|| panic!("reply for unknown cookie {cookie}: {hdr:?}"));
+        match hdr {
+            ReplyHeader::Simple { error, .. } => {
+                assert!(
+                    !self.partial.contains_key(&cookie),
+                    "simple reply after chunks"
+                );
+                let mut r = Reply {
+                    cookie,
+                    error,
+                    simple: true,
+                    ..Default::default()
+                };
+                if p.typ == CMD_READ && error == 0 {
+                    assert_ne!(
+                        self.mode,
+                        ReplyMode::Structured,
+                        "simple reply to a structured read"
+                    );
+                    r.data = self.read_n(p.len as usize).unwrap();
+                }
+                self.pending.remove(&cookie);
+                Some(r)
+            }
+            ReplyHeader::Chunk {
+                flags,
+                typ,
+                offset,
+                length,
+                extended,
+                ..
+            } => {
+                if extended {
+                    assert_eq!(
+                        offset, p.offset,
+                        "extended reply offset must match the request"
+                    );
+                }
+                assert!(length <= 40 * MIB, "chunk of {length} bytes");
+                let payload = self.read_n(length as usize).unwrap();
+                let chunk = decode_chunk(typ, &payload).unwrap();
+                let r = self.partial.entry(cookie).or_insert_with(|| Reply {
+                    cookie,
+                    data: if p.typ == CMD_READ {
+                        vec![0xee; p.len as usize]
+                    } else {
+                        Vec::new()
+                    },
+                    ..Default::default()
+                });
+                match chunk {
+                    Chunk::None => {
+                        assert!(flags & REPLY_FLAG_DONE != 0, "NONE without DONE");
+                    }
+                    Chunk::OffsetData { offset, data } => {
+                        assert_eq!(p.typ, CMD_READ);
+                        let start = offset - p.offset;
+                        assert!(offset >= p.offset && start + data.len() as u64 <= p.len);
+                        r.data[start as usize..start as usize + data.len()].copy_from_slice(data);
+                        r.covered.push((start, data.len() as u64));
+                        r.data_chunks += 1;
+                    }
+                    Chunk::OffsetHole { offset, length } => {
+                        assert_eq!(p.typ, CMD_READ);
+                        let start = offset - p.offset;
+                        assert!(offset >= p.offset && start + length as u64 <= p.len);
+                        r.data[start as usize..(start + length as u64) as usize].fill(0);
+                        r.covered.push((start, length as u64));
+                        r.hole_chunks += 1;
+                    }
+                    Chunk::BlockStatus {
+                        context_id,
+                        descriptors,
+                    } => {
+                        assert_eq!(p.typ, CMD_BLOCK_STATUS);
+                        let want = if extended {
+                            REPLY_TYPE_BLOCK_STATUS_EXT
+                        } else {
+                            REPLY_TYPE_BLOCK_STATUS
+                        };
+                        assert_eq!(typ, want);
+                        r.context_id = Some(context_id);
+                        r.descriptors = descriptors;
+                    }
+                    Chunk::Error { error, message } => {
+                        r.error = error;
+                        r.message = message;
+                    }
+                    Chunk::ErrorOffset { error, message, .. } => {
+                        r.error = error;
+                        r.message = message;
+                    }
+                    Chunk::Unknown { typ, .. } => panic!("unknown chunk type {typ}"),
+                }
+                if flags & REPLY_FLAG_DONE == 0 {
+                    return None;
+                }
+                let mut r = self.partial.remove(&cookie).unwrap();
+                self.pending.remove(&cookie);
+                if p.typ == CMD_READ && r.error == 0 {
+                    // Chunks must not overlap and must cover the request.
+                    r.covered.sort();
+                    let mut pos = 0;
+                    for &(s, l) in &r.covered {
+                        assert_eq!(s, pos, "read chunks overlap or leave a gap");
+                        pos += l;
+                    }
+                    assert_eq!(pos, p.len, "read chunks do not cover the request");
+                }
+                Some(r)
+            }
+        }
+    }
+
+    fn cmd(&mut self, typ: u16, flags: u16, offset: u64, len: u64, payload: &[u8]) -> Reply {
+        let c = self.send_req(typ, flags, offset, len, payload);
+        let r = self.recv();
+        assert_eq!(r.cookie, c);
+        r
+    }
+
+    fn read(&mut self, offset: u64, len: u64) -> Vec<u8> {
+        let r = self.cmd(CMD_READ, 0, offset, len, &[]);
+        assert_eq!(r.error, 0, "read failed: {}", r.message);
+        r.data
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let r = self.cmd(CMD_WRITE, 0, offset, data.len() as u64, data);
+        assert_eq!(r.error, 0, "write failed: {}", r.message);
+    }
+
+    fn disc(&mut self) {
+        self.send_req(CMD_DISC, 0, 0, 0, &[]);
+        assert!(self.closed_by_server(), "no close after NBD_CMD_DISC");
+    }
+}
+
+fn go_info(r: &[OptionReply]) -> GoInfo {
+    assert_eq!(r.last(), Some(&OptionReply::Ack), "{r:?}");
+    let mut g = GoInfo {
+        size: 0,
+        flags: 0,
+        min: 0,
+        pref: 0,
+        max: 0,
+    };
+    let mut saw_export = false;
+    for x in r {
+        match x {
+            OptionReply::Info(Info::Export { size, flags }) => {
+                saw_export = true;
+                g.size = *size;
+                g.flags = *flags;
+            }
+            OptionReply::Info(Info::BlockSize {
+                min,
+                preferred,
+                max,
+            }) => {
+                g.min = *min;
+                g.pref = *preferred;
+                g.max = *max;
+            }
+            _ => {}
+        }
+    }
+    assert!(saw_export, "no NBD_INFO_EXPORT before ACK");
+    g
+}
+
+fn random(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut v = vec![0u8; n];
+    rng.fill(&mut v[..]);
+    v
+}
+
+fn is_error(r: &OptionReply, want: u32) -> bool {
+    matches!(r, OptionReply::Error { reply, .. } if *reply == want)
+}
+
+// ---------------------------------------------------------------------------
+// Handshake
+// ---------------------------------------------------------------------------
+
+#[test]
+fn handshake_options_and_errors() {
+    let h = Harness::start(Setup::default());
+    let mut c = h.conn();
+    c.start();
+
+    let r = c.opt(&ClientOption::List);
+    assert_eq!(
+        r,
+        [
+            OptionReply::Server {
+                name: String::new(),
+                description: String::new()
+            },
+            OptionReply::Ack
+        ]
+    );
+    // Unknown option: ERR_UNSUP and the handshake goes on.
+    let r = c.opt(&ClientOption::Unknown {
+        option: 0x7777,
+        data: vec![1, 2, 3],
+    });
+    assert!(is_error(&r[0], REP_ERR_UNSUP), "{r:?}");
+    let r = c.opt(&ClientOption::StartTls);
+    assert!(matches!(&r[0], OptionReply::Error { reply, .. } if reply & REP_FLAG_ERROR != 0));
+    // LIST with data is invalid.
+    let r = c.opt(&ClientOption::Unknown {
+        option: OPT_LIST,
+        data: vec![0],
+    });
+    assert!(is_error(&r[0], REP_ERR_INVALID), "{r:?}");
+    // Meta contexts need structured replies first.
+    let r = c.opt(&ClientOption::SetMetaContext(MetaContextRequest {
+        name: String::new(),
+        queries: vec![META_CONTEXT_BASE_ALLOCATION.into()],
+    }));
+    assert!(is_error(&r[0], REP_ERR_INVALID), "{r:?}");
+    // Unknown export.
+    let r = c.opt(&ClientOption::Info(InfoRequest {
+        name: "nope".into(),
+        info: vec![],
+    }));
+    assert!(is_error(&r[0], REP_ERR_UNKNOWN), "{r:?}");
+    // A malformed GO gets ERR_INVALID, not a disconnect.
+    let r = c.opt(&ClientOption::Unknown {
+        option: OPT_GO,
+        data: vec![0, 0, 0, 9],
+    });
+    assert!(is_error(&r[0], REP_ERR_INVALID), "{r:?}");
+
+    assert_eq!(c.opt(&ClientOption::StructuredReply), [OptionReply::Ack]);
+    let r = c.opt(&ClientOption::StructuredReply);
+    assert!(is_error(&r[0], REP_ERR_INVALID), "{r:?}");
+    assert_eq!(c.opt(&ClientOption::ExtendedHeaders), [OptionReply::Ack]);
+    let r = c.opt(&ClientOption::StructuredReply);
+    assert!(is_error(&r[0], REP_ERR_EXT_HEADER_REQD), "{r:?}");
+
+    // LIST_META_CONTEXT: all, "base:" wildcard, unknown namespace.
+    for (queries, found) in [
+        (vec![], true),
+        (vec!["base:".to_string()], true),
+        (vec!["qemu:dirty-bitmap:x".to_string()], false),
+    ] {
+        let r = c.opt(&ClientOption::ListMetaContext(MetaContextRequest {
+            name: String::new(),
+            queries,
+        }));
+        let n = r
+            .iter()
+            .filter(|x| matches!(x, OptionReply::MetaContext { name, .. } if name == META_CONTEXT_BASE_ALLOCATION))
+            .count();
+        assert_eq!(n, found as usize, "{r:?}");
+        assert_eq!(r.last(), Some(&OptionReply::Ack));
+    }
+    // SET with only "base:" selects nothing.
+    let r = c.opt(&ClientOption::SetMetaContext(MetaContextRequest {
+        name: String::new(),
+        queries: vec!["base:".into()],
+    }));
+    assert_eq!(r, [OptionReply::Ack]);
+    let r = c.opt(&ClientOption::SetMetaContext(MetaContextRequest {
+        name: String::new(),
+        queries: vec![META_CONTEXT_BASE_ALLOCATION.into()],
+    }));
+    let id = match &r[0] {
+        OptionReply::MetaContext { id, .. } => *id,
+        x => panic!("{x:?}"),
+    };
+
+    let r = c.opt(&ClientOption::Info(InfoRequest {
+        name: String::new(),
+        info: vec![INFO_NAME, INFO_BLOCK_SIZE, INFO_DESCRIPTION, 999],
+    }));
+    let g = go_info(&r);
+    assert!(r.contains(&OptionReply::Info(Info::Name(String::new()))));
+    assert_eq!(g.size, 8 * MIB);
+    assert_eq!((g.min, g.pref, g.max), (1, 4096, 32 << 20));
+    for f in [
+        FLAG_HAS_FLAGS,
+        FLAG_SEND_FLUSH,
+        FLAG_SEND_FUA,
+        FLAG_SEND_WRITE_ZEROES,
+        FLAG_SEND_DF,
+        FLAG_CAN_MULTI_CONN,
+        FLAG_SEND_CACHE,
+    ] {
+        assert!(g.flags & f != 0, "flag {f:#x} missing from {:#x}", g.flags);
+    }
+    assert_eq!(g.flags & FLAG_READ_ONLY, 0);
+    let r = c.opt(&ClientOption::Go(InfoRequest {
+        name: String::new(),
+        info: vec![INFO_BLOCK_SIZE],
+    }));
+    // Spec: GO after INFO with nothing in between gives the same flags.
+    assert_eq!(go_info(&r).flags, g.flags);
+    c.mode = ReplyMode::Extended;
+    let r = c.cmd(CMD_BLOCK_STATUS, 0, 0, 4096, &[]);
+    assert_eq!(r.error, 0);
+    assert_eq!(r.context_id, Some(id));
+    assert_eq!(c.read(100, 50), h.model[100..150]);
+    c.disc();
+
+    // ABORT: ACK, then the server closes.
+    let mut c = h.conn();
+    c.start();
+    assert_eq!(c.opt(&ClientOption::Abort), [OptionReply::Ack]);
+    assert!(c.closed_by_server());
+}
+
+#[test]
+fn export_name_with_and_without_zeroes() {
+    let h = Harness::start(Setup {
+        cfg: ServerConfig {
+            export_name: "disk".into(),
+            description: "a test disk".into(),
+            ..Setup::default().cfg
+        },
+        ..Default::default()
+    });
+    for no_zeroes in [false, true] {
+        let mut c = h.conn();
+        c.greeting();
+        c.client_flags(FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 });
+        c.send_opt(&ClientOption::ExportName("disk".into()));
+        let n = 10 + if no_zeroes { 0 } else { EXPORT_NAME_PADDING };
+        let b = c.read_n(n).unwrap();
+        let ((size, flags), used) = decode_export_name_reply(&b, no_zeroes).unwrap();
+        assert_eq!(used, n);
+        assert_eq!(size, h.model.len() as u64);
+        assert!(flags & FLAG_HAS_FLAGS != 0);
+        assert_eq!(flags & FLAG_SEND_DF, 0, "DF without structured replies");
+        if !no_zeroes {
+            assert!(b[10..].iter().all(|&x| x == 0));
+        }
+        assert_eq!(c.read(4096, 4096), h.model[4096..8192]);
+        c.disc();
+    }
+    // Named export: LIST shows it with its description, GO "" is unknown.
+    let mut c = h.conn();
+    c.start();
+    assert_eq!(
+        c.opt(&ClientOption::List)[0],
+        OptionReply::Server {
+            name: "disk".into(),
+            description: "a test disk".into()
+        }
+    );
+    let r = c.opt(&ClientOption::Go(InfoRequest::default()));
+    assert!(is_error(&r[0], REP_ERR_UNKNOWN));
+    let r = c.opt(&ClientOption::Go(InfoRequest {
+        name: "disk".into(),
+        info: vec![INFO_DESCRIPTION],
+    }));
+    assert!(r.contains(&OptionReply::Info(Info::Description("a test disk".into()))));
+    c.disc();
+    // EXPORT_NAME of an unknown export: no way to say so but hang up.
+    let mut c = h.conn();
+    c.start();
+    c.send_opt(&ClientOption::ExportName("other".into()));
+    assert!(c.closed_by_server());
+}
+
+// ---------------------------------------------------------------------------
+// Commands
+// ---------------------------------------------------------------------------
+
+/// Every command in one mode, checked against the model.
+fn all_commands(mode: ReplyMode) {
+    let mut h = Harness::start(Setup::default());
+    let (mut c, g) = h.open(mode);
+    assert_eq!(g.size, h.model.len() as u64);
+
+    // Unaligned and aligned writes, with and without FUA.
+    for (i, (off, len, fua)) in [
+        (0u64, 4096usize, false),
+        (12345, 777, true),
+        (MIB - 100, 300, false),
+        (3 * MIB, 1 << 20, true),
+        (8 * MIB - 512, 512, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let d = random(len, i as u64 + 100);
+        let r = c.cmd(
+            CMD_WRITE,
+            if fua { CMD_FLAG_FUA } else { 0 },
+            off,
+            len as u64,
+            &d,
+        );
+        assert_eq!(r.error, 0, "{}", r.message);
+        h.model[off as usize..off as usize + len].copy_from_slice(&d);
+    }
+    for (off, len) in [
+        (0u64, 8 * MIB),
+        (12000, 2000),
+        (MIB - 100, 300),
+        (8 * MIB - 1, 1),
+    ] {
+        assert!(c.read(off, len) == h.model[off as usize..(off + len) as usize]);
+    }
+    // Zeroes: may punch, must not punch, FUA.
+    for (off, len, flags) in [
+        (64 * KIB, 64 * KIB, 0),
+        (200 * KIB + 3, 10_000, CMD_FLAG_NO_HOLE),
+        (5 * MIB, 2 * MIB, CMD_FLAG_FUA),
+    ] {
+        let r = c.cmd(CMD_WRITE_ZEROES, flags, off, len, &[]);
+        assert_eq!(r.error, 0, "{}", r.message);
+        h.model[off as usize..(off + len) as usize].fill(0);
+        assert!(c.read(off, len).iter().all(|&b| b == 0));
+    }
+    // Trim: contents undefined afterwards, so write over it again.
+    let r = c.cmd(CMD_TRIM, 0, 6 * MIB, MIB, &[]);
+    assert_eq!(r.error, 0, "{}", r.message);
+    let d = random(MIB as usize, 7);
+    c.write(6 * MIB, &d);
+    h.model[6 * MIB as usize..7 * MIB as usize].copy_from_slice(&d);
+    for typ in [CMD_FLUSH, CMD_CACHE] {
+        let len = if typ == CMD_CACHE { MIB } else { 0 };
+        let r = c.cmd(typ, 0, 0, len, &[]);
+        assert_eq!(r.error, 0, "{}: {}", command_name(typ), r.message);
+        if mode != ReplyMode::Extended {
+            assert!(r.simple, "payload-less success may be a simple reply");
+        }
+    }
+    // Zero-length requests are harmless.
+    for typ in [CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, CMD_TRIM, CMD_CACHE] {
+        assert_eq!(c.cmd(typ, 0, 100, 0, &[]).error, 0, "{}", command_name(typ));
+    }
+    if mode == ReplyMode::Simple {
+        // No context negotiated: EINVAL, connection stays usable.
+        assert_eq!(c.cmd(CMD_BLOCK_STATUS, 0, 0, 4096, &[]).error, NBD_EINVAL);
+    } else {
+        let r = c.cmd(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 0, 4096, &[]);
+        assert_eq!(r.error, 0);
+        assert_eq!(r.descriptors.len(), 1);
+        assert!(r.descriptors[0].length <= 4096 && r.descriptors[0].length > 0);
+    }
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
+#[test]
+fn commands_with_simple_replies() {
+    all_commands(ReplyMode::Simple);
+}
+
+#[test]
+fn commands_with_structured_replies() {
+    all_commands(ReplyMode::Structured);
+}
+
+#[test]
+fn commands_with_extended_headers() {
+    all_commands(ReplyMode::Extended);
+}
+
+/// Data/hole truth from lseek, for comparing block status and hole chunks.
+fn seek_truth(path: &Path, off: u64, end: u64) -> Vec<(u64, u64, bool)> {
+    use rustix::fs::{seek, SeekFrom};
+    let f = std::fs::File::open(path).unwrap();
+    let mut v = Vec::new();
+    let mut pos = off;
+    while pos < end {
+        let data = match seek(&f, SeekFrom::Data(pos)) {
+            Ok(d) => d.min(end),
+            Err(_) => end,
+        };
+        if data > pos {
+            v.push((pos, data - pos, true));
+            pos = data;
+            continue;
+        }
+        let hole = seek(&f, SeekFrom::Hole(pos)).unwrap().min(end);
+        v.push((pos, hole - pos, false));
+        pos = hole;
+    }
+    v
+}
+
+#[test]
+fn sparse_reads_df_and_block_status() {
+    for mode in [ReplyMode::Structured, ReplyMode::Extended] {
+        let mut h = Harness::start(Setup {
+            fill: false,
+            ..Default::default()
+        });
+        let (mut c, _) = h.open(mode);
+        let d = random(256 * KIB as usize, 1);
+        c.write(MIB, &d);
+        c.write(4 * MIB + 4096, &d[..4096]);
+        h.model[MIB as usize..(MIB + 256 * KIB) as usize].copy_from_slice(&d);
+        h.model[(4 * MIB + 4096) as usize..(4 * MIB + 8192) as usize].copy_from_slice(&d[..4096]);
+        assert_eq!(c.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, 0);
+
+        // A read over holes and data: hole chunks where the file has holes.
+        let r = c.cmd(CMD_READ, 0, 0, 2 * MIB, &[]);
+        assert_eq!(r.error, 0);
+        assert_eq!(r.data, h.model[..2 * MIB as usize]);
+        assert!(r.hole_chunks >= 1, "no hole chunks over a sparse range");
+        assert!(r.data_chunks >= 1);
+        // DF: one data chunk with the zeros spelled out.
+        let r = c.cmd(CMD_READ, CMD_FLAG_DF, 0, 2 * MIB, &[]);
+        assert_eq!((r.data_chunks, r.hole_chunks), (1, 0));
+        assert_eq!(r.data, h.model[..2 * MIB as usize]);
+
+        // Block status against SEEK_DATA/SEEK_HOLE.
+        let size = h.model.len() as u64;
+        let truth = seek_truth(&h.path, 0, size);
+        let r = c.cmd(CMD_BLOCK_STATUS, 0, 0, size, &[]);
+        assert_eq!(r.error, 0, "{}", r.message);
+        let mut pos = 0;
+        for d in &r.descriptors {
+            assert!(d.length > 0);
+            let hole = d.status & STATE_HOLE as u64 != 0;
+            for &(o, l, th) in &truth {
+                let (s, e) = (o.max(pos), (o + l).min(pos + d.length));
+                if s < e {
+                    assert_eq!(
+                        hole, th,
+                        "descriptor at {pos}+{} vs lseek {o}+{l}",
+                        d.length
+                    );
+                }
+            }
+            if hole {
+                assert!(d.status & STATE_ZERO as u64 != 0);
+                assert!(h.model[pos as usize..(pos + d.length) as usize]
+                    .iter()
+                    .all(|&b| b == 0));
+            }
+            pos += d.length;
+        }
+        assert_eq!(pos, size, "descriptors cover the export");
+        // REQ_ONE in the middle of the data run.
+        let r = c.cmd(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, MIB + 4096, 8192, &[]);
+        assert_eq!(r.descriptors.len(), 1);
+        assert_eq!(r.descriptors[0].status, 0);
+        assert!(r.descriptors[0].length <= 8192);
+        c.disc();
+        h.stop().unwrap();
+        h.check_file();
+    }
+}
+
+#[test]
+fn extended_headers_carry_64_bit_lengths() {
+    let size = 6 << 30;
+    let h = Harness::start(Setup {
+        size,
+        fill: false,
+        ..Default::default()
+    });
+    let (mut c, g) = h.open(ReplyMode::Extended);
+    assert_eq!(g.size, size);
+    // One request over more than 4 GiB, which compact headers cannot say.
+    let r = c.cmd(CMD_BLOCK_STATUS, 0, 0, size, &[]);
+    assert_eq!(r.error, 0, "{}", r.message);
+    assert!(
+        r.descriptors[0].length > u32::MAX as u64,
+        "{:?}",
+        r.descriptors
+    );
+    let d = random(4096, 3);
+    c.write(5 << 30, &d);
+    let r = c.cmd(CMD_WRITE_ZEROES, 0, 0, 5 << 30, &[]);
+    assert_eq!(r.error, 0, "{}", r.message);
+    assert_eq!(c.read(5 << 30, 4096), d);
+    assert!(c.read((5 << 30) - 4096, 4096).iter().all(|&b| b == 0));
+    // Errors come as extended error chunks.
+    let r = c.cmd(CMD_READ, 0, size, 1, &[]);
+    assert_eq!(r.error, NBD_EINVAL);
+    assert!(!r.simple && !r.message.is_empty());
+    // A payload on a command that takes none is consumed, then refused.
+    let r = c.cmd(CMD_TRIM, 0, 0, 8, &[1; 8]);
+    assert_eq!(r.error, NBD_EINVAL);
+    assert_eq!(c.read(5 << 30, 4096), d);
+    c.disc();
+}
+
+#[test]
+fn sixty_four_requests_in_flight() {
+    let mut h = Harness::start(Setup {
+        size: 32 * MIB,
+        ..Default::default()
+    });
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(64);
+    // 64 writes to disjoint slots of 512 KiB, all sent before any reply.
+    let mut sent = HashMap::new();
+    for i in 0..64u64 {
+        let len = rng.gen_range(1..=256) * 1024 + rng.gen_range(0..512);
+        let off = i * 512 * KIB + rng.gen_range(0..1024);
+        let d = random(len as usize, 1000 + i);
+        let cookie = c.send_req(CMD_WRITE, 0, off, len, &d);
+        sent.insert(cookie, (off, d));
+    }
+    let mut order = Vec::new();
+    for _ in 0..64 {
+        let r = c.recv();
+        assert_eq!(r.error, 0, "{}", r.message);
+        let (off, d) = sent.remove(&r.cookie).expect("one reply per cookie");
+        h.model[off as usize..off as usize + d.len()].copy_from_slice(&d);
+        order.push(r.cookie);
+    }
+    assert!(sent.is_empty());
+    // 64 reads of random ranges in flight, mixed with flushes.
+    let mut reads = HashMap::new();
+    for i in 0..64u64 {
+        let off = rng.gen_range(0..31 * MIB);
+        let len = rng.gen_range(1..=MIB);
+        let cookie = c.send_req(CMD_READ, 0, off, len, &[]);
+        reads.insert(cookie, (off, len));
+        if i % 16 == 0 {
+            let f = c.send_req(CMD_FLUSH, 0, 0, 0, &[]);
+            reads.insert(f, (0, 0));
+        }
+    }
+    let mut seen = HashSet::new();
+    while !reads.is_empty() {
+        let r = c.recv();
+        assert!(seen.insert(r.cookie), "cookie answered twice");
+        let (off, len) = reads.remove(&r.cookie).unwrap();
+        assert_eq!(r.error, 0);
+        if len > 0 {
+            assert!(
+                r.data == h.model[off as usize..(off + len) as usize],
+                "read at {off}+{len}"
+            );
+        }
+    }
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
+#[test]
+fn bounds_and_bad_requests_keep_the_connection() {
+    for mode in [
+        ReplyMode::Simple,
+        ReplyMode::Structured,
+        ReplyMode::Extended,
+    ] {
+        let mut h = Harness::start(Setup::default());
+        let (mut c, g) = h.open(mode);
+        let size = g.size;
+        let cases: Vec<(u16, u16, u64, u64, Vec<u8>, u32)> = vec![
+            (CMD_READ, 0, size, 1, vec![], NBD_EINVAL),
+            (CMD_READ, 0, size - 10, 11, vec![], NBD_EINVAL),
+            (CMD_READ, 0, u64::MAX - 10, 100, vec![], NBD_EINVAL),
+            (CMD_WRITE, 0, size - 10, 20, vec![7; 20], NBD_ENOSPC),
+            (CMD_WRITE, 0, u64::MAX, 20, vec![7; 20], NBD_ENOSPC),
+            (CMD_WRITE_ZEROES, 0, size - 10, 20, vec![], NBD_ENOSPC),
+            (CMD_TRIM, 0, size, 4096, vec![], NBD_EINVAL),
+            (CMD_CACHE, 0, u64::MAX, 2, vec![], NBD_EINVAL),
+            (CMD_BLOCK_STATUS, 0, size, 4096, vec![], NBD_EINVAL),
+            (99, 0, 0, 0, vec![], NBD_EINVAL),
+            (CMD_READ, 1 << 7, 0, 512, vec![], NBD_EINVAL),
+            (CMD_READ, CMD_FLAG_FAST_ZERO, 0, 512, vec![], NBD_EINVAL),
+            (CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 4, vec![9; 4], NBD_EINVAL),
+            (CMD_READ, 0, 0, 33 << 20, vec![], NBD_EINVAL),
+        ];
+        for (typ, flags, off, len, payload, want) in cases {
+            let r = c.cmd(typ, flags, off, len, &payload);
+            assert_eq!(
+                r.error,
+                want,
+                "{:?}: {} flags {flags:#x} at {off}+{len}",
+                mode,
+                command_name(typ)
+            );
+            // Still in sync: a read right after works.
+            assert_eq!(c.read(10, 10), h.model[10..20]);
+        }
+        if mode == ReplyMode::Simple {
+            // DF without structured replies is not allowed.
+            assert_eq!(c.cmd(CMD_READ, CMD_FLAG_DF, 0, 512, &[]).error, NBD_EINVAL);
+        }
+        c.disc();
+        h.stop().unwrap();
+        h.check_file();
+    }
+}
+
+#[test]
+fn read_only_export_refuses_writes() {
+    let mut h = Harness::start(Setup {
+        cfg: ServerConfig {
+            read_only: true,
+            ..Setup::default().cfg
+        },
+        ..Default::default()
+    });
+    let (mut c, g) = h.open(ReplyMode::Structured);
+    assert!(g.flags & FLAG_READ_ONLY != 0);
+    assert_eq!(
+        g.flags & (FLAG_SEND_TRIM | FLAG_SEND_WRITE_ZEROES | FLAG_SEND_FAST_ZERO),
+        0
+    );
+    assert_eq!(c.cmd(CMD_WRITE, 0, 0, 16, &[1; 16]).error, NBD_EPERM);
+    assert_eq!(c.cmd(CMD_WRITE_ZEROES, 0, 0, 4096, &[]).error, NBD_EPERM);
+    assert_eq!(c.cmd(CMD_TRIM, 0, 0, 4096, &[]).error, NBD_EPERM);
+    assert_eq!(c.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, 0);
+    assert_eq!(c.read(0, 4096), h.model[..4096]);
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
+#[test]
+fn storage_errors_are_mapped_and_the_connection_survives() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    for mode in [ReplyMode::Simple, ReplyMode::Structured] {
+        let (mut c, _) = h.open(mode);
+        fault.fail_from(CallKind::Pread, 1, libc::EIO);
+        let r = c.cmd(CMD_READ, 0, 4096, 4096, &[]);
+        assert_eq!(r.error, NBD_EIO);
+        assert!(r.data.is_empty() || mode != ReplyMode::Simple);
+        fault.clear_rules();
+        for (errno, want) in [
+            (libc::ENOSPC, NBD_ENOSPC),
+            (libc::EDQUOT, NBD_ENOSPC),
+            (libc::EFBIG, NBD_ENOSPC),
+            (libc::EROFS, NBD_EPERM),
+            (libc::ENXIO, NBD_EIO),
+        ] {
+            fault.fail_from(CallKind::Pwrite, 1, errno);
+            fault.fail_from(CallKind::PwriteDsync, 1, errno);
+            let r = c.cmd(CMD_WRITE, 0, 0, 512, &[5; 512]);
+            assert_eq!(r.error, want, "errno {errno}");
+            fault.clear_rules();
+        }
+        fault.fail_from(CallKind::Fdatasync, 1, libc::EIO);
+        fault.fail_from(CallKind::Fsync, 1, libc::EIO);
+        assert_eq!(c.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, NBD_EIO);
+        fault.clear_rules();
+        assert_eq!(c.read(0, 4096), h.model[..4096]);
+        c.disc();
+    }
+    h.stop().unwrap();
+    h.check_file();
+}
+
+// ---------------------------------------------------------------------------
+// Hostile clients
+// ---------------------------------------------------------------------------
+
+#[test]
+fn hostile_clients_get_errors_or_a_clean_close() {
+    let mut h = Harness::start(Setup {
+        cfg: ServerConfig {
+            handshake_timeout: Duration::from_millis(500),
+            max_options: 32,
+            ..Setup::default().cfg
+        },
+        ..Default::default()
+    });
+    // One well-behaved client in transmission throughout.
+    let (mut good, _) = h.open(ReplyMode::Structured);
+    let mut check_good = |h: &Harness, what: &str| {
+        let d = good.read(0, 64 * KIB);
+        assert!(
+            d == h.model[..64 * KIB as usize],
+            "good client broken after {what}"
+        );
+    };
+
+    // Garbage instead of an option.
+    let mut c = h.conn();
+    c.start();
+    c.send(b"GARBAGE!GARBAGE!GARBAGE!");
+    assert!(c.closed_by_server(), "garbage option magic");
+    check_good(&h, "garbage magic");
+
+    // Unknown client flags.
+    let mut c = h.conn();
+    c.greeting();
+    c.client_flags(0x80);
+    assert!(c.closed_by_server(), "unknown client flags");
+
+    // Truncated handshake: half the client flags, then gone.
+    let mut c = h.conn();
+    c.greeting();
+    c.send(&[0, 0]);
+    drop(c);
+    check_good(&h, "truncated handshake");
+
+    // An option declaring 1 GiB of data: refused before any allocation.
+    let mut c = h.conn();
+    c.start();
+    let mut b = Vec::new();
+    OptionHeader {
+        option: OPT_GO,
+        len: 1 << 30,
+    }
+    .encode(&mut b);
+    c.send(&b);
+    let (opt, r) = c.opt_reply().unwrap();
+    assert_eq!(opt, OPT_GO);
+    assert!(is_error(&r, REP_ERR_TOO_BIG), "{r:?}");
+    assert!(c.closed_by_server());
+    check_good(&h, "huge option");
+
+    // Too many options: each answered, then the server hangs up.
+    let mut c = h.conn();
+    c.start();
+    let mut answered = 0;
+    for _ in 0..40 {
+        let mut b = Vec::new();
+        ClientOption::Unknown {
+            option: 0x4242,
+            data: vec![],
+        }
+        .encode(&mut b);
+        // The server may already have hung up.
+        if c.s.write_all(&b).is_err() {
+            break;
+        }
+        match c.opt_reply() {
+            Ok((_, r)) => {
+                assert!(is_error(&r, REP_ERR_UNSUP));
+                answered += 1;
+            }
+            Err(_) => break,
+        }
+    }
+    assert_eq!(answered, 32);
+    check_good(&h, "option flood");
+
+    // A client that never finishes the handshake is timed out.
+    let mut c = h.conn();
+    c.greeting();
+    let t0 = Instant::now();
+    assert!(c.closed_by_server(), "stalled handshake");
+    assert!(t0.elapsed() < Duration::from_secs(3));
+
+    // Transmission: garbage request magic.
+    let (mut c, _) = h.open(ReplyMode::Simple);
+    c.send(&[0xab; 28]);
+    assert!(c.closed_by_server(), "garbage request");
+    check_good(&h, "garbage request");
+
+    // Compact header on an extended connection.
+    let (mut c, _) = h.open(ReplyMode::Extended);
+    let mut b = Vec::new();
+    Request {
+        typ: CMD_READ,
+        length: 512,
+        ..Default::default()
+    }
+    .encode(&mut b, false);
+    b.extend_from_slice(&[0; 4]);
+    c.send(&b);
+    assert!(
+        c.closed_by_server(),
+        "compact header on extended connection"
+    );
+
+    // A write larger than the maximum payload: answered with an error and
+    // closed; its payload is never parsed as requests.
+    let (mut c, _) = h.open(ReplyMode::Simple);
+    let len = 64 * MIB;
+    let mut evil = Vec::new();
+    for i in 0..(4 * MIB / 28) {
+        // Payload that looks like valid write requests to offset 0.
+        Request {
+            typ: CMD_WRITE,
+            cookie: 1_000_000 + i,
+            offset: 0,
+            length: 0,
+            flags: 0,
+        }
+        .encode(&mut evil, false);
+    }
+    c.send_req_cookie(77, CMD_WRITE, 0, 0, len, &[]);
+    let _ = c.s.write_all(&evil);
+    let r = c.recv();
+    assert_eq!((r.cookie, r.error), (77, NBD_EINVAL));
+    assert!(c.closed_by_server(), "oversized write");
+    check_good(&h, "oversized write");
+
+    // Vanishing mid-payload: the partial write must not land.
+    let (mut c, _) = h.open(ReplyMode::Simple);
+    let mut b = Vec::new();
+    Request {
+        typ: CMD_WRITE,
+        cookie: 5,
+        offset: 0,
+        length: MIB,
+        flags: 0,
+    }
+    .encode(&mut b, false);
+    b.extend_from_slice(&[0x55; 1000]);
+    c.send(&b);
+    drop(c);
+    check_good(&h, "vanishing mid-payload");
+
+    // Vanishing with requests in flight.
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    for i in 0..32 {
+        c.send_req(CMD_READ, 0, i * 64 * KIB, 64 * KIB, &[]);
+    }
+    drop(c);
+    check_good(&h, "vanishing with reads in flight");
+
+    // Unknown command with an extended payload: consumed, refused.
+    let (mut c, _) = h.open(ReplyMode::Extended);
+    let r = c.cmd(0x55, 0, 0, 100, &[0x25; 100]);
+    assert_eq!(r.error, NBD_EINVAL);
+    assert_eq!(c.read(0, 4096), h.model[..4096]);
+    c.disc();
+
+    good.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
+#[test]
+fn connection_limit() {
+    let h = Harness::start(Setup {
+        cfg: ServerConfig {
+            max_connections: 2,
+            ..Setup::default().cfg
+        },
+        ..Default::default()
+    });
+    let (mut a, _) = h.open(ReplyMode::Structured);
+    let mut b = h.conn();
+    b.greeting();
+    // The third is closed at once, without a greeting.
+    let mut c = h.conn();
+    assert!(c.closed_by_server());
+    drop(b);
+    // A slot frees up once a connection ends.
+    let t0 = Instant::now();
+    loop {
+        let mut d = h.conn();
+        let mut g = [0u8; GREETING_LEN];
+        if d.s.read_exact(&mut g).is_ok() {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "slot never freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(a.read(0, 512), h.model[..512]);
+    a.disc();
+}
+
+#[test]
+fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
+    let mut h = Harness::start(Setup::default());
+    let (mut a, _) = h.open(ReplyMode::Structured);
+    let (mut b, _) = h.open(ReplyMode::Extended);
+    let d = random(MIB as usize, 9);
+    a.write(2 * MIB, &d);
+    h.model[2 * MIB as usize..3 * MIB as usize].copy_from_slice(&d);
+    assert_eq!(b.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, 0);
+    assert!(b.read(2 * MIB, MIB) == d);
+
+    // Requests in flight when shutdown starts are finished and answered.
+    let mut sent = HashMap::new();
+    for i in 0..16u64 {
+        let d = random(64 * KIB as usize, 50 + i);
+        let off = 4 * MIB + i * 64 * KIB;
+        let cookie = a.send_req(CMD_WRITE, 0, off, d.len() as u64, &d);
+        sent.insert(cookie, (off, d));
+    }
+    // Let the server read them off the socket before asking it to stop.
+    std::thread::sleep(Duration::from_millis(300));
+    h.stop.take().unwrap().send(true).unwrap();
+    for _ in 0..16 {
+        let r = a.recv();
+        assert_eq!(r.error, 0);
+        let (off, d) = sent.remove(&r.cookie).unwrap();
+        h.model[off as usize..off as usize + d.len()].copy_from_slice(&d);
+    }
+    assert!(a.closed_by_server());
+    assert!(b.closed_by_server());
+    h.thread.take().unwrap().join().unwrap().unwrap();
+    h.check_file();
+}
