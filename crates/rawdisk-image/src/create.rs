@@ -263,7 +263,7 @@ fn create_file(
 /// First `falloc` step: small, so that where fallocate is not supported the
 /// engine's own fallback writes only this much without progress; the rest
 /// is written here, with progress.
-const FALLOC_TRIAL: u64 = 64 << 20;
+const FALLOC_TRIAL: u64 = 16 << 20;
 /// `falloc` steps after the trial: tmpfs clears every page it allocates
 /// (about 0.25 s per GiB here), so show progress.
 const FALLOC_STEP: u64 = 1 << 30;
