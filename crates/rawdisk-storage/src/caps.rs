@@ -52,6 +52,35 @@ impl Method {
         }
     }
 
+    /// What the method does and what it costs, one line, for `probe`,
+    /// `info` and logs.
+    pub fn explain(self) -> &'static str {
+        match self {
+            Method::PunchHole => {
+                "fallocate(PUNCH_HOLE|KEEP_SIZE): frees the range, reads zeros; on a block \
+                 device a write-zeroes that may unmap and never falls back to writing"
+            }
+            Method::ZeroRange => {
+                "fallocate(ZERO_RANGE): zeros keeping the space allocated; on a block device \
+                 the kernel may fall back to writing zero pages"
+            }
+            Method::PunchAlloc => {
+                "PUNCH_HOLE then fallocate(0) on the same range: zeros keeping the space \
+                 allocated where ZERO_RANGE is missing (tmpfs)"
+            }
+            Method::Fallocate => {
+                "fallocate(0): allocate space without writing (preallocation=falloc)"
+            }
+            Method::BlkZeroout => {
+                "ioctl(BLKZEROOUT): device write-zeroes, the kernel writing zero pages \
+                 when the device cannot"
+            }
+            Method::BlkDiscard => "ioctl(BLKDISCARD): discard (trim) a block device range",
+            Method::SeekHole => "lseek(SEEK_DATA/SEEK_HOLE): map data and holes",
+            Method::WriteZeros => "pwrite of a zero buffer: always works, costs a full write",
+        }
+    }
+
     fn index(self) -> usize {
         self as usize
     }

@@ -9,6 +9,7 @@ pub mod caps;
 mod direct;
 pub mod error;
 pub mod fault;
+mod probe;
 mod registry;
 pub mod sys;
 mod target;
@@ -20,6 +21,7 @@ pub use caps::{Capabilities, CapsSnapshot, Method, MethodStats, Tri};
 pub use direct::AlignedBuf;
 pub use error::{Error, Result};
 pub use fault::{FaultRule, FaultSys};
+pub use probe::Probe;
 pub use target::{
     CacheMode, Extent, ExtentKind, Geometry, Kind, OpenOptions, Prealloc, PreallocReport,
     QueueLimits, Target, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,

@@ -661,6 +661,75 @@ fn real_sys_is_the_default() {
     assert_eq!(t.size(), 100);
 }
 
+/// `probe_methods` on real storage: files past their end (nothing changes),
+/// block devices on a scratch range.
+fn probe_check(t: &Target, s: &rawdisk_testkit::Scratch, kind: rawdisk_testkit::StorageKind) {
+    use rawdisk_testkit::StorageKind as K;
+    use Method::*;
+    let (size, alloc) = (t.size(), s.allocated());
+    let scratch = kind.is_block().then_some((0, 1 << 20));
+    let p = t.probe_methods(scratch).unwrap();
+    let got = |m: Method| {
+        p.iter()
+            .find(|p| p.method == m)
+            .map(|p| *p.result.as_ref().unwrap())
+    };
+    let (w, f) = (Some(Tri::Works), Some(Tri::Fails));
+    match kind {
+        K::Tmpfs => assert_eq!(
+            [
+                got(PunchHole),
+                got(ZeroRange),
+                got(Fallocate),
+                got(PunchAlloc)
+            ],
+            [w, f, w, w]
+        ),
+        K::Ramfs => assert_eq!(
+            [
+                got(PunchHole),
+                got(ZeroRange),
+                got(Fallocate),
+                got(PunchAlloc)
+            ],
+            [f, f, f, f]
+        ),
+        K::Ext4 | K::Xfs => assert_eq!(
+            [
+                got(PunchHole),
+                got(ZeroRange),
+                got(Fallocate),
+                got(PunchAlloc)
+            ],
+            [w, w, w, w]
+        ),
+        K::Loop512 | K::Loop4k => assert_eq!(
+            [
+                got(PunchHole),
+                got(ZeroRange),
+                got(BlkZeroout),
+                got(BlkDiscard)
+            ],
+            [w, w, w, w]
+        ),
+        K::LoopTmpfs => assert_eq!(
+            [got(ZeroRange), got(BlkZeroout), got(BlkDiscard)],
+            [w, w, w]
+        ),
+    }
+    if !kind.is_block() {
+        assert_eq!(got(SeekHole), w, "{kind}");
+        assert_eq!(t.size(), size, "{kind}: probe changed the size");
+        // The probed data blocks are freed again; an extent-tree block the
+        // file system added for them may stay (ext4 with 1 KiB blocks).
+        let now = s.allocated();
+        assert!(
+            now < alloc + (64 << 10),
+            "{kind}: probe left allocation behind: {alloc} -> {now}"
+        );
+    }
+}
+
 /// Real storage, every kind: the chain picks the method the capability
 /// matrix in RESULTS-baseline.md says the storage has, unaligned ranges on
 /// block devices work, data around the range is untouched.
@@ -683,7 +752,7 @@ fn smoke_every_storage_kind() {
         .filter(|k| std::env::var("RAWDISK_SMOKE_KIND").map_or(true, |v| v == k.name()))
         .map(|kind| {
             thread::spawn(move || {
-                let size = 16 * MIB;
+                let size = 8 * MIB;
                 let s = Scratch::new(kind, size);
                 let modes: &[CacheMode] = if kind == StorageKind::Ramfs {
                     &[CacheMode::Writeback]
@@ -704,9 +773,10 @@ fn smoke_every_storage_kind() {
                         let q = t.block_queue_limits().expect("queue limits");
                         assert_eq!(q.logical_block_size, Some(kind.sector_size() as u64));
                     }
+                    probe_check(&t, &s, kind);
                     fill(&t, size);
                     // Unaligned on every sector size: head and tail by hand.
-                    let (off, len) = (4097 + 511, 3 * MIB + 1234);
+                    let (off, len) = (4097 + 511, 2 * MIB + 1234);
                     let o1 = t.zero(off, len, trim).unwrap();
                     check_zeroed(&t, size, off, len);
                     fill(&t, size);
@@ -915,5 +985,65 @@ fn direct_zero_racing_unaligned_writes_in_the_same_block() {
             &pattern(i * a + a / 2 + 99, h)[..],
             "block {i}: write lost"
         );
+    }
+}
+
+#[test]
+fn probe_past_the_end_changes_nothing() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, 300_000);
+    t.flush().unwrap();
+    let alloc = t.allocated_bytes().unwrap();
+    let p = t.probe_methods(None).unwrap();
+    let got: Vec<_> = p
+        .iter()
+        .map(|p| (p.method, *p.result.as_ref().unwrap()))
+        .collect();
+    // /tmp is ext4: everything works.
+    for m in [
+        Method::PunchHole,
+        Method::ZeroRange,
+        Method::Fallocate,
+        Method::PunchAlloc,
+        Method::SeekHole,
+    ] {
+        assert!(got.contains(&(m, Tri::Works)), "{m}: {got:?}");
+        assert_eq!(t.caps().get(m), Tri::Works);
+    }
+    assert_eq!(t.size(), 300_000);
+    assert_eq!(t.allocated_bytes().unwrap(), alloc);
+    check_zeroed(&t, 300_000, 0, 0);
+    assert!(f.fallocate_calls() >= 3);
+}
+
+#[test]
+fn probe_learns_unsupported_and_scratch_range() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    fill(&t, 300_000);
+    f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
+    f.fail_from(
+        CallKind::Fallocate(FallocMode::AllocateKeepSize),
+        1,
+        libc::EOPNOTSUPP,
+    );
+    let p = t.probe_methods(None).unwrap();
+    assert_eq!(t.caps().get(Method::ZeroRange), Tri::Fails);
+    assert_eq!(t.caps().get(Method::Fallocate), Tri::Fails);
+    assert_eq!(t.caps().get(Method::PunchAlloc), Tri::Fails);
+    assert_eq!(t.caps().get(Method::PunchHole), Tri::Works);
+    assert!(p.iter().all(|p| p.result.is_ok()));
+    check_zeroed(&t, 300_000, 0, 0);
+    // Real errors are reported per method, not learned.
+    f.fail_once(PUNCH, f.calls(PUNCH) + 1, libc::EIO);
+    let p = t.probe_methods(Some((4096, 8192))).unwrap();
+    let punch = p.iter().find(|p| p.method == Method::PunchHole).unwrap();
+    assert_eq!(punch.result.as_ref().unwrap_err().errno(), Some(libc::EIO));
+    assert_eq!(t.caps().get(Method::PunchHole), Tri::Works);
+    // The scratch range was zeroed by the punch-alloc try; nothing else moved.
+    check_zeroed(&t, 300_000, 4096, 8192);
+    for m in Method::ALL {
+        assert!(!m.explain().is_empty());
     }
 }

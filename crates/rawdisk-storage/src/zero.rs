@@ -92,7 +92,7 @@ fn enotsup(offset: u64, len: u64) -> Error {
 }
 
 /// Result of one offloaded attempt.
-enum Try {
+pub(crate) enum Try {
     Done,
     Unsupported,
 }
@@ -205,7 +205,7 @@ impl Target {
         Ok(None)
     }
 
-    fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
+    pub(crate) fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
         let mode = match m {
             Method::PunchHole => FallocMode::PunchHole,
             Method::ZeroRange => FallocMode::ZeroRange { keep_size: true },
@@ -217,7 +217,7 @@ impl Target {
 
     /// Count the call; learn from success or a "not supported" errno; return
     /// any other error.
-    fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
+    pub(crate) fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
         match r {
             Ok(()) => {
                 self.caps.count(m, Some(n));
@@ -236,7 +236,7 @@ impl Target {
         }
     }
 
-    fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
+    pub(crate) fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
         let r = retry(|| self.sys.fallocate(self.fd(), FallocMode::PunchHole, off, n));
         match r {
             Ok(()) => {
