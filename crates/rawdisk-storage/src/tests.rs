@@ -1047,3 +1047,76 @@ fn probe_learns_unsupported_and_scratch_range() {
         assert!(!m.explain().is_empty());
     }
 }
+
+#[test]
+fn target_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Target>();
+    check::<FaultSys>();
+}
+
+/// BLKSSZGET failing (some old drivers) must not refuse the device: 4096 is
+/// assumed with a warning, which is safe for both 512 and 4096 devices.
+#[test]
+#[ignore = "needs root"]
+fn blksszget_failure_assumes_4096() {
+    use crate::sys::BlockGeometry;
+    use std::os::fd::BorrowedFd;
+    struct NoSsz;
+    impl Sys for NoSsz {
+        fn pread(&self, fd: BorrowedFd<'_>, b: &mut [u8], o: u64) -> std::io::Result<usize> {
+            RealSys.pread(fd, b, o)
+        }
+        fn pwrite(&self, fd: BorrowedFd<'_>, b: &[u8], o: u64) -> std::io::Result<usize> {
+            RealSys.pwrite(fd, b, o)
+        }
+        fn fallocate(
+            &self,
+            fd: BorrowedFd<'_>,
+            m: FallocMode,
+            o: u64,
+            l: u64,
+        ) -> std::io::Result<()> {
+            RealSys.fallocate(fd, m, o, l)
+        }
+        fn blkzeroout(&self, fd: BorrowedFd<'_>, o: u64, l: u64) -> std::io::Result<()> {
+            RealSys.blkzeroout(fd, o, l)
+        }
+        fn blkdiscard(&self, fd: BorrowedFd<'_>, o: u64, l: u64) -> std::io::Result<()> {
+            RealSys.blkdiscard(fd, o, l)
+        }
+        fn seek_data(&self, fd: BorrowedFd<'_>, o: u64) -> std::io::Result<Option<u64>> {
+            RealSys.seek_data(fd, o)
+        }
+        fn seek_hole(&self, fd: BorrowedFd<'_>, o: u64) -> std::io::Result<Option<u64>> {
+            RealSys.seek_hole(fd, o)
+        }
+        fn fsync(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+            RealSys.fsync(fd)
+        }
+        fn fdatasync(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+            RealSys.fdatasync(fd)
+        }
+        fn ftruncate(&self, fd: BorrowedFd<'_>, s: u64) -> std::io::Result<()> {
+            RealSys.ftruncate(fd, s)
+        }
+        fn fadvise_willneed(&self, fd: BorrowedFd<'_>, o: u64, l: u64) -> std::io::Result<()> {
+            RealSys.fadvise_willneed(fd, o, l)
+        }
+        fn block_geometry(&self, fd: BorrowedFd<'_>) -> std::io::Result<BlockGeometry> {
+            let g = RealSys.block_geometry(fd)?;
+            Ok(BlockGeometry {
+                logical_sector: None,
+                ..g
+            })
+        }
+    }
+    let dev = rawdisk_testkit::LoopDev::new(8 << 20, 512);
+    let t = Target::open_with_sys(dev.path(), &OpenOptions::default(), Arc::new(NoSsz)).unwrap();
+    assert_eq!(t.kind(), Kind::Block);
+    assert_eq!(t.geometry().logical_sector, 4096);
+    fill(&t, 8 << 20);
+    t.zero(1000, 20_000, ZeroFlags::default()).unwrap();
+    check_zeroed(&t, 8 << 20, 1000, 20_000);
+    drop(t);
+}
