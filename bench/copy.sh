@@ -1,0 +1,128 @@
+#!/bin/bash
+# bench/copy.sh -- `rawdisk copy` beside `qemu-img convert -n -W -m 16` and
+# `nbdcopy`: the seed workload (the sparse image from
+# ../shared/bench/make-image.sh) into each target kind, the destination dirty
+# (every byte previously written), to the local target and through an NBD
+# server exporting it. Not a test: prints medians and ratios.
+#
+# Usage (root): bench/copy.sh [TARGET...]      (default: tmpfs ext4 xfs blk)
+# Environment:
+#   RAWDISK_BIN   rawdisk binary (default target/release/rawdisk)
+#   COPY_SERVER   NBD server for the "nbd" rows: qemu-nbd (default), nbdkit,
+#                 or rawdisk (rawdisk serve)
+#   COPY_MODES    "local nbd" (default)
+#   BENCH_REPS    repetitions (default 3); tools rotate order every rep
+#   SRC_IMG, IMG_SIZE (default 2G), BENCH_WORK: see ../shared/bench/README.md
+#
+# Each run: target dirtied (untimed), [server started], copy timed, [server
+# stopped], destination compared with the source (cmp): a run that fails or
+# differs is reported, not counted. Ratio = rawdisk / min(qemu-img, nbdcopy).
+# qemu-img and nbdcopy do not flush the destination; rawdisk does unless
+# --no-flush, so both rawdisk variants are measured.
+
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SHARED=${SHARED_BENCH:-$HERE/../../shared/bench}
+: "${RAWDISK_BIN:=$HERE/../target/release/rawdisk}"
+RAWDISK_BIN=$(realpath "$RAWDISK_BIN")
+: "${IMG_SIZE:=2G}"
+export IMG_SIZE
+: "${COPY_SERVER:=qemu-nbd}"
+: "${COPY_MODES:=local nbd}"
+
+# shellcheck source=../../shared/bench/targets.sh
+source "$SHARED/targets.sh"
+
+[[ $(id -u) == 0 ]] || die "needs root (mounts, loop devices)"
+[[ -x "$RAWDISK_BIN" ]] || die "no rawdisk binary at $RAWDISK_BIN (cargo build --release)"
+if [[ "$COPY_SERVER" == rawdisk ]]; then
+  export SERVER_CMD_rawdisk="$RAWDISK_BIN serve --socket {socket} {file}"
+  SRV="custom:rawdisk"
+else
+  SRV=$COPY_SERVER
+fi
+TARGETS=("$@")
+[[ ${#TARGETS[@]} -gt 0 ]] || TARGETS=(tmpfs ext4 xfs blk)
+
+bash "$SHARED/make-image.sh" "$SRC_IMG"
+size=$(stat -c %s "$SRC_IMG")
+cat "$SRC_IMG" > /dev/null   # page cache: measure the copy, not the source disk
+OUT="$BENCH_WORK/copy-bench.$$.tsv"
+printf 'target\tmode\ttool\trep\tseconds\tok\n' > "$OUT"
+log "copy bench: $SRC_IMG ($size bytes) -> ${TARGETS[*]} modes=[$COPY_MODES] server=$COPY_SERVER reps=$BENCH_REPS"
+log "tools: $("$RAWDISK_BIN" --version) | $(qemu-img --version | head -1) | $(nbdcopy --version | head -1)"
+
+run_tool() { # tool dst -> runs the copy of $SRC_IMG to dst
+  case "$1" in
+    rawdisk) RUST_LOG=warn "$RAWDISK_BIN" copy -q "$SRC_IMG" "$2" ;;
+    # qemu-img (cache=unsafe for the output) and nbdcopy (no --flush) do not
+    # flush the destination; rawdisk does by default. Both are shown.
+    rawdisk-noflush) RUST_LOG=warn "$RAWDISK_BIN" copy -q --no-flush "$SRC_IMG" "$2" ;;
+    qemu-img) qemu-img convert -n -W -m 16 -f raw -O raw "$SRC_IMG" "$2" ;;
+    nbdcopy) nbdcopy "$SRC_IMG" "$2" ;;
+  esac
+}
+
+for tgt in "${TARGETS[@]}"; do
+  target_setup "$tgt" "$size"
+  target_dirty
+  for ((rep = 1; rep <= BENCH_REPS; rep++)); do
+    for mode in $COPY_MODES; do
+      mapfile -t order < <(rotate "$((rep - 1))" rawdisk rawdisk-noflush qemu-img nbdcopy)
+      for tool in "${order[@]}"; do
+        target_dirty
+        sync
+        dst=$TARGET_PATH
+        if [[ "$mode" == nbd ]]; then
+          server_start "$SRV" "$TARGET_PATH" "$size" || die "server $SRV failed"
+          dst=$SRV_URI
+        fi
+        t0=$(now)
+        set +e
+        run_tool "$tool" "$dst" 2> "$BENCH_WORK/copy-bench.err"
+        rc=$?
+        set -e
+        t1=$(now)
+        [[ "$mode" == nbd ]] && server_stop
+        dt=$(elapsed "$t0" "$t1")
+        ok=1
+        if ((rc != 0)); then
+          ok=0; log "$tool rc=$rc: $(head -c 300 "$BENCH_WORK/copy-bench.err")"
+        elif ! verify_same "$SRC_IMG" "$TARGET_PATH" "$size"; then
+          ok=0; log "$tool: DESTINATION DIFFERS FROM SOURCE"
+        fi
+        printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$tgt" "$mode" "$tool" "$rep" "$dt" "$ok" >> "$OUT"
+        log "$tgt $mode $tool rep$rep: ${dt}s ok=$ok"
+      done
+    done
+  done
+  target_teardown
+done
+
+# Medians of the good runs and the ratio to the faster other tool.
+echo
+echo "| target | mode | rawdisk s | rawdisk --no-flush s | qemu-img s | nbdcopy s | rawdisk / best other | --no-flush / best other |"
+echo "|---|---|---|---|---|---|---|---|"
+"$PY" - "$OUT" <<'EOF'
+import csv, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+keys = []
+for r in rows:
+    k = (r["target"], r["mode"])
+    if k not in keys:
+        keys.append(k)
+for t, m in keys:
+    med = {}
+    for tool in ("rawdisk", "rawdisk-noflush", "qemu-img", "nbdcopy"):
+        v = [float(r["seconds"]) for r in rows
+             if (r["target"], r["mode"], r["tool"]) == (t, m, tool) and r["ok"] == "1"]
+        med[tool] = statistics.median(v) if v else None
+    f = lambda x: "failed" if x is None else f"{x:.3f}"
+    others = [x for x in (med["qemu-img"], med["nbdcopy"]) if x is not None]
+    ratio = lambda x: f"{x / min(others):.2f}" if x is not None and others else "n/a"
+    print(f"| {t} | {m} | {f(med['rawdisk'])} | {f(med['rawdisk-noflush'])} | "
+          f"{f(med['qemu-img'])} | {f(med['nbdcopy'])} | {ratio(med['rawdisk'])} | "
+          f"{ratio(med['rawdisk-noflush'])} |")
+EOF
+echo
+log "raw results: $OUT"
