@@ -674,7 +674,12 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new(kind: StorageKind, size: u64) -> Scratch {
-        let room = size + size / 8 + 16 * MIB;
+        Scratch::with_room(kind, size, size + size / 8 + 16 * MIB)
+    }
+
+    /// Like [`Scratch::new`], with a file system of `room` bytes (for targets
+    /// that grow; ignored for loop devices and ramfs).
+    pub fn with_room(kind: StorageKind, size: u64, room: u64) -> Scratch {
         let (guard, path) = match kind {
             StorageKind::Loop512 => {
                 let d = LoopDev::new(size, 512);

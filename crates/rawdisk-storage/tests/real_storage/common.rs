@@ -1,0 +1,291 @@
+//! Shared helpers of the real-storage tests: opening targets through a
+//! recording / fault-injecting syscall layer, and what each storage kind is
+//! expected to support (from the baseline capability matrix,
+//! /work/shared/bench/RESULTS-baseline.md, kernel 6.18).
+
+use std::io;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use rawdisk_storage::sys::{
+    BlockGeometry, CallKind, DioAlign, FallocMode, FaultSys, FileStat, OpenHow, RealSys, Sys,
+};
+use rawdisk_storage::{Method, OpenOptions, Target, Tri, ZeroFlags};
+use rawdisk_testkit::StorageKind;
+
+pub const TRIM: ZeroFlags = ZeroFlags {
+    may_trim: true,
+    fast_only: false,
+};
+pub const NO_TRIM: ZeroFlags = ZeroFlags {
+    may_trim: false,
+    fast_only: false,
+};
+
+/// One syscall that changes data, as the engine issued it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Call {
+    pub kind: CallKind,
+    pub offset: u64,
+    pub len: u64,
+    pub ok: bool,
+}
+
+/// A `Sys` that records every data-changing call (with its range and
+/// whether it succeeded) and forwards everything to `inner`, so tests can
+/// check how a request was split: offsets advance, nothing overlaps, every
+/// byte is covered, no call is over the size limit.
+pub struct Recorder {
+    inner: Arc<dyn Sys>,
+    calls: Mutex<Vec<Call>>,
+}
+
+impl Recorder {
+    pub fn new(inner: Arc<dyn Sys>) -> Arc<Recorder> {
+        Arc::new(Recorder {
+            inner,
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn take(&self) -> Vec<Call> {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+
+    fn log<T>(&self, kind: CallKind, offset: u64, len: u64, r: &io::Result<T>) {
+        self.calls.lock().unwrap().push(Call {
+            kind,
+            offset,
+            len,
+            ok: r.is_ok(),
+        });
+    }
+}
+
+impl Sys for Recorder {
+    fn pread(&self, fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.inner.pread(fd, buf, offset)
+    }
+    fn pwrite(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
+        let r = self.inner.pwrite(fd, buf, offset);
+        // Record what was actually written (a short write counts as its length).
+        let n = *r.as_ref().unwrap_or(&buf.len()) as u64;
+        self.log(CallKind::Pwrite, offset, n, &r);
+        r
+    }
+    fn fallocate(
+        &self,
+        fd: BorrowedFd<'_>,
+        mode: FallocMode,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
+        let r = self.inner.fallocate(fd, mode, offset, len);
+        self.log(CallKind::Fallocate(mode), offset, len, &r);
+        r
+    }
+    fn blkzeroout(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        let r = self.inner.blkzeroout(fd, offset, len);
+        self.log(CallKind::BlkZeroout, offset, len, &r);
+        r
+    }
+    fn blkdiscard(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        let r = self.inner.blkdiscard(fd, offset, len);
+        self.log(CallKind::BlkDiscard, offset, len, &r);
+        r
+    }
+    fn seek_data(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
+        self.inner.seek_data(fd, offset)
+    }
+    fn seek_hole(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
+        self.inner.seek_hole(fd, offset)
+    }
+    fn fsync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        self.inner.fsync(fd)
+    }
+    fn fdatasync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        self.inner.fdatasync(fd)
+    }
+    fn ftruncate(&self, fd: BorrowedFd<'_>, size: u64) -> io::Result<()> {
+        let r = self.inner.ftruncate(fd, size);
+        self.log(CallKind::Ftruncate, size, 0, &r);
+        r
+    }
+    fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.fadvise_willneed(fd, offset, len)
+    }
+    fn block_geometry(&self, fd: BorrowedFd<'_>) -> io::Result<BlockGeometry> {
+        self.inner.block_geometry(fd)
+    }
+    fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
+        self.inner.open(path, how)
+    }
+    fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
+        self.inner.fstat(fd)
+    }
+    fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
+        self.inner.dio_align(fd)
+    }
+    fn pwrite_dsync(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
+        let r = self.inner.pwrite_dsync(fd, buf, offset);
+        let n = *r.as_ref().unwrap_or(&buf.len()) as u64;
+        self.log(CallKind::PwriteDsync, offset, n, &r);
+        r
+    }
+    fn read_sysfs(&self, path: &Path) -> io::Result<String> {
+        self.inner.read_sysfs(path)
+    }
+}
+
+/// A target opened through Recorder → FaultSys → the kernel.
+pub struct Probe {
+    pub target: Target,
+    pub fault: Arc<FaultSys>,
+    pub rec: Arc<Recorder>,
+}
+
+pub fn open_probe(path: &Path) -> Probe {
+    let fault = FaultSys::real();
+    let rec = Recorder::new(fault.clone());
+    let target = Target::open_with_sys(path, &OpenOptions::default(), rec.clone())
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    Probe { target, fault, rec }
+}
+
+pub fn open(path: &Path) -> Target {
+    Target::open_with_sys(path, &OpenOptions::default(), Arc::new(RealSys))
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()))
+}
+
+/// Fallocate calls of `mode` in either keep-size variant of ZERO_RANGE.
+pub fn falloc_calls(fault: &FaultSys, mode: FallocMode) -> u64 {
+    match mode {
+        FallocMode::ZeroRange { .. } => {
+            fault.calls(CallKind::Fallocate(FallocMode::ZeroRange {
+                keep_size: true,
+            })) + fault.calls(CallKind::Fallocate(FallocMode::ZeroRange {
+                keep_size: false,
+            }))
+        }
+        m => fault.calls(CallKind::Fallocate(m)),
+    }
+}
+
+/// Both ZERO_RANGE call kinds (the engine may or may not add KEEP_SIZE).
+pub const ZERO_RANGE_KINDS: [CallKind; 2] = [
+    CallKind::Fallocate(FallocMode::ZeroRange { keep_size: true }),
+    CallKind::Fallocate(FallocMode::ZeroRange { keep_size: false }),
+];
+pub const PUNCH: CallKind = CallKind::Fallocate(FallocMode::PunchHole);
+
+/// Make every call of `kinds` fail with `errno`.
+pub fn fail_always(fault: &FaultSys, kinds: &[CallKind], errno: i32) {
+    for k in kinds {
+        fault.fail_from(*k, 1, errno);
+    }
+}
+
+/// The method `zero` is expected to do the bulk of the work with on a fresh
+/// target of this kind (baseline capability matrix). Block devices: PUNCH_HOLE
+/// on a device is REQ_OP_WRITE_ZEROES with unmap and no fallback, and a loop
+/// device turns it into PUNCH_HOLE on its backing file, which works on ext4
+/// and on tmpfs alike; ZERO_RANGE on a device is write-zeroes with the kernel's
+/// own fallback to writing zero pages, so it "works" everywhere.
+pub fn expected_zero_method(kind: StorageKind, may_trim: bool) -> Method {
+    use StorageKind::*;
+    match (kind, may_trim) {
+        (Ramfs, _) => Method::WriteZeros,
+        (Tmpfs, true) | (Ext4, true) | (Xfs, true) => Method::PunchHole,
+        (Tmpfs, false) => Method::PunchAlloc,
+        (Ext4, false) | (Xfs, false) => Method::ZeroRange,
+        (Loop512 | Loop4k | LoopTmpfs, true) => Method::PunchHole,
+        (Loop512 | Loop4k | LoopTmpfs, false) => Method::ZeroRange,
+    }
+}
+
+/// Methods a zero call may legitimately use besides the expected one: the
+/// hand-written unaligned head/tail on block devices.
+pub fn allowed_extra(kind: StorageKind) -> &'static [Method] {
+    if kind.is_block() {
+        &[Method::WriteZeros]
+    } else {
+        &[]
+    }
+}
+
+/// Alignment of the ranges the engine offloads (fallocate, BLKZEROOUT,
+/// BLKDISCARD): 1 on files; on block devices the logical sector, but at least
+/// a page: blkdev_fallocate drops the device's page cache over the range
+/// before it tries the zero-out, zeroing the cached part of a partially
+/// covered page, and when the zero-out then fails (a loop device that lost
+/// write-zeroes) that page reads zeros the device never got. This suite's
+/// fast_only test on a loop device on tmpfs caught it with a 512-byte-aligned
+/// middle.
+pub fn offload_align(kind: StorageKind) -> u64 {
+    if kind.is_block() {
+        (kind.sector_size() as u64).max(4096)
+    } else {
+        1
+    }
+}
+
+/// Whether punching frees the allocation on this kind (for st_blocks checks
+/// of trimmed ranges). ramfs cannot punch.
+pub fn punch_frees(kind: StorageKind) -> bool {
+    kind != StorageKind::Ramfs
+}
+
+/// Asserts the state of `m` in the target's learned capabilities.
+#[track_caller]
+pub fn assert_tri(t: &Target, m: Method, want: Tri, what: &str) {
+    let got = t.caps().get(m);
+    assert_eq!(
+        got,
+        want,
+        "{what}: {m} is {}, expected {}; caps {:?}",
+        got.name(),
+        want.name(),
+        t.caps()
+    );
+}
+
+/// Checks that the successful calls of `calls` of the given kinds tile
+/// `[offset, offset+len)` exactly: no gap, no overlap (the write-zeros
+/// fallback must advance its offset every chunk; nbdkit and nbd-server once
+/// zeroed the first chunk over and over) and none is longer than `max`.
+#[track_caller]
+pub fn assert_tiles(calls: &[Call], kinds: &[CallKind], offset: u64, len: u64, max: u64) {
+    let mut sel: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.ok && kinds.contains(&c.kind))
+        .collect();
+    sel.sort_by_key(|c| c.offset);
+    let mut pos = offset;
+    for (n, c) in sel.into_iter().enumerate() {
+        assert_eq!(
+            c.offset, pos,
+            "call {n} ({:?} at {} len {}) does not continue at {pos}; calls {calls:?}",
+            c.kind, c.offset, c.len
+        );
+        assert!(
+            c.len > 0 && c.len <= max,
+            "call {n} length {} not in 1..={max}",
+            c.len
+        );
+        pos += c.len;
+    }
+    assert_eq!(
+        pos,
+        offset + len,
+        "calls cover {offset}..{pos}, expected ..{}: {calls:?}",
+        offset + len
+    );
+}
+
+/// Errno of an engine error (panics when it carries none).
+#[track_caller]
+pub fn errno_of(e: &rawdisk_storage::Error) -> i32 {
+    e.errno()
+        .unwrap_or_else(|| panic!("error without errno: {e}"))
+}

@@ -1,0 +1,159 @@
+//! `preallocate` in every mode on every kind: size, allocation, contents,
+//! the method that did it (falloc on ramfs falls back to full).
+
+use std::fs::File;
+
+use rawdisk_storage::sys::{CallKind, FallocMode};
+use rawdisk_storage::{Method, Prealloc};
+use rawdisk_testkit::{
+    allocated_bytes, check_pattern, check_zero, size_of, write_pattern, Fs, FsKind, LoopDev, KIB,
+    MIB,
+};
+
+use crate::common::*;
+
+const SIZE: u64 = 32 * MIB;
+
+fn expected_method(fs: FsKind, mode: Prealloc) -> Option<Method> {
+    match (fs, mode) {
+        (_, Prealloc::Off) => None,
+        (FsKind::Ramfs, Prealloc::Falloc) => Some(Method::WriteZeros),
+        (_, Prealloc::Falloc) => Some(Method::Fallocate),
+        (_, Prealloc::Full) => Some(Method::WriteZeros),
+    }
+}
+
+fn prealloc_on(fs: FsKind) {
+    let fsg = Fs::new(fs, 256 * MIB);
+    for (i, mode) in [Prealloc::Off, Prealloc::Falloc, Prealloc::Full]
+        .into_iter()
+        .enumerate()
+    {
+        let what = format!("{fs} {mode:?}");
+        // A new, empty image.
+        let path = fsg.path(&format!("new{i}.img"));
+        File::create(&path).unwrap();
+        let p = open_probe(&path);
+        let r = p
+            .target
+            .preallocate(SIZE, mode)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let want = expected_method(fs, mode);
+        if mode != Prealloc::Off {
+            assert_eq!(r.method, want, "{what}: {r:?}");
+        }
+        assert_eq!(size_of(&path), SIZE, "{what}");
+        assert_eq!(
+            p.target.size(),
+            SIZE,
+            "{what}: Target::size after preallocate"
+        );
+        let alloc = allocated_bytes(&path);
+        match mode {
+            // Sparse, but the first block allocated (for O_DIRECT alignment probing).
+            Prealloc::Off => assert!(alloc <= 256 * KIB, "{what}: {alloc} bytes allocated"),
+            _ => assert!(alloc >= SIZE, "{what}: only {alloc} bytes allocated"),
+        }
+        if fs == FsKind::Ramfs && mode == Prealloc::Falloc {
+            // Never glibc's posix_fallocate emulation (a 1-byte write per 4 KiB):
+            // the fallback writes big chunks.
+            let small = p
+                .rec
+                .take()
+                .into_iter()
+                .filter(|c| c.kind == CallKind::Pwrite && c.len < 64 * KIB)
+                .count();
+            assert!(small <= 1, "{what}: {small} small writes");
+        }
+        drop(p);
+        check_zero(&path, 0, SIZE);
+
+        // Growing an image that holds data: the old bytes stay, the new ones read zero.
+        let path = fsg.path(&format!("grow{i}.img"));
+        File::create(&path).unwrap();
+        write_pattern(&path, 0, MIB + 100, 40 + i as u64);
+        let p = open_probe(&path);
+        p.target.preallocate(8 * MIB, mode).unwrap();
+        assert_eq!(size_of(&path), 8 * MIB, "{what} grow");
+        check_pattern(&path, 0, MIB + 100, 40 + i as u64);
+        check_zero(&path, MIB + 100, 7 * MIB - 100);
+        let alloc = allocated_bytes(&path);
+        match mode {
+            Prealloc::Off => {
+                if fs != FsKind::Ramfs {
+                    assert!(alloc <= 2 * MIB, "{what} grow: {alloc} allocated")
+                }
+            }
+            _ => assert!(alloc >= 8 * MIB, "{what} grow: only {alloc} allocated"),
+        }
+        if mode == Prealloc::Falloc && fs != FsKind::Ramfs {
+            // fallocate(0) from the old end, not over the data.
+            let calls = p.rec.take();
+            let fa: Vec<&Call> = calls
+                .iter()
+                .filter(|c| {
+                    c.ok && matches!(
+                        c.kind,
+                        CallKind::Fallocate(FallocMode::Allocate | FallocMode::AllocateKeepSize)
+                    )
+                })
+                .collect();
+            assert!(!fa.is_empty(), "{what}: no fallocate: {calls:?}");
+            assert!(
+                fa.iter().all(|c| c.offset >= MIB),
+                "{what}: fallocate over the old data: {fa:?}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs root"]
+fn prealloc_tmpfs() {
+    prealloc_on(FsKind::Tmpfs)
+}
+#[test]
+#[ignore = "needs root"]
+fn prealloc_ramfs() {
+    prealloc_on(FsKind::Ramfs)
+}
+#[test]
+#[ignore = "needs root"]
+fn prealloc_ext4() {
+    prealloc_on(FsKind::Ext4)
+}
+#[test]
+#[ignore = "needs root"]
+fn prealloc_xfs() {
+    prealloc_on(FsKind::Xfs)
+}
+
+/// Block devices: a no-op when the size fits (data untouched), an error when
+/// it does not.
+#[test]
+#[ignore = "needs root"]
+fn prealloc_block() {
+    for ss in [512, 4096] {
+        let d = LoopDev::new(16 * MIB, ss);
+        write_pattern(d.path(), 0, 16 * MIB, 50);
+        let p = open_probe(d.path());
+        for mode in [Prealloc::Off, Prealloc::Falloc, Prealloc::Full] {
+            p.target
+                .preallocate(16 * MIB, mode)
+                .unwrap_or_else(|e| panic!("loop{ss} {mode:?}: {e}"));
+            p.target.preallocate(MIB, mode).unwrap();
+            let e = p
+                .target
+                .preallocate(16 * MIB + 4096, mode)
+                .expect_err("larger than the device");
+            let _ = e.to_string();
+        }
+        let calls = p.rec.take();
+        assert!(
+            calls.iter().all(|c| !c.ok),
+            "loop{ss}: preallocate changed something: {calls:?}"
+        );
+        assert_eq!(p.target.size(), 16 * MIB);
+        check_pattern(d.path(), 0, 16 * MIB, 50);
+    }
+}
