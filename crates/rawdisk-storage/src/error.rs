@@ -1,5 +1,6 @@
 use std::fmt;
 use std::io;
+use std::path::PathBuf;
 
 /// A failed storage operation: what was attempted, on which range, and the errno.
 #[derive(Debug)]
@@ -8,6 +9,9 @@ pub struct Error {
     pub offset: u64,
     pub len: u64,
     pub source: io::Error,
+    /// The file or device, where the operation has no range to name it by
+    /// (open); None otherwise (callers know which target they used).
+    pub path: Option<PathBuf>,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -19,7 +23,14 @@ impl Error {
             offset,
             len,
             source,
+            path: None,
         }
+    }
+
+    /// Name the file or device in the message.
+    pub fn with_path(mut self, path: impl Into<PathBuf>) -> Self {
+        self.path = Some(path.into());
+        self
     }
 
     /// The errno, when the failure came from the kernel (or was injected as one).
@@ -30,15 +41,15 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Whole-target operations (open, flush) carry no range.
-        if self.offset == 0 && self.len == 0 {
-            return write!(f, "{}: {}", self.op, self.source);
+        f.write_str(self.op)?;
+        if let Some(p) = &self.path {
+            write!(f, " {}", p.display())?;
         }
-        write!(
-            f,
-            "{} at offset {} length {}: {}",
-            self.op, self.offset, self.len, self.source
-        )
+        // Whole-target operations (open, flush) carry no range.
+        if self.offset != 0 || self.len != 0 {
+            write!(f, " at offset {} length {}", self.offset, self.len)?;
+        }
+        write!(f, ": {}", self.source)
     }
 }
 

@@ -968,22 +968,15 @@ fn no_direct(path: &Path, why: &str) -> Error {
         io::Error::new(
             io::ErrorKind::Unsupported,
             format!(
-                "{}: O_DIRECT (cache=none) is unsupported on this storage ({why}); \
-                 use cache=writeback",
-                path.display()
+                "O_DIRECT (cache=none) is unsupported on this storage ({why}); use cache=writeback"
             ),
         ),
     )
+    .with_path(path)
 }
 
 fn open_err(path: &Path, what: &'static str, e: io::Error) -> Error {
-    let kind = e.kind();
-    Error::new(
-        what,
-        0,
-        0,
-        io::Error::new(kind, format!("{}: {e}", path.display())),
-    )
+    Error::new(what, 0, 0, e).with_path(path)
 }
 
 /// Read /sys/dev/block/MAJ:MIN/queue/NAME as a number. Partitions have no

@@ -1120,3 +1120,53 @@ fn blksszget_failure_assumes_4096() {
     check_zeroed(&t, 8 << 20, 1000, 20_000);
     drop(t);
 }
+
+#[test]
+fn fua_uses_rwf_dsync_and_falls_back_to_fdatasync() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    t.write_at(b"abc", 0, true).unwrap();
+    assert_eq!(f.calls(CallKind::PwriteDsync), 1);
+    assert_eq!(f.calls(CallKind::Fdatasync), 0);
+    t.write_at(b"abc", 3, false).unwrap();
+    assert_eq!(f.calls(CallKind::PwriteDsync), 1);
+    // A kernel without pwritev2 / RWF_DSYNC: learned once, then
+    // pwrite + fdatasync.
+    f.fail_from(CallKind::PwriteDsync, 2, libc::ENOSYS);
+    t.write_at(b"def", 6, true).unwrap();
+    t.write_at(b"ghi", 9, true).unwrap();
+    assert_eq!(f.calls(CallKind::PwriteDsync), 2);
+    assert_eq!(f.calls(CallKind::Fdatasync), 2);
+    let mut b = [0u8; 12];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(&b, b"abcabcdefghi");
+    // A real error from the durable write is returned.
+    let (t2, f2) = open_fault(&tmp, OpenOptions::default());
+    f2.fail_once(CallKind::PwriteDsync, 1, libc::EIO);
+    assert_eq!(
+        t2.write_at(b"x", 0, true).unwrap_err().errno(),
+        Some(libc::EIO)
+    );
+}
+
+#[test]
+fn open_refuses_what_is_not_a_file_or_device() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let e = Target::open(dir.path(), &OpenOptions::default()).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::EISDIR), "{e}");
+    let e = Target::open(&dir.path().join("missing"), &OpenOptions::default()).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ENOENT), "{e}");
+    assert!(e.to_string().starts_with("open /tmp/"), "{e}");
+    assert!(e.to_string().contains("missing: "), "{e}");
+    let p = dir.path().join("new.img");
+    let opts = OpenOptions {
+        create_new: true,
+        ..Default::default()
+    };
+    let t = Target::open(&p, &opts).unwrap();
+    assert_eq!(t.size(), 0);
+    assert!(
+        Target::open(&p, &opts).is_err(),
+        "create_new on an existing file"
+    );
+}
