@@ -190,5 +190,23 @@ def assert_export_is(uri, model, what="export"):
         assert_same_bytes(read_export(h), model, f"{what} read over NBD")
 
 
-def nbd_errno(excinfo):
-    return excinfo.value.errnum
+def wait_all(h, cookies, timeout_s=60):
+    """Drive the handle until every cookie is retired; {cookie: errno or 0}."""
+    result = {}
+    pending = set(cookies)
+    rounds = 0
+    while pending:
+        h.poll(1000)
+        rounds += 1
+        assert rounds < timeout_s * 10, f"{len(pending)} commands never completed"
+        for c in list(pending):
+            try:
+                done = h.aio_command_completed(c)
+            except nbd.Error as e:
+                result[c] = e.errnum
+                pending.discard(c)
+                continue
+            if done:
+                result[c] = 0
+                pending.discard(c)
+    return result

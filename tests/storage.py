@@ -39,6 +39,16 @@ def scratch_dir(prefix="rawdisk-test-"):
 
 
 @contextlib.contextmanager
+def scratch_dir_in(parent):
+    """A unique directory inside a (shared, session-wide) mount."""
+    path = tempfile.mkdtemp(prefix="t-", dir=parent)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def mounted(fstype, source, options=None):
     """Mount on a fresh unique directory; unmount (lazily if busy) and remove it."""
     with scratch_dir(prefix=f"rawdisk-{fstype}-") as mnt:

@@ -12,7 +12,7 @@ import nbd
 import pytest
 
 from helpers import (KiB, MiB, allocated_bytes, assert_export_is, assert_target_is, connected,
-                     is_hole_at, make_image, random_bytes, seek_hole_extents)
+                     is_hole_at, make_image, random_bytes, seek_hole_extents, wait_all)
 
 SIZE = 32 * MiB
 
@@ -27,28 +27,6 @@ def export(workdir, serve):
 def sparse_export(workdir, serve):
     path, model = make_image(workdir, "sparse.img", SIZE, seed=22, sparse=True)
     return path, model, serve(path)
-
-
-def wait_all(h, cookies, timeout_s=60):
-    """Drive the handle until every cookie is retired; {cookie: errno or 0}."""
-    result = {}
-    pending = set(cookies)
-    rounds = 0
-    while pending:
-        h.poll(1000)
-        rounds += 1
-        assert rounds < timeout_s * 10, f"{len(pending)} commands never completed"
-        for c in list(pending):
-            try:
-                done = h.aio_command_completed(c)
-            except nbd.Error as e:
-                result[c] = e.errnum
-                pending.discard(c)
-                continue
-            if done:
-                result[c] = 0
-                pending.discard(c)
-    return result
 
 
 def block_status_extents(h, offset, length, flags=0):
