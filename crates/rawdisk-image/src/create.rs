@@ -19,6 +19,8 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, Kind, Method, OpenOptions, Prealloc, Target, ZeroFlags};
@@ -39,6 +41,9 @@ pub struct CreateOptions {
     pub cache: CacheMode,
     /// Keep a partial file when creating it fails.
     pub keep_on_error: bool,
+    /// Set (by a signal handler) to stop at the next chunk: the create then
+    /// fails as interrupted and cleans up like any other failure.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl CreateOptions {
@@ -51,6 +56,7 @@ impl CreateOptions {
             zero: false,
             cache: CacheMode::Writeback,
             keep_on_error: false,
+            cancel: None,
         }
     }
 }
@@ -276,6 +282,19 @@ const ZERO_STEP: u64 = 1 << 30;
 
 type StorageResult<T> = std::result::Result<T, rawdisk_storage::Error>;
 
+/// EINTR-like error for a create stopped by the user at `off`.
+fn check_cancel(opts: &CreateOptions, op: &'static str, off: u64, len: u64) -> StorageResult<()> {
+    match &opts.cancel {
+        Some(c) if c.load(Ordering::Relaxed) => Err(rawdisk_storage::Error::new(
+            op,
+            off,
+            len,
+            io::Error::new(io::ErrorKind::Interrupted, "interrupted by a signal"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Returns (method, fell back, bytes written).
 fn preallocate(
     t: &Target,
@@ -311,6 +330,7 @@ fn preallocate(
                 let mut end = first;
                 let res = (|| {
                     while end < size {
+                        check_cancel(opts, "preallocate (fallocate)", end, size - end)?;
                         let next = (end + FALLOC_STEP).min(size);
                         let r = t.preallocate(next, Prealloc::Falloc)?;
                         progress.advance(next - end);
@@ -359,6 +379,7 @@ fn write_zeros_from(
     let res = (|| {
         let mut off = from;
         while off < size {
+            check_cancel(opts, "preallocate (write zeros)", off, size - off)?;
             let n = (size - off).min(WRITE_CHUNK as u64) as usize;
             t.write_at(&buf[..n], off, false)?;
             progress.advance(n as u64);
@@ -399,6 +420,7 @@ fn create_on_device(opts: &CreateOptions, progress: &dyn Progress) -> Result<Cre
         let res = (|| {
             let mut off = 0;
             while off < dev {
+                check_cancel(opts, "zero", off, dev - off)?;
                 let n = (dev - off).min(ZERO_STEP);
                 let out = t.zero(
                     off,

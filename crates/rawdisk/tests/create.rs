@@ -234,3 +234,39 @@ fn block_devices_fit_and_zero() {
         check_zero(dev.path(), 0, 64 * MIB);
     }
 }
+
+#[test]
+#[ignore = "needs root"]
+fn interrupted_create_removes_the_file() {
+    let fs = Fs::tmpfs(3 << 30);
+    for signal in ["TERM", "INT"] {
+        let img = fs.path("big.img");
+        let child = rawdisk()
+            .args([
+                "create",
+                "--preallocation",
+                "full",
+                img.to_str().unwrap(),
+                "2G",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Signal once it is writing.
+        let t0 = std::time::Instant::now();
+        while std::fs::metadata(&img).map(|m| m.blocks()).unwrap_or(0) < 2048 {
+            assert!(t0.elapsed().as_secs() < 20, "create never started writing");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let st = std::process::Command::new("kill")
+            .args([format!("-{signal}"), child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let out = child.wait_with_output().unwrap();
+        let r = to_run(out).fails_one_line(1);
+        assert!(r.stderr.contains("interrupted"), "{signal}: {}", r.stderr);
+        assert!(!img.exists(), "{signal}: interrupted create left the file");
+    }
+}

@@ -9,6 +9,8 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use rawdisk_image::create::{create, CreateOptions};
 use rawdisk_image::progress::Bar;
@@ -89,6 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             CacheArg::None => CacheMode::None,
         },
         keep_on_error: args.keep_on_error,
+        cancel: Some(cancel_on_signal()),
     };
     let bar = if args.quiet {
         Bar::hidden()
@@ -100,4 +103,47 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{}", report.summary());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A flag set on SIGINT or SIGTERM: the create stops at its next chunk and
+/// removes what it wrote (instead of dying with a half-written image).
+fn cancel_on_signal() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = flag.clone();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(_) => return flag,
+    };
+    // Register the handlers before returning, so a signal arriving right
+    // after is already caught.
+    let term = rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        (
+            signal(SignalKind::interrupt()).ok(),
+            signal(SignalKind::terminate()).ok(),
+        )
+    });
+    std::thread::spawn(move || {
+        rt.block_on(async move {
+            let (mut int, mut term) = term;
+            tokio::select! {
+                _ = recv_or_never(int.as_mut()) => {}
+                _ = recv_or_never(term.as_mut()) => {}
+            }
+        });
+        f.store(true, Ordering::Relaxed);
+    });
+    flag
+}
+
+async fn recv_or_never(s: Option<&mut tokio::signal::unix::Signal>) {
+    match s {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
 }
