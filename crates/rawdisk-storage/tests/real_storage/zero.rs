@@ -86,11 +86,13 @@ pub fn zero_ranges(kind: StorageKind) {
         let seed = 100 + i as u64;
         write_pattern(&path, 0, SIZE, seed);
         let before = s.allocated();
+        let stats_before = t.caps().snapshot();
         p.rec.take();
         let out = t
             .zero(off, len, flags)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let calls = p.rec.take();
+        let stats_after = t.caps().snapshot();
 
         let mut want = pattern_vec(seed, 0, SIZE as usize);
         want[off as usize..(off + len) as usize].fill(0);
@@ -136,6 +138,31 @@ pub fn zero_ranges(kind: StorageKind) {
                 *m == main || allowed_extra(kind).contains(m),
                 "{what}: unexpected method {m} in {:?}",
                 out.methods
+            );
+        }
+        // The counters: bytes per method add up to the request, split into
+        // the offloaded middle and the hand-written head and tail.
+        let a = offload_align(kind);
+        let (ms, me) = (off.div_ceil(a) * a, (off + len) / a * a);
+        let middle = if me > ms { me - ms } else { 0 };
+        let delta = |m: Method| {
+            let get = |snap: &rawdisk_storage::CapsSnapshot| {
+                snap.methods
+                    .iter()
+                    .find(|(mm, _, _)| *mm == m)
+                    .map(|(_, _, st)| st.bytes)
+                    .unwrap_or(0)
+            };
+            get(&stats_after) - get(&stats_before)
+        };
+        if main == Method::WriteZeros {
+            assert_eq!(delta(Method::WriteZeros), len, "{what}: write-zeros bytes");
+        } else {
+            assert_eq!(delta(main), middle, "{what}: {main} bytes");
+            assert_eq!(
+                delta(Method::WriteZeros),
+                len - middle,
+                "{what}: write-zeros bytes"
             );
         }
 
