@@ -144,7 +144,7 @@ pub fn zero_ranges(kind: StorageKind) {
         // the offloaded middle and the hand-written head and tail.
         let a = offload_align(kind);
         let (ms, me) = (off.div_ceil(a) * a, (off + len) / a * a);
-        let middle = if me > ms { me - ms } else { 0 };
+        let middle = me.saturating_sub(ms);
         let delta = |m: Method| {
             let get = |snap: &rawdisk_storage::CapsSnapshot| {
                 snap.methods
