@@ -223,37 +223,54 @@ impl Direct {
             } else {
                 None
             };
-            if whole_aligned {
-                t.pwrite_all(data, p_off, fua)?;
+            let written = if whole_aligned {
+                t.pwrite_all(data, p_off, fua)
             } else {
-                let mut bounce = AlignedBuf::zeroed((a1 - a0) as usize, self.mem_align());
-                let al = self.align as usize;
-                let first_partial = p_off > a0 || (p_end < a1 && a1 - a0 == self.align);
-                if first_partial {
-                    t.pread_upto(&mut bounce[..al], a0)?;
-                }
-                if p_end < a1 && a1 - a0 > self.align {
-                    let l = bounce.len();
-                    t.pread_upto(&mut bounce[l - al..], a1 - self.align)?;
-                }
-                bounce[(p_off - a0) as usize..(p_end - a0) as usize].copy_from_slice(data);
-                t.pwrite_all(&bounce, a0, fua)?;
-            }
+                self.rmw(t, data, p_off, a0, a1, fua)
+            };
+            // Cut the block padding past the end, also when the write failed
+            // half-way (it may have grown the file already).
             if let Some(old) = size_before {
-                let want = old.max(p_end);
+                let want = if written.is_ok() { old.max(p_end) } else { old };
                 if a1 > want {
                     retry(|| t.sys.ftruncate(t.fd(), want)).map_err(|e| {
                         Error::new(
-                            "write (trim the block padding past the end)",
+                            "write (cut the block padding past the end)",
                             p_off,
                             p_len,
                             e,
                         )
                     })?;
+                    if fua && written.is_ok() {
+                        // RWF_DSYNC made the padded size durable; make the
+                        // real one durable too.
+                        retry(|| t.sys.fdatasync(t.fd()))
+                            .map_err(|e| Error::new("write (FUA sync)", p_off, p_len, e))?;
+                    }
                 }
                 t.known_size.store(want, Ordering::Relaxed);
             }
+            written?;
         }
         Ok(())
+    }
+
+    /// Read the partial first and last blocks of [a0, a1), lay `data` over
+    /// them at `p_off`, write the whole span. Caller holds the range lock.
+    fn rmw(&self, t: &Target, data: &[u8], p_off: u64, a0: u64, a1: u64, fua: bool) -> Result<()> {
+        let p_end = p_off + data.len() as u64;
+        let mut bounce = AlignedBuf::zeroed((a1 - a0) as usize, self.mem_align());
+        let al = self.align as usize;
+        // Short reads (the end of a file inside the block) leave zeros.
+        let first_partial = p_off > a0 || (p_end < a1 && a1 - a0 == self.align);
+        if first_partial {
+            t.pread_upto(&mut bounce[..al], a0)?;
+        }
+        if p_end < a1 && a1 - a0 > self.align {
+            let l = bounce.len();
+            t.pread_upto(&mut bounce[l - al..], a1 - self.align)?;
+        }
+        bounce[(p_off - a0) as usize..(p_end - a0) as usize].copy_from_slice(data);
+        t.pwrite_all(&bounce, a0, fua)
     }
 }

@@ -1170,3 +1170,28 @@ fn open_refuses_what_is_not_a_file_or_device() {
         "create_new on an existing file"
     );
 }
+
+#[test]
+fn direct_failed_write_past_the_end_leaves_the_size() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, direct_opts());
+    t.write_at(&pattern(0, 1000), 0, false).unwrap();
+    assert_eq!(t.size(), 1000);
+    // The read-modify-write reads the block, then the write fails: the size
+    // must still be 1000 and the data intact.
+    f.fail_once(CallKind::Pwrite, f.calls(CallKind::Pwrite) + 1, libc::EIO);
+    let e = t.write_at(&pattern(1000, 50), 1000, false).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::EIO));
+    assert_eq!(t.size(), 1000);
+    let mut b = vec![0u8; 1000];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(b, pattern(0, 1000));
+    // FUA growth: padded block written durably, then cut and synced.
+    let syncs = f.calls(CallKind::Fdatasync);
+    t.write_at(&pattern(1000, 50), 1000, true).unwrap();
+    assert_eq!(t.size(), 1050);
+    assert_eq!(f.calls(CallKind::Fdatasync), syncs + 1);
+    let mut b = vec![0u8; 1050];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(b, pattern(0, 1050));
+}
