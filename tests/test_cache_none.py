@@ -1,0 +1,139 @@
+"""--cache none (O_DIRECT) on storage that supports it: ext4, XFS and loop
+devices with 512 and 4096-byte sectors. The target really is open with
+O_DIRECT, unaligned requests down to single bytes are served (through
+aligned bounce buffers with read-modify-write) without losing a neighbour,
+even when many of them hit the same sector at once. On ramfs, which refuses
+O_DIRECT, the server does not start and says why in one line. Needs root."""
+
+import os
+import subprocess
+
+import nbd
+import pytest
+
+import servers
+import storage
+from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, fill_device,
+                     make_image, random_bytes, wait_all)
+
+O_DIRECT = 0o40000  # x86-64 / aarch64 value, as /proc/PID/fdinfo shows it (octal flags)
+DIRECT_STORAGE = ["ext4_dir", "xfs_dir", "loop512", "loop4096"]
+
+
+@pytest.fixture
+def target(request):
+    name = request.param
+    where = request.getfixturevalue(name)
+    if name.startswith("loop"):
+        yield where, fill_device(where, seed=81)
+        return
+    with storage.scratch_dir_in(where) as d:
+        yield make_image(d, "disk.img", 16 * MiB, seed=81)
+
+
+def open_flags(pid, path):
+    """The open(2) flags of every descriptor `pid` has on `path`."""
+    real = os.path.realpath(path)
+    flags = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != real:
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                for line in f:
+                    if line.startswith("flags:"):
+                        flags.append(int(line.split()[1], 8))
+        except FileNotFoundError:
+            continue
+    return flags
+
+
+@pytest.mark.rawdisk_only("nbdkit's cache=none evicts pages instead of using O_DIRECT")
+@pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
+def test_target_is_opened_with_o_direct(target, serve):
+    path, model = target
+    srv = serve(path, cache="none")
+    with connected(srv.uri) as h:
+        assert h.pread(4096, 0) == model[:4096]
+        flags = open_flags(srv.pid, path)
+    assert flags, "server has no descriptor on the target"
+    assert all(f & O_DIRECT for f in flags), [oct(f) for f in flags]
+
+
+@pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
+def test_unaligned_single_byte_writes(target, serve):
+    path, model = target
+    srv = serve(path, cache="none")
+    size = len(model)
+    # strict=False: libnbd must send requests smaller than an advertised
+    # minimum block size instead of refusing them itself.
+    with connected(srv.uri, strict=False) as h:
+        for off in (0, 1, 511, 512, 4095, 4097, 65535, size - 1):
+            h.pwrite(bytes([off % 251]), off)
+            model[off] = off % 251
+        data = random_bytes(3 * 4096 + 3, seed=82)
+        h.pwrite(data, 12345)
+        model[12345:12345 + len(data)] = data
+        assert h.pread(1, size - 1) == model[size - 1:]
+        assert h.pread(10000, 4093) == model[4093:14093]
+        h.flush()
+    assert_export_is(srv.uri, model)
+    assert_target_is(path, model)
+
+
+@pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
+def test_concurrent_single_bytes_in_one_sector(target, serve):
+    """64 one-byte writes in flight to the same sectors: each is a
+    read-modify-write of the whole aligned block, so without a range lock
+    they overwrite each other's byte."""
+    path, model = target
+    srv = serve(path, cache="none")
+    with connected(srv.uri, strict=False) as h:
+        cookies = []
+        for i in range(64):
+            off = 8192 + i * 67  # spans a 4096-byte block boundary
+            cookies.append(h.aio_pwrite(nbd.Buffer.from_bytearray(bytes([i + 1])), off))
+            model[off] = i + 1
+        for i in range(64):
+            off = 65536 + 256 * KiB - 32 + i  # 64 adjacent bytes across a boundary
+            cookies.append(h.aio_pwrite(nbd.Buffer.from_bytearray(bytes([0xA0 ^ i])), off))
+            model[off] = 0xA0 ^ i
+        assert set(wait_all(h, cookies).values()) == {0}
+        h.flush()
+    assert_export_is(srv.uri, model)
+    assert_target_is(path, model)
+
+
+@pytest.mark.rawdisk_only("nbdkit 1.32 fails unaligned zero on block devices with EINVAL")
+@pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
+def test_zero_and_copy_in_direct_mode(target, serve, workdir):
+    path, model = target
+    src, src_model = make_image(workdir, "src.img", len(model), seed=83, sparse=True)
+    srv = serve(path, cache="none")
+    with connected(srv.uri, strict=False) as h:
+        h.zero(5000, 3, nbd.CMD_FLAG_NO_HOLE)
+        model[3:5003] = bytes(5000)
+        h.zero(MiB + 1, 2 * MiB - 1)
+        model[2 * MiB - 1:3 * MiB] = bytes(MiB + 1)
+    assert_export_is(srv.uri, model)
+    res = subprocess.run(["nbdcopy", "--connections", "4", src, srv.uri],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert_export_is(srv.uri, src_model)
+    assert_target_is(path, src_model)
+
+
+@pytest.mark.rawdisk_only("the contract: refuse O_DIRECT-less storage at start")
+def test_ramfs_refuses_to_start_with_one_clear_line(ramfs_dir, workdir):
+    with storage.scratch_dir_in(ramfs_dir) as d:
+        path, model = make_image(d, "disk.img", MiB, seed=84)
+        sock = os.path.join(workdir, "s.sock")
+        argv = servers.server_argv("rawdisk", path, sock=sock, cache="none")
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert res.returncode == 1, (res.returncode, res.stderr)
+        lines = [l for l in res.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1, res.stderr
+        assert lines[0].startswith("rawdisk:"), lines
+        assert "direct" in lines[0].lower(), lines
+        assert res.stdout == "", "printed a URI although it is not serving"
+        assert_target_is(path, model)
