@@ -17,7 +17,7 @@
 //! | [`Fs::xfs`] | XFS on loop on a tmpfs file | device at least 320 MiB: xfsprogs ≥ 5.19 refuses smaller |
 //! | [`LoopDev::new`] | loop device (512 or 4096-byte sectors, `--direct-io=on`) backed by a sparse file on ext4 (itself on tmpfs) | write-zeroes and discard offload work (ext4 has ZERO_RANGE and PUNCH_HOLE) |
 //! | [`LoopDev::on_tmpfs`] | loop device backed directly by a tmpfs file | "blk-nowz": the loop driver advertises write-zeroes, the first one fails in tmpfs (no ZERO_RANGE) and the driver sets `write_zeroes_max_bytes` to 0 for good; later BLKZEROOUT writes zero pages in the kernel and PUNCH_HOLE on the device fails with EOPNOTSUPP |
-//! | [`Scratch::new`] | one of the above by [`StorageKind`], with a target of `size` bytes (a sparse file or the device) | for tests parametrized over all kinds |
+//! | [`Scratch::new`] | one of the above by [`StorageKind`], with a target of `size` bytes (a sparse file or the device) | for tests parametrized over all kinds; [`Scratch::with_room`] for files that grow |
 //!
 //! Every guard undoes what it did (unmount, detach, remove its directories)
 //! in reverse order on `Drop`, which also runs when a test panics. A guard
@@ -25,6 +25,10 @@
 //! tests run as root a failed mount or attach is a test failure, not a skip.
 //! Without root the constructors panic with "needs root"; mark such tests
 //! `#[ignore = "needs root"]` so they are reported as ignored.
+//!
+//! A test process killed without unwinding (SIGKILL, a CI timeout) cannot
+//! run its guards' `Drop`; the first guard of the next test process sweeps
+//! what such dead processes left behind ([`sweep_stale`]).
 //!
 //! Drop order matters: declare the guard before anything that keeps files
 //! open on it (a `Target`), so the open handles are dropped first. If a
@@ -137,6 +141,8 @@ impl Stack {
 
     /// A fresh, unique, empty directory under the system temp dir.
     fn unique_dir(&mut self, what: &str) -> PathBuf {
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(sweep_stale);
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let nanos = std::time::SystemTime::now()
@@ -240,6 +246,100 @@ impl Drop for Stack {
                 }
             }
         }
+    }
+}
+
+/// The pid that created a guard directory `rawdisk-tk-<what>-<pid>-<n>-<nanos>`.
+fn guard_pid(component: &str) -> Option<u32> {
+    let rest = component.strip_prefix("rawdisk-tk-")?;
+    let mut parts = rest.rsplitn(4, '-');
+    let _nanos = parts.next()?;
+    let _n = parts.next()?;
+    parts.next()?.parse().ok()
+}
+
+/// The guard directory (under the temp dir) a path lies in, if its creator is dead.
+fn stale_guard_dir(path: &str) -> Option<PathBuf> {
+    let tmp = std::env::temp_dir();
+    let rel = Path::new(path).strip_prefix(&tmp).ok()?;
+    let first = rel.components().next()?.as_os_str().to_str()?;
+    let pid = guard_pid(first)?;
+    if Path::new(&format!("/proc/{pid}")).exists() {
+        return None;
+    }
+    Some(tmp.join(first))
+}
+
+/// Cleans up what guards of test processes that died without unwinding
+/// (SIGKILL, a CI timeout) left behind: unmounts (lazily) every mount under a
+/// `rawdisk-tk-*` directory whose creating process is gone, detaches loop
+/// devices backed by files there, removes the empty directories. Guards of
+/// live processes (teammates' tests running now) are never touched. Called
+/// once per process by the first guard.
+pub fn sweep_stale() {
+    if !is_root() {
+        return;
+    }
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    // Field 5 is the mount point (octal escapes for spaces, never in ours).
+    let mut mounts: Vec<String> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| stale_guard_dir(m).is_some())
+        .map(str::to_owned)
+        .collect();
+    let mut dirs = std::collections::BTreeSet::new();
+    // Loop devices first, while their backing files still have their paths
+    // (after a lazy unmount losetup only shows "/fs.img"). A device still
+    // holding a mounted file system is only marked autoclear and goes away
+    // when that file system's lazy unmount completes.
+    if let Ok(list) = try_run(
+        "losetup",
+        &[
+            "-l".into(),
+            "-n".into(),
+            "-O".into(),
+            "NAME,BACK-FILE".into(),
+        ],
+    ) {
+        let mut stale: Vec<(String, String)> = list
+            .lines()
+            .filter_map(|line| {
+                let mut f = line.split_whitespace();
+                Some((f.next()?.to_owned(), f.next()?.to_owned()))
+            })
+            .filter(|(_, back)| stale_guard_dir(back).is_some())
+            .collect();
+        // A loop device over a file on a loop-backed ext4 before that one.
+        stale.sort_by_key(|(_, back)| std::cmp::Reverse(back.len()));
+        for (dev, back) in stale {
+            dirs.insert(stale_guard_dir(&back).unwrap());
+            let r = try_run("losetup", &["-d".into(), dev.clone().into()]);
+            eprintln!("rawdisk-testkit: stale loop device {dev} ({back}) of a dead test process: losetup -d: {r:?}");
+        }
+    }
+    // Deepest first: the file system before the tmpfs under its loop device.
+    mounts.sort_by_key(|m| std::cmp::Reverse(m.matches('/').count()));
+    for m in &mounts {
+        dirs.insert(stale_guard_dir(m).unwrap());
+        let r = try_run("umount", &["-l".into(), m.into()]);
+        eprintln!("rawdisk-testkit: stale mount {m} of a dead test process: umount -l: {r:?}");
+    }
+    if let Ok(rd) = std::fs::read_dir(std::env::temp_dir()) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if let Some(d) = p.to_str().and_then(stale_guard_dir) {
+                dirs.insert(d);
+            }
+        }
+    }
+    for d in dirs {
+        for sub in ["mnt", "fs", "backing"] {
+            let _ = std::fs::remove_dir(d.join(sub));
+        }
+        let _ = std::fs::remove_dir(&d);
     }
 }
 
@@ -1071,12 +1171,17 @@ mod tests {
             check_pattern(d.path(), 0, MIB, 9);
             check_pattern(d.backing(), 0, MIB, 9);
             let dev = d.path().to_owned();
+            let back = d.backing().to_owned();
             drop(d);
-            let list = run("losetup", ["-a"]);
+            // The number may be reused at once by a concurrent test: look for
+            // this device with this backing file.
+            let list = run("losetup", ["-l", "-n", "-O", "NAME,BACK-FILE"]);
+            let mine = format!("{} {}", dev.display(), back.display());
             assert!(
-                !list.contains(&format!("{}:", dev.display())),
-                "{} still attached: {list}",
-                dev.display()
+                !list
+                    .lines()
+                    .any(|l| l.split_whitespace().collect::<Vec<_>>().join(" ") == mine),
+                "{mine} still attached: {list}"
             );
         }
     }
@@ -1120,5 +1225,95 @@ mod tests {
             );
             eprintln!("{kind}: {:?}", t.elapsed());
         }
+    }
+
+    /// A test process killed without unwinding leaves its mounts and loop
+    /// devices behind; the next process's sweep removes them.
+    #[test]
+    #[ignore = "needs root"]
+    fn sweep_cleans_after_a_killed_process() {
+        if std::env::var_os("RAWDISK_TK_ABORT_CHILD").is_some() {
+            let _fs = Fs::ext4(64 * MIB);
+            let _d = LoopDev::new(16 * MIB, 4096);
+            let _t = Fs::tmpfs(MIB);
+            std::process::abort();
+        }
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--include-ignored",
+                "--exact",
+                "tests::sweep_cleans_after_a_killed_process",
+            ])
+            .env("RAWDISK_TK_ABORT_CHILD", "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        assert!(!child.wait().unwrap().success(), "the child should abort");
+        let tag = format!("-{pid}-");
+        let left = |what: &str| -> usize {
+            let mnt = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+            let loops = run("losetup", ["-l", "-n", "-O", "BACK-FILE"]);
+            let dirs = std::fs::read_dir(std::env::temp_dir())
+                .unwrap()
+                .flatten()
+                .filter(|e| {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    n.starts_with("rawdisk-tk-") && n.contains(&tag)
+                })
+                .count();
+            let m = mnt
+                .lines()
+                .filter(|l| l.contains("rawdisk-tk-") && l.contains(&tag))
+                .count();
+            let l = loops
+                .lines()
+                .filter(|l| l.contains("rawdisk-tk-") && l.contains(&tag))
+                .count();
+            eprintln!("{what}: {m} mounts, {l} loop devices, {dirs} dirs of pid {pid}");
+            m + l + dirs
+        };
+        assert!(
+            left("before the sweep") >= 3,
+            "the aborted child left nothing to sweep?"
+        );
+        let child_loops: Vec<String> = run("losetup", ["-l", "-n", "-O", "NAME,BACK-FILE"])
+            .lines()
+            .filter(|l| l.contains(&tag))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+            .collect();
+        assert_eq!(child_loops.len(), 3, "ext4 + LoopDev::new (2)");
+        sweep_stale();
+        // Lazy unmounts and autoclear detaches finish asynchronously.
+        let mut n = left("after the sweep");
+        for _ in 0..50 {
+            if n == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            sweep_stale();
+            n = left("after the sweep");
+        }
+        assert_eq!(n, 0, "stale mounts, loop devices or dirs of pid {pid} left");
+        // Once unmounted, a leaked device's backing path no longer names the
+        // guard (losetup shows "/fs.img"): check by device name. A number may
+        // already be reused by a live guard, whose backing path is complete.
+        for _ in 0..50 {
+            let leaked: Vec<String> = run("losetup", ["-l", "-n", "-O", "NAME,BACK-FILE"])
+                .lines()
+                .filter(|l| {
+                    let mut f = l.split_whitespace();
+                    let (dev, back) = (f.next().unwrap_or(""), f.next().unwrap_or(""));
+                    child_loops.iter().any(|c| c == dev) && !back.contains("/rawdisk-tk-")
+                })
+                .map(str::to_owned)
+                .collect();
+            if leaked.is_empty() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("loop devices of pid {pid} still attached");
     }
 }
