@@ -525,6 +525,7 @@ impl Target {
     // ---- read / write ----
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_offset("read", offset, buf.len())?;
         if let Some(d) = &self.direct {
             return d.read_at(self, buf, offset);
         }
@@ -572,6 +573,7 @@ impl Target {
     /// `fua`: the data is durable when this returns.
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.check_writable("write", offset, buf.len() as u64)?;
+        check_offset("write", offset, buf.len())?;
         if let Some(d) = &self.direct {
             return d.write_at(self, buf, offset, fua);
         }
@@ -956,6 +958,15 @@ impl Target {
     /// O_DIRECT-friendly memory).
     pub fn aligned_buffer(&self, len: usize) -> AlignedBuf {
         AlignedBuf::zeroed(len, self.direct.as_ref().map_or(4096, |d| d.mem_align()))
+    }
+}
+
+/// Offsets past what off_t can hold are refused before any arithmetic
+/// (the kernel would say EINVAL; the alignment maths would overflow first).
+fn check_offset(op: &'static str, offset: u64, len: usize) -> Result<()> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(Error::new(op, offset, len as u64, errno(libc::EINVAL))),
     }
 }
 

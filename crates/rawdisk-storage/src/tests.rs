@@ -427,6 +427,13 @@ fn zero_and_trim_past_the_end_are_refused() {
     let t = Target::open(&tmp.path, &OpenOptions::default()).unwrap();
     assert!(t.zero(9_000, 1_001, ZeroFlags::default()).is_err());
     assert!(t.trim(u64::MAX - 1, 10).is_err());
+    let e = t.write_at(b"abc", u64::MAX - 1, false).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::EINVAL));
+    let e = t.read_at(&mut [0u8; 3], u64::MAX - 1).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::EINVAL));
+    let d = Target::open(&tmp.path, &direct_opts()).unwrap();
+    assert!(d.write_at(b"abc", u64::MAX - 1, false).is_err());
+    assert!(d.extents(u64::MAX - 1, 10, 10).unwrap().is_empty());
     t.zero(9_000, 1_000, ZeroFlags::default()).unwrap();
     assert_eq!(t.size(), 10_000);
 }
