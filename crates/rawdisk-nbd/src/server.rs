@@ -21,9 +21,9 @@ use std::cell::RefCell;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rawdisk_storage::{CacheMode, ExtentKind, Target, ZeroFlags};
+use rawdisk_storage::{CacheMode, ExtentKind, Kind, Target, ZeroFlags};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -85,6 +85,10 @@ impl Default for ServerConfig {
 const SPARSE_READ_MIN: u64 = 64 << 10;
 /// Extents looked up for one sparse read.
 const SPARSE_READ_RUNS: usize = 64;
+/// A hole lookup slower than this that found only data...
+const SPARSE_LOOKUP_SLOW: Duration = Duration::from_micros(200);
+/// ...makes this many following reads skip the lookup.
+const SPARSE_SKIP_READS: u64 = 64;
 /// Descriptors in one block status reply (the spec's SHOULD limit is 2^20;
 /// clients ask again from where the reply ends).
 const MAX_DESCRIPTORS: usize = 16 << 10;
@@ -117,6 +121,7 @@ struct Shared {
     pool: BufPool,
     caps_logged: AtomicU64,
     next_conn: AtomicU64,
+    sparse_skip: AtomicU64,
 }
 
 impl Server {
@@ -137,6 +142,7 @@ impl Server {
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 caps_logged: AtomicU64::new(caps_gen),
                 next_conn: AtomicU64::new(1),
+                sparse_skip: AtomicU64::new(0),
                 target,
                 cfg,
                 read_only,
@@ -535,45 +541,30 @@ where
                 )
                 .await?;
             }
-            ClientOption::StructuredReply => {
-                if mode == ReplyMode::Extended {
-                    reply_err(
-                        wr,
-                        &mut out,
-                        h.option,
+            ClientOption::StructuredReply | ClientOption::ExtendedHeaders => {
+                let want = if h.option == OPT_EXTENDED_HEADERS {
+                    ReplyMode::Extended
+                } else {
+                    ReplyMode::Structured
+                };
+                // Structured -> extended is an upgrade; the way back is not
+                // (spec: NBD_REP_ERR_EXT_HEADER_REQD), and repeating one is
+                // invalid.
+                let refusal = match (mode, want) {
+                    (ReplyMode::Extended, ReplyMode::Structured) => Some((
                         REP_ERR_EXT_HEADER_REQD,
                         "extended headers already negotiated",
-                    )
-                    .await?;
-                } else if mode == ReplyMode::Structured {
-                    reply_err(
-                        wr,
-                        &mut out,
-                        h.option,
-                        REP_ERR_INVALID,
-                        "structured replies already negotiated",
-                    )
-                    .await?;
-                } else {
-                    mode = ReplyMode::Structured;
-                    OptionReply::Ack.encode(h.option, &mut out);
-                    send(wr, &mut out).await?;
-                }
-            }
-            ClientOption::ExtendedHeaders => {
-                if mode == ReplyMode::Extended {
-                    reply_err(
-                        wr,
-                        &mut out,
-                        h.option,
-                        REP_ERR_INVALID,
-                        "extended headers already negotiated",
-                    )
-                    .await?;
-                } else {
-                    mode = ReplyMode::Extended;
-                    OptionReply::Ack.encode(h.option, &mut out);
-                    send(wr, &mut out).await?;
+                    )),
+                    (m, w) if m == w => Some((REP_ERR_INVALID, "already negotiated")),
+                    _ => None,
+                };
+                match refusal {
+                    Some((rep, msg)) => reply_err(wr, &mut out, h.option, rep, msg).await?,
+                    None => {
+                        mode = want;
+                        OptionReply::Ack.encode(h.option, &mut out);
+                        send(wr, &mut out).await?;
+                    }
                 }
             }
             ClientOption::ListMetaContext(req) | ClientOption::SetMetaContext(req) => {
@@ -985,6 +976,23 @@ async fn writer<W: AsyncWrite + Unpin>(
 }
 
 impl Shared {
+    /// Whether a read is worth a hole lookup: not on block devices (no
+    /// SEEK_HOLE there), not on fully allocated files (one fstat tells), not
+    /// right after lookups that were slow and found only data.
+    fn may_have_holes(&self, size: u64) -> bool {
+        let t = &self.target;
+        if t.kind() == Kind::Block {
+            return false;
+        }
+        let skipped = self
+            .sparse_skip
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+        if skipped.is_ok() {
+            return false;
+        }
+        !matches!(t.allocated_bytes(), Ok(a) if a >= size)
+    }
+
     /// Logs the target's learned capabilities once per change.
     fn note_caps(&self) {
         let caps = self.target.caps();
@@ -1262,11 +1270,18 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                 encode_chunk_none(&mut b, s.mode, to);
                 return whole(b);
             }
-            if !df && req.length >= SPARSE_READ_MIN {
+            if !df && req.length >= SPARSE_READ_MIN && sh.may_have_holes(s.size) {
+                let t0 = Instant::now();
                 if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
                     if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
                         return sparse_read(sh, s, req, to, &ext);
                     }
+                }
+                // SEEK_HOLE walks the whole data run on tmpfs (page cache
+                // lookups up to the next hole, not just this read's range):
+                // inside a long run, stop asking for a while.
+                if t0.elapsed() > SPARSE_LOOKUP_SLOW {
+                    sh.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
                 }
             }
             let p = offset_data_header_len(s.mode);

@@ -558,6 +558,19 @@ fn random(n: usize, seed: u64) -> Vec<u8> {
     v
 }
 
+/// A request header at offset 0, for bytes a well-behaved client would not send.
+fn raw_request(typ: u16, cookie: u64, length: u64, extended: bool) -> Vec<u8> {
+    let mut b = Vec::new();
+    Request {
+        typ,
+        cookie,
+        length,
+        ..Default::default()
+    }
+    .encode(&mut b, extended);
+    b
+}
+
 fn is_error(r: &OptionReply, want: u32) -> bool {
     matches!(r, OptionReply::Error { reply, .. } if *reply == want)
 }
@@ -1237,13 +1250,7 @@ fn hostile_clients_get_errors_or_a_clean_close() {
 
     // Compact header on an extended connection.
     let (mut c, _) = h.open(ReplyMode::Extended);
-    let mut b = Vec::new();
-    Request {
-        typ: CMD_READ,
-        length: 512,
-        ..Default::default()
-    }
-    .encode(&mut b, false);
+    let mut b = raw_request(CMD_READ, 1, 512, false);
     b.extend_from_slice(&[0; 4]);
     c.send(&b);
     assert!(
@@ -1258,14 +1265,7 @@ fn hostile_clients_get_errors_or_a_clean_close() {
     let mut evil = Vec::new();
     for i in 0..(4 * MIB / 28) {
         // Payload that looks like valid write requests to offset 0.
-        Request {
-            typ: CMD_WRITE,
-            cookie: 1_000_000 + i,
-            offset: 0,
-            length: 0,
-            flags: 0,
-        }
-        .encode(&mut evil, false);
+        evil.extend(raw_request(CMD_WRITE, 1_000_000 + i, 0, false));
     }
     c.send_req_cookie(77, CMD_WRITE, 0, 0, len, &[]);
     let _ = c.s.write_all(&evil);
@@ -1276,15 +1276,7 @@ fn hostile_clients_get_errors_or_a_clean_close() {
 
     // Vanishing mid-payload: the partial write must not land.
     let (mut c, _) = h.open(ReplyMode::Simple);
-    let mut b = Vec::new();
-    Request {
-        typ: CMD_WRITE,
-        cookie: 5,
-        offset: 0,
-        length: MIB,
-        flags: 0,
-    }
-    .encode(&mut b, false);
+    let mut b = raw_request(CMD_WRITE, 5, MIB, false);
     b.extend_from_slice(&[0x55; 1000]);
     c.send(&b);
     drop(c);
