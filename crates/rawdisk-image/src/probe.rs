@@ -204,6 +204,13 @@ pub fn probe(opts: &ProbeOptions) -> Result<ProbeReport> {
         true if opts.destructive => probe_device_destructive(path, &mut r)?,
         true => probe_device_sysfs(path, &mut r),
     }
+    // One order for every kind: the engine's method list.
+    r.methods.sort_by_key(|m| {
+        Method::ALL
+            .iter()
+            .position(|x| x.name() == m.method)
+            .unwrap_or(usize::MAX)
+    });
     Ok(r)
 }
 
