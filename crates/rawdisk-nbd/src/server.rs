@@ -75,7 +75,7 @@ impl Default for ServerConfig {
             max_options: 64,
             max_option_len: 64 << 10,
             max_payload: 32 << 20,
-            shutdown_grace: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(10),
         }
     }
 }
@@ -1440,28 +1440,18 @@ impl BufPool {
         let need = prefix + n + DATA_ALIGN;
         let picked = {
             let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-            // Smallest buffer that fits, else the largest (to grow).
-            let mut best: Option<usize> = None;
-            for (i, b) in g.iter().enumerate() {
-                best = match best {
-                    None => Some(i),
-                    Some(j) => {
-                        let (bj, bi) = (g[j].len(), b.len());
-                        let better = if bj >= need {
-                            bi >= need && bi < bj
-                        } else {
-                            bi > bj
-                        };
-                        Some(if better { i } else { j })
-                    }
-                };
-            }
+            // The smallest buffer that fits; a bigger request than any kept
+            // gets a fresh zeroed allocation (calloc/mmap), not a grown one
+            // (realloc would copy the old contents and memset the rest).
+            let best = g
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() >= need)
+                .min_by_key(|(_, b)| b.len())
+                .map(|(i, _)| i);
             best.map(|i| g.swap_remove(i))
         };
-        let mut buf = picked.unwrap_or_default();
-        if buf.len() < need {
-            buf.resize(need, 0);
-        }
+        let buf = picked.unwrap_or_else(|| vec![0u8; need]);
         let addr = buf.as_ptr() as usize + prefix;
         let start = (DATA_ALIGN - addr % DATA_ALIGN) % DATA_ALIGN;
         (buf, start)
@@ -1474,6 +1464,13 @@ impl BufPool {
         let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         if g.len() < self.max_bufs {
             g.push(buf);
+            return;
+        }
+        // Full: keep the bigger buffers, which are the costly ones to fault in.
+        if let Some((i, _)) = g.iter().enumerate().min_by_key(|(_, b)| b.len()) {
+            if g[i].len() < buf.len() {
+                g[i] = buf;
+            }
         }
     }
 }
