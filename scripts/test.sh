@@ -51,9 +51,9 @@ export RAWDISK_BIN="$PWD/target/release/rawdisk"
 
 status=0
 if is_root; then
-    cargo test --release --workspace -- --include-ignored || status=1
+    cargo test --release --workspace --no-fail-fast -- --include-ignored || status=1
 else
-    cargo test --release --workspace || status=1
+    cargo test --release --workspace --no-fail-fast || status=1
 fi
 
 if [ -d tests ] && ls tests/test_*.py >/dev/null 2>&1; then
