@@ -1,7 +1,7 @@
 //! NBD for rawdisk: a pure wire codec (`proto`: bytes in, values out, no I/O,
 //! fuzzed), and the server and client built on it.
 
+pub mod client;
 pub mod proto;
 pub mod server;
 pub mod uri;
-pub mod client;
