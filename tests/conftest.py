@@ -7,6 +7,7 @@ failure to build them is an error, never a skip.
 """
 
 import os
+import signal
 
 import pytest
 
@@ -16,7 +17,15 @@ import storage
 SERVER_KIND = servers.SERVER_KIND
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_configure(config):
+    # A CI timeout or a teammate's kill sends SIGTERM: turn it into the
+    # KeyboardInterrupt pytest handles by running every fixture's teardown,
+    # so no mount, loop device or server outlives the run.
+    signal.signal(signal.SIGTERM, _interrupt)
     config.addinivalue_line(
         "markers", "rawdisk_only(reason): an expectation reference servers do not meet")
 
@@ -127,14 +136,14 @@ def xfs_dir():
 @pytest.fixture
 def loop512():
     require_root()
-    with storage.loop_on_tmpfs(512, 64) as dev:
+    with storage.loop_on_tmpfs(512, 32) as dev:
         yield dev
 
 
 @pytest.fixture
 def loop4096():
     require_root()
-    with storage.loop_on_tmpfs(4096, 64) as dev:
+    with storage.loop_on_tmpfs(4096, 32) as dev:
         yield dev
 
 
@@ -142,7 +151,7 @@ def loop4096():
 def loop_on_ext4(ext4_dir):
     """A loop device whose backing file is on ext4, so its write-zeroes and
     discard become fallocate on that file (the baseline's "blk" target)."""
-    with storage.loop_on_dir(ext4_dir, 512, 64) as dev:
+    with storage.loop_on_dir(ext4_dir, 512, 32) as dev:
         yield dev
 
 

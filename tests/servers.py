@@ -65,7 +65,7 @@ def server_argv(kind, target, sock=None, bind=None, read_only=False, export_name
             argv.append("cache=none")
         return argv + list(extra)
     if kind == "qemu-nbd":
-        argv = ["qemu-nbd", "-f", "raw", "-t", "--pid-file", pid_file, "--discard=unmap"]
+        argv = ["qemu-nbd", "-f", "raw", "-t", "-e", "16", "--pid-file", pid_file, "--discard=unmap"]
         if bind:
             host, port = bind.rsplit(":", 1)
             argv += ["-b", host, "-p", port]

@@ -10,6 +10,7 @@ on a private tmpfs so nothing touches the VM disk and teammates' runs
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import uuid
@@ -142,3 +143,12 @@ def loop_on_dir(directory, sector_size, size_mib):
 
 def fs_type(path):
     return run("stat", "-f", "-c", "%T", path).strip()
+
+
+def logical_block_size(path):
+    """The logical sector size of a block device, or of the device holding
+    a file (what O_DIRECT alignment comes down to on ext4/XFS)."""
+    st = os.stat(path)
+    dev = st.st_rdev if stat.S_ISBLK(st.st_mode) else st.st_dev
+    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue/logical_block_size") as f:
+        return int(f.read())

@@ -5,6 +5,7 @@ aligned bounce buffers with read-modify-write) without losing a neighbour,
 even when many of them hit the same sector at once. On ramfs, which refuses
 O_DIRECT, the server does not start and says why in one line. Needs root."""
 
+import errno
 import os
 import subprocess
 
@@ -13,11 +14,13 @@ import pytest
 
 import servers
 import storage
+import wire
 from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, fill_device,
-                     make_image, random_bytes, wait_all)
+                     make_image, random_bytes)
 
 O_DIRECT = 0o40000  # x86-64 / aarch64 value, as /proc/PID/fdinfo shows it (octal flags)
 DIRECT_STORAGE = ["ext4_dir", "xfs_dir", "loop512", "loop4096"]
+NO_HOLE = 2  # NBD_CMD_FLAG_NO_HOLE
 
 
 @pytest.fixture
@@ -60,61 +63,103 @@ def test_target_is_opened_with_o_direct(target, serve):
     assert all(f & O_DIRECT for f in flags), [oct(f) for f in flags]
 
 
+@pytest.fixture
+def raw_client(serve):
+    """Raw-socket clients that do not ask for NBD_INFO_BLOCK_SIZE, so they
+    never promised alignment and the server must serve unaligned requests."""
+    opened = []
+
+    def connect(srv):
+        c = wire.RawClient(srv.connect_unix_or_tcp(timeout=30)).start().go(ask_block_size=False)
+        opened.append(c.sock)
+        return c
+
+    yield connect
+    for s in opened:
+        s.close()
+
+
+@pytest.mark.rawdisk_only("nbdkit 1.32 sends no NBD_INFO_BLOCK_SIZE")
 @pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
-def test_unaligned_single_byte_writes(target, serve):
+def test_minimum_block_size_is_the_direct_io_alignment(target, serve):
+    """Advertised honestly: the alignment O_DIRECT needs here (the logical
+    sector of the loop device underneath), not 1."""
+    path, _ = target
+    srv = serve(path, cache="none")
+    with connected(srv.uri) as h:
+        minimum = h.get_block_size(nbd.SIZE_MINIMUM)
+    assert minimum == storage.logical_block_size(path)
+
+
+@pytest.mark.rawdisk_only("nbdkit 1.32 advertises no minimum, so it accepts anything")
+@pytest.mark.parametrize("target", ["loop4096"], indirect=True)
+def test_client_that_promised_alignment_gets_einval_for_unaligned(target, serve):
+    """libnbd asks for NBD_INFO_BLOCK_SIZE, so it promised to align; the spec
+    lets the server answer EINVAL, and nothing may change."""
     path, model = target
     srv = serve(path, cache="none")
-    size = len(model)
-    # strict=False: libnbd must send requests smaller than an advertised
-    # minimum block size instead of refusing them itself.
     with connected(srv.uri, strict=False) as h:
-        for off in (0, 1, 511, 512, 4095, 4097, 65535, size - 1):
-            h.pwrite(bytes([off % 251]), off)
-            model[off] = off % 251
-        data = random_bytes(3 * 4096 + 3, seed=82)
-        h.pwrite(data, 12345)
-        model[12345:12345 + len(data)] = data
-        assert h.pread(1, size - 1) == model[size - 1:]
-        assert h.pread(10000, 4093) == model[4093:14093]
-        h.flush()
+        with pytest.raises(nbd.Error) as e:
+            h.pwrite(b"\xee", 4097)
+        assert e.value.errnum == errno.EINVAL
+        assert h.pread(4096, 4096) == model[4096:8192]
     assert_export_is(srv.uri, model)
     assert_target_is(path, model)
 
 
 @pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
-def test_concurrent_single_bytes_in_one_sector(target, serve):
-    """64 one-byte writes in flight to the same sectors: each is a
-    read-modify-write of the whole aligned block, so without a range lock
+def test_unaligned_single_byte_writes(target, serve, raw_client):
+    path, model = target
+    srv = serve(path, cache="none")
+    size = len(model)
+    c = raw_client(srv)
+    for off in (0, 1, 511, 512, 4095, 4097, 65535, size - 1):
+        assert c.request(wire.CMD_WRITE, off, 1, payload=bytes([off % 251]))[0] == 0, off
+        model[off] = off % 251
+    data = random_bytes(3 * 4096 + 3, seed=82)
+    assert c.request(wire.CMD_WRITE, 12345, len(data), payload=data)[0] == 0
+    model[12345:12345 + len(data)] = data
+    assert c.request(wire.CMD_READ, size - 1, 1) == (0, bytes(model[size - 1:]))
+    assert c.request(wire.CMD_READ, 4093, 10000) == (0, bytes(model[4093:14093]))
+    assert c.request(wire.CMD_FLUSH)[0] == 0
+    assert_export_is(srv.uri, model)
+    assert_target_is(path, model)
+
+
+@pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
+def test_concurrent_single_bytes_in_one_sector(target, serve, raw_client):
+    """128 one-byte writes in flight to the same sectors: each is a
+    read-modify-write of a whole aligned block, so without a range lock
     they overwrite each other's byte."""
     path, model = target
     srv = serve(path, cache="none")
-    with connected(srv.uri, strict=False) as h:
-        cookies = []
-        for i in range(64):
-            off = 8192 + i * 67  # spans a 4096-byte block boundary
-            cookies.append(h.aio_pwrite(nbd.Buffer.from_bytearray(bytes([i + 1])), off))
-            model[off] = i + 1
-        for i in range(64):
-            off = 65536 + 256 * KiB - 32 + i  # 64 adjacent bytes across a boundary
-            cookies.append(h.aio_pwrite(nbd.Buffer.from_bytearray(bytes([0xA0 ^ i])), off))
-            model[off] = 0xA0 ^ i
-        assert set(wait_all(h, cookies).values()) == {0}
-        h.flush()
+    c = raw_client(srv)
+    requests = []
+    for i in range(64):
+        off = 8192 + i * 67  # spans a 4096-byte block boundary
+        requests.append((wire.CMD_WRITE, off, 1, bytes([i + 1])))
+        model[off] = i + 1
+    for i in range(64):
+        off = 256 * KiB - 32 + i  # 64 adjacent bytes across a boundary
+        requests.append((wire.CMD_WRITE, off, 1, bytes([0xA0 ^ i])))
+        model[off] = 0xA0 ^ i
+    assert c.pipeline(requests) == [0] * len(requests)
+    assert c.request(wire.CMD_FLUSH)[0] == 0
     assert_export_is(srv.uri, model)
     assert_target_is(path, model)
 
 
 @pytest.mark.rawdisk_only("nbdkit 1.32 fails unaligned zero on block devices with EINVAL")
 @pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
-def test_zero_and_copy_in_direct_mode(target, serve, workdir):
+def test_zero_and_copy_in_direct_mode(target, serve, raw_client, workdir):
     path, model = target
     src, src_model = make_image(workdir, "src.img", len(model), seed=83, sparse=True)
     srv = serve(path, cache="none")
-    with connected(srv.uri, strict=False) as h:
-        h.zero(5000, 3, nbd.CMD_FLAG_NO_HOLE)
-        model[3:5003] = bytes(5000)
-        h.zero(MiB + 1, 2 * MiB - 1)
-        model[2 * MiB - 1:3 * MiB] = bytes(MiB + 1)
+    c = raw_client(srv)
+    assert c.request(wire.CMD_WRITE_ZEROES, 3, 5000, flags=NO_HOLE)[0] == 0
+    model[3:5003] = bytes(5000)
+    assert c.request(wire.CMD_WRITE_ZEROES, 2 * MiB - 1, MiB + 1)[0] == 0
+    model[2 * MiB - 1:3 * MiB] = bytes(MiB + 1)
     assert_export_is(srv.uri, model)
     res = subprocess.run(["nbdcopy", "--connections", "4", src, srv.uri],
                          capture_output=True, text=True, timeout=120)

@@ -108,9 +108,12 @@ class RawClient:
         assert magic == REPLY_MAGIC, f"bad option reply magic {magic:#x}"
         return option, rtype, recv_exact(self.sock, n)
 
-    def go(self, name=b""):
-        """NBD_OPT_GO with INFO_BLOCK_SIZE; fills size, tx_flags, block_size."""
-        infos = [INFO_BLOCK_SIZE]
+    def go(self, name=b"", ask_block_size=True):
+        """NBD_OPT_GO; fills size, tx_flags, block_size. Asking for
+        INFO_BLOCK_SIZE is a promise to honour the minimum block size (spec:
+        Size constraints), so a client that wants to send unaligned requests
+        the server must still serve does not ask."""
+        infos = [INFO_BLOCK_SIZE] if ask_block_size else []
         data = struct.pack(">I", len(name)) + name + struct.pack(">H", len(infos))
         data += b"".join(struct.pack(">H", i) for i in infos)
         self.send_option(OPT_GO, data)
@@ -144,6 +147,18 @@ class RawClient:
         assert magic == SIMPLE_REPLY_MAGIC, f"bad reply magic {magic:#x}"
         data = recv_exact(self.sock, read_len) if error == 0 and read_len else b""
         return cookie, error, data
+
+    def pipeline(self, requests):
+        """Send all (cmd, offset, length, payload) requests before reading
+        any reply, so the server has them all in flight; returns the errors
+        in request order (replies may come in any order)."""
+        cookies = [self.send_request(cmd, off, n, payload=p) for cmd, off, n, p in requests]
+        errors = {}
+        for _ in cookies:
+            cookie, error, _ = self.read_simple_reply()
+            assert cookie in cookies and cookie not in errors, cookie
+            errors[cookie] = error
+        return [errors[c] for c in cookies]
 
     def request(self, cmd, offset=0, length=0, flags=0, payload=b""):
         """One request, one reply; returns (errno, data)."""
