@@ -40,11 +40,14 @@ pub enum ZeroMode {
 
 #[derive(Debug, Clone)]
 pub struct CopyOptions {
-    /// Requests in flight (worker threads).
+    /// Requests in flight (worker threads); 0: 64 when a side is NBD, 16
+    /// between local targets.
     pub requests: usize,
     /// NBD connections per side when the server allows multi-conn.
     pub connections: usize,
-    /// Bytes per read/write request.
+    /// Bytes per read/write request; 0: 256 KiB when a side is NBD (what
+    /// NBD servers handle best), 2 MiB between local targets (fewer
+    /// syscalls and fewer lock round trips in the file system).
     pub request_size: u64,
     /// Granularity of the zero scan of data (0 disables it).
     pub sparse_size: u64,
@@ -60,9 +63,9 @@ pub struct CopyOptions {
 impl Default for CopyOptions {
     fn default() -> Self {
         CopyOptions {
-            requests: 64,
+            requests: 0,
             connections: 4,
-            request_size: 256 << 10,
+            request_size: 0,
             sparse_size: 4096,
             zero_mode: ZeroMode::MayTrim,
             preallocation: Prealloc::Off,
@@ -159,6 +162,17 @@ pub fn open_pair(
         },
     )
     .map_err(CopyError::io(Side::Source))?;
+    if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(a), Ok(b)) = (std::fs::metadata(source), std::fs::metadata(destination)) {
+            // Resizing or zeroing the destination would destroy the source.
+            if (a.dev(), a.ino()) == (b.dev(), b.ino()) {
+                return Err(CopyError::Setup(format!(
+                    "source {source} and destination {destination} are the same file"
+                )));
+            }
+        }
+    }
     let dst = open_destination(destination, src.size(), opts)?;
     Ok((src, dst))
 }
@@ -354,9 +368,7 @@ pub fn copy_endpoints(
         )));
     }
     let align = src.min_block().max(dst.min_block());
-    let max_io = src.max_io().min(dst.max_io());
-    let mut request = opts.request_size.clamp(align.max(4096), max_io.max(align));
-    request -= request % align;
+    let request = request_size(src, dst, opts);
     let sparse = if opts.sparse_size == 0 {
         0
     } else {
@@ -368,7 +380,10 @@ pub fn copy_endpoints(
         ZeroMode::Allocated => false,
     };
     let may_trim = opts.zero_mode != ZeroMode::Allocated;
-    let workers = opts.requests.max(1);
+    // Memory is workers × request: keep it under 1 GiB whatever the options.
+    let workers = opts
+        .requests
+        .clamp(1, ((1u64 << 30) / request).max(1) as usize);
     tracing::debug!(
         size,
         request,
@@ -469,6 +484,20 @@ pub fn copy_endpoints(
         bytes_skipped: counters.skipped.into_inner(),
         elapsed: t0.elapsed(),
     })
+}
+
+/// The request size for this pair: the option or the default for the pair,
+/// within both sides' maximum and a multiple of both sides' minimum block.
+fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
+    let align = src.min_block().max(dst.min_block());
+    let max_io = src.max_io().min(dst.max_io());
+    let wanted = match opts.request_size {
+        0 if src.is_nbd() || dst.is_nbd() => 256 << 10,
+        0 => 2 << 20,
+        n => n,
+    };
+    let r = wanted.clamp(align.max(4096), max_io.max(align));
+    r - r % align
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -587,9 +616,7 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
         )));
     }
     let align = src.min_block().max(dst.min_block());
-    let max_io = src.max_io().min(dst.max_io());
-    let mut request = opts.request_size.clamp(align.max(4096), max_io.max(align));
-    request -= request % align;
+    let request = request_size(src, dst, opts);
     let planner = Mutex::new(Planner {
         src,
         size,

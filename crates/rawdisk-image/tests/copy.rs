@@ -213,14 +213,24 @@ fn file_to_file_every_shape() {
         let src = dir.path().join(format!("src{i}.img"));
         let dst = dir.path().join(format!("dst{i}.img"));
         let want = make_image(&src, ODD, shape);
-        let st = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &opts()).unwrap();
-        same(&std::fs::read(&dst).unwrap(), &want, &format!("{shape:?}"));
-        assert_eq!(st.size, ODD);
-        assert_eq!(
-            st.bytes_written + st.bytes_zeroed + st.bytes_skipped,
-            ODD,
-            "{shape:?}: {st:?}"
-        );
+        // Default (2 MiB), NBD-like 256 KiB, and an odd size whose chunk
+        // boundaries do not fall on zero-scan blocks.
+        for request_size in [0, 256 << 10, 68 << 10] {
+            let _ = std::fs::remove_file(&dst);
+            let o = CopyOptions {
+                request_size,
+                ..opts()
+            };
+            let st = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &o).unwrap();
+            let what = format!("{shape:?} request {request_size}");
+            same(&std::fs::read(&dst).unwrap(), &want, &what);
+            assert_eq!(st.size, ODD);
+            assert_eq!(
+                st.bytes_written + st.bytes_zeroed + st.bytes_skipped,
+                ODD,
+                "{what}: {st:?}"
+            );
+        }
     }
 }
 
@@ -651,6 +661,22 @@ fn block_device_both_ways() {
             allocated_bytes(&back)
         );
     }
+}
+
+#[test]
+fn copying_a_file_onto_itself_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    let want = make_image(&src, ODD, Shape::Sparse);
+    let link = dir.path().join("link.img");
+    std::fs::hard_link(&src, &link).unwrap();
+    let e = copy::copy(src.to_str().unwrap(), link.to_str().unwrap(), &opts()).unwrap_err();
+    assert!(matches!(e, CopyError::Setup(_)), "{e}");
+    same(
+        &std::fs::read(&src).unwrap(),
+        &want,
+        "source after a refused self-copy",
+    );
 }
 
 #[test]

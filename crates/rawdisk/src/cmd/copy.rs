@@ -42,15 +42,17 @@ pub struct Args {
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
-    /// Requests in flight.
-    #[arg(short = 'm', long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    requests: u32,
+    /// Requests in flight [default: 64 when a side is NBD, 16 between
+    /// local files and devices].
+    #[arg(short = 'm', long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    requests: Option<u32>,
     /// NBD connections per side when the server allows multi-conn.
     #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     connections: u32,
-    /// Bytes per read and write request.
-    #[arg(long, default_value = "256K", value_parser = size_arg)]
-    request_size: u64,
+    /// Bytes per read and write request [default: 256K when a side is NBD,
+    /// 2M between local files and devices].
+    #[arg(long, value_parser = size_arg)]
+    request_size: Option<u64>,
     /// Zero blocks of this size in the data become zero requests (0: off).
     #[arg(short = 'S', long = "sparse-size", default_value = "4K", value_parser = size_arg)]
     sparse_size: u64,
@@ -78,13 +80,15 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
-    if a.request_size == 0 || a.request_size > 32 << 20 {
-        anyhow::bail!("--request-size must be between 1 byte and 32M");
+    if let Some(r) = a.request_size {
+        if r == 0 || r > 32 << 20 {
+            anyhow::bail!("--request-size must be between 1 byte and 32M");
+        }
     }
     let opts = CopyOptions {
-        requests: a.requests as usize,
+        requests: a.requests.unwrap_or(0) as usize,
         connections: a.connections as usize,
-        request_size: a.request_size,
+        request_size: a.request_size.unwrap_or(0),
         sparse_size: a.sparse_size,
         zero_mode: if a.target_is_zero {
             ZeroMode::Skip
