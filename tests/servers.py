@@ -60,6 +60,9 @@ def server_argv(kind, target, sock=None, bind=None, read_only=False, export_name
             argv.append("-r")
         if export_name is not None:
             argv += ["-e", export_name]
+        # Validation aid: TEST_NBDKIT_FILTERS="--filter=noextents" makes the
+        # reference server misbehave on purpose, to see the tests notice.
+        argv += os.environ.get("TEST_NBDKIT_FILTERS", "").split()
         argv += ["file", f"file={target}"]
         if cache == "none":
             argv.append("cache=none")

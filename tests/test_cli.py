@@ -1,0 +1,126 @@
+"""The `rawdisk serve` command line contract: the URI it prints once ready
+(Unix socket, TCP, export name), --pid-file, --create with each
+--preallocation, --max-connections and --handshake-timeout, and one-line
+errors for targets it cannot serve."""
+
+import os
+import subprocess
+import time
+import urllib.parse
+
+import nbd
+import pytest
+
+import servers
+import wire
+from helpers import (MiB, allocated_bytes, assert_export_is, assert_target_is, connect, connected,
+                     make_image, random_bytes)
+
+pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
+
+
+def test_prints_the_unix_uri_once_ready(workdir, serve):
+    path, model = make_image(workdir, "disk.img", MiB, seed=91)
+    srv = serve(path)
+    assert srv.printed_uri == f"nbd+unix:///?socket={srv.sock}"
+    assert_export_is(srv.printed_uri, model)
+
+
+def test_prints_the_tcp_uri_with_export_name(workdir, serve):
+    path, model = make_image(workdir, "disk.img", MiB, seed=92)
+    srv = serve(path, tcp=True, export_name="vm1")
+    uri = urllib.parse.urlparse(srv.printed_uri)
+    assert (uri.scheme, uri.hostname, uri.port, uri.path) == ("nbd", "127.0.0.1", srv.port, "/vm1")
+    assert_export_is(srv.printed_uri, model)
+
+
+def test_pid_file_while_running(workdir, serve):
+    path, _ = make_image(workdir, "disk.img", MiB, seed=93)
+    pid_file = os.path.join(workdir, "rawdisk.pid")
+    srv = serve(path, pid_file=pid_file)
+    with open(pid_file) as f:
+        assert int(f.read().strip()) == srv.pid
+    assert srv.terminate() == 0
+    assert not os.path.exists(pid_file), "--pid-file is documented as removed at exit"
+
+
+@pytest.mark.parametrize("prealloc", ["off", "falloc", "full"])
+def test_create_then_serve(workdir, serve, prealloc):
+    path = os.path.join(workdir, "new.img")
+    size = 8 * MiB + 4096
+    srv = serve(path, create=size, preallocation=prealloc)
+    assert os.path.getsize(path) == size
+    allocated = allocated_bytes(path)
+    if prealloc == "off":
+        assert allocated < MiB
+    else:
+        assert allocated >= size
+    model = bytearray(size)
+    with connected(srv.uri) as h:
+        data = random_bytes(MiB, seed=94)
+        h.pwrite(data, 3 * MiB + 1)
+        model[3 * MiB + 1:4 * MiB + 1] = data
+        h.flush()
+    assert_export_is(srv.uri, model)
+    assert_target_is(path, model)
+
+
+def test_create_refuses_an_existing_file_of_another_size(workdir):
+    path, model = make_image(workdir, "disk.img", MiB, seed=95)
+    argv = servers.server_argv("rawdisk", path, sock=os.path.join(workdir, "s"), create=2 * MiB)
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith("rawdisk:"), res.stderr
+    assert_target_is(path, model)
+
+
+def test_missing_target_is_a_one_line_error(workdir):
+    path = os.path.join(workdir, "nosuch.img")
+    argv = servers.server_argv("rawdisk", path, sock=os.path.join(workdir, "s"))
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rawdisk:") and "nosuch.img" in lines[0], lines
+    assert not os.path.exists(path)
+
+
+def test_max_connections(workdir, serve):
+    path, model = make_image(workdir, "disk.img", MiB, seed=96)
+    srv = serve(path, extra=["--max-connections", "2"])
+    a = connect(srv.uri, name="a")
+    b = connect(srv.uri, name="b")
+    with pytest.raises(nbd.Error):
+        connect(srv.uri, name="c")
+    assert a.pread(4096, 0) == model[:4096]
+    b.shutdown()
+    del b
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            c = connect(srv.uri, name="c")
+            break
+        except nbd.Error:
+            assert time.monotonic() < deadline, "a freed slot was never reused"
+            time.sleep(0.1)
+    assert c.pread(4096, 4096) == model[4096:8192]
+    a.shutdown()
+    c.shutdown()
+
+
+def test_short_handshake_timeout_and_others_still_served(workdir, serve):
+    path, model = make_image(workdir, "disk.img", MiB, seed=97)
+    srv = serve(path, extra=["--handshake-timeout", "2"])
+    stalled = [srv.connect_unix_or_tcp() for _ in range(4)]
+    try:
+        wire.RawClient(stalled[0]).read_greeting()
+        start = time.monotonic()
+        with connected(srv.uri) as h:
+            assert h.pread(MiB, 0) == model
+        for s in stalled:
+            assert wire.wait_for_close(s, 10)
+        assert time.monotonic() - start < 8
+    finally:
+        for s in stalled:
+            s.close()
+    assert_export_is(srv.uri, model)
+    srv.assert_alive()
