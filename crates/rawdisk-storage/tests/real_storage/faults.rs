@@ -133,6 +133,35 @@ fn block_chain_no_trim() {
     let chain = [Method::ZeroRange, Method::BlkZeroout, Method::WriteZeros];
     fall_through(&chain, NO_TRIM, loop512, libc::EOPNOTSUPP);
     fall_through(&chain[..2], NO_TRIM, loop512, libc::ENOTTY);
+    // fallocate on a block device before Linux 4.9: ENODEV.
+    fall_through(&chain[..2], NO_TRIM, loop512, libc::ENODEV);
+}
+
+/// EINVAL means "bad arguments" for fallocate: returned, never learned. Only
+/// lseek(SEEK_DATA) documents EINVAL as "not supported" (block devices,
+/// kernels before 3.1), and there it is learned.
+#[test]
+#[ignore = "needs root"]
+fn einval_learned_only_for_seek() {
+    let s = ext4_file();
+    let p = open_probe(s.path());
+    write_pattern(s.path(), 0, SIZE, 13);
+    for k in ZERO_RANGE_KINDS {
+        p.fault.fail_once(k, 1, libc::EINVAL);
+    }
+    let e = p.target.zero(MIB, MIB, NO_TRIM).expect_err("EINVAL");
+    assert_eq!(errno_of(&e), libc::EINVAL);
+    assert_eq!(p.target.caps().get(Method::ZeroRange), Tri::Unknown);
+    assert_same(
+        "ext4",
+        0,
+        &read_all(s.path()),
+        &pattern_vec(13, 0, SIZE as usize),
+    );
+    p.fault.fail_from(CallKind::SeekData, 1, libc::EINVAL);
+    let ex = p.target.extents(0, SIZE, 16).unwrap();
+    assert_eq!(ex.len(), 1, "{ex:?}");
+    assert_tri(&p.target, Method::SeekHole, Tri::Fails, "ext4");
 }
 
 /// A real error on the first method of the chain: returned as is (operation,

@@ -45,6 +45,17 @@ pub fn read_write_geometry(kind: StorageKind) {
     t.flush().unwrap();
     t.cache(0, SIZE).unwrap();
     assert_same(&format!("{kind}"), 0, &read_all(s.path()), &want);
+    // Zero and trim past the end are errors and change nothing.
+    assert!(
+        t.zero(SIZE - 10, 20, NO_TRIM).is_err(),
+        "{kind}: zero past EOF"
+    );
+    assert!(
+        t.zero(SIZE - 10, 20, TRIM).is_err(),
+        "{kind}: zero past EOF"
+    );
+    assert!(t.trim(SIZE - 10, 20).is_err(), "{kind}: trim past EOF");
+    assert_eq!(t.size(), SIZE, "{kind}: size changed");
     // Reading past the end is an error, not a short read passed off as data.
     let mut buf = [0u8; 10];
     assert!(
