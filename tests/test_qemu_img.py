@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from helpers import MiB, assert_export_is, assert_target_is, make_image, read_target, write_target
+from helpers import (MiB, assert_export_is, assert_target_is, is_hole_at, make_image, read_target,
+                     seek_hole_extents, write_target)
 
 SIZE = 24 * MiB + 3 * 4096
 
@@ -75,3 +76,21 @@ def test_compare_equal_then_one_byte_off(workdir, serve):
     reported = int(re.search(r"offset (\d+)", res.stdout).group(1))
     assert reported <= SIZE - 5 < reported + 512, res.stdout
     assert_target_is(path, model)
+
+
+def test_map_matches_seek_hole(workdir, serve):
+    """qemu-img 10 negotiates extended headers, so this is block status with
+    64-bit extents: every extent's data/zero must agree with the kernel."""
+    path, model = make_image(workdir, "sparse.img", SIZE, seed=8, sparse=True)
+    srv = serve(path)
+    extents = json.loads(qemu_img("map", "--output=json", "-f", "raw", srv.uri).stdout)
+    truth = seek_hole_extents(path)
+    pos = 0
+    for e in extents:
+        assert e["start"] == pos, extents[:4]
+        pos += e["length"]
+        for off in range(e["start"], e["start"] + e["length"], 4096):
+            assert is_hole_at(truth, off) == (not e["data"]), (e, off)
+        if e["zero"]:
+            assert model[e["start"]:e["start"] + e["length"]] == bytes(e["length"])
+    assert pos == SIZE
