@@ -381,9 +381,12 @@ pub fn copy_endpoints(
     };
     let may_trim = opts.zero_mode != ZeroMode::Allocated;
     // Memory is workers × request: keep it under 1 GiB whatever the options.
-    let workers = opts
-        .requests
-        .clamp(1, ((1u64 << 30) / request).max(1) as usize);
+    let wanted = match opts.requests {
+        0 if src.is_nbd() || dst.is_nbd() => 64,
+        0 => 16,
+        n => n,
+    };
+    let workers = wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize);
     tracing::debug!(
         size,
         request,
