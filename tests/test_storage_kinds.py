@@ -116,7 +116,7 @@ def test_fast_zero_on_ramfs_fails_fast_and_changes_nothing(target, no_hole, serv
     with connected(srv.uri) as h:
         outcome, took = fast_zero(h, 16 * MiB, 2 * MiB, no_hole)
         assert outcome == errno.ENOTSUP
-        assert took < 0.5
+        assert took < 1.0
         # A plain zero still works, by writing.
         h.zero(MiB, 20 * MiB)
         model[20 * MiB:21 * MiB] = bytes(MiB)
