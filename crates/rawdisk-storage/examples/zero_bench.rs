@@ -184,21 +184,38 @@ fn verify(path: &Path, size: u64, rng: &mut rand::rngs::SmallRng) -> Result<(), 
 
 struct Sample {
     secs: Option<f64>,
+    /// CPU seconds (user + system) of the zeroing thread or tool process;
+    /// less sensitive than wall time to other load on the machine, but blind
+    /// to kernel worker threads (loop devices, writeback).
+    cpu: f64,
     note: String,
     alloc_mib: f64,
 }
 
-fn run_one(s: &Scratch, v: &Variant, size: u64) -> (Option<f64>, String) {
+fn rusage(who: libc::c_int) -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `who` is RUSAGE_THREAD or RUSAGE_CHILDREN.
+    let r = unsafe { libc::getrusage(who, &mut ru) };
+    assert_eq!(r, 0, "getrusage");
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+fn run_one(s: &Scratch, v: &Variant, size: u64) -> (Option<f64>, f64, String) {
     let path = s.path();
     match v {
         Variant::Engine { flags, fail, .. } => {
             let t = open_target(path, fail);
+            let c0 = rusage(libc::RUSAGE_THREAD);
             let t0 = Instant::now();
             let r = t.zero(0, size, *flags).and_then(|o| t.flush().map(|()| o));
             let el = t0.elapsed().as_secs_f64();
+            let cpu = rusage(libc::RUSAGE_THREAD) - c0;
             match r {
                 Ok(o) => (
                     Some(el),
+                    cpu,
                     o.methods
                         .iter()
                         .map(|m| m.name())
@@ -206,9 +223,9 @@ fn run_one(s: &Scratch, v: &Variant, size: u64) -> (Option<f64>, String) {
                         .join("+"),
                 ),
                 Err(e) if flags.fast_only && e.errno() == Some(libc::EOPNOTSUPP) => {
-                    (None, format!("ENOTSUP in {:.4} s", el))
+                    (None, cpu, format!("ENOTSUP in {:.4} s", el))
                 }
-                Err(e) => (None, format!("error: {e}")),
+                Err(e) => (None, cpu, format!("error: {e}")),
             }
         }
         Variant::Tool { argv, .. } => {
@@ -216,6 +233,7 @@ fn run_one(s: &Scratch, v: &Variant, size: u64) -> (Option<f64>, String) {
                 .iter()
                 .map(|a| a.replace("{}", &path.to_string_lossy()))
                 .collect();
+            let c0 = rusage(libc::RUSAGE_CHILDREN);
             let t0 = Instant::now();
             let out = Command::new(&args[0])
                 .args(&args[1..])
@@ -223,12 +241,13 @@ fn run_one(s: &Scratch, v: &Variant, size: u64) -> (Option<f64>, String) {
                 .output()
                 .unwrap();
             let el = t0.elapsed().as_secs_f64();
+            let cpu = rusage(libc::RUSAGE_CHILDREN) - c0;
             if out.status.success() {
-                (Some(el), String::new())
+                (Some(el), cpu, String::new())
             } else {
                 let err = String::from_utf8_lossy(&out.stderr);
                 let short = err.lines().next().unwrap_or("").trim().to_string();
-                (None, format!("fails: {short}"))
+                (None, cpu, format!("fails: {short}"))
             }
         }
     }
@@ -236,7 +255,9 @@ fn run_one(s: &Scratch, v: &Variant, size: u64) -> (Option<f64>, String) {
 
 /// Three significant digits: milliseconds matter for the offloads.
 fn secs(v: f64) -> String {
-    if v >= 1.0 {
+    if v == 0.0 {
+        "0".into()
+    } else if v >= 1.0 {
         format!("{v:.2}")
     } else if v >= 0.1 {
         format!("{v:.3}")
@@ -407,7 +428,7 @@ fn main() {
                 let v = &vs[i];
                 eprint!("{k} rep {rep} {}: fill", v.name());
                 fill(s.path(), size, &fillbuf);
-                let (secs, note) = run_one(&s, v, size);
+                let (secs, cpu, note) = run_one(&s, v, size);
                 let note = match secs {
                     Some(_) => match verify(s.path(), size, &mut rng) {
                         Ok(()) => note,
@@ -418,14 +439,17 @@ fn main() {
                 eprintln!(" → {secs:?} {note}");
                 samples[i].push(Sample {
                     secs,
+                    cpu,
                     note,
                     alloc_mib: s.allocated() as f64 / MIB as f64,
                 });
             }
         }
         println!("### {k}\n");
-        println!("| variant | method used / result | seconds | GiB/s | allocated after (MiB) |");
-        println!("|---|---|---|---|---|");
+        println!(
+            "| variant | method used / result | seconds | GiB/s | CPU s | allocated after (MiB) |"
+        );
+        println!("|---|---|---|---|---|---|");
         for (v, ss) in vs.iter().zip(samples.iter()) {
             let mut t: Vec<f64> = ss.iter().filter_map(|s| s.secs).collect();
             let notes: Vec<&str> = {
@@ -436,6 +460,8 @@ fn main() {
             let note = notes.join("; ");
             let mut alloc: Vec<f64> = ss.iter().map(|s| s.alloc_mib).collect();
             let alloc = median(&mut alloc);
+            let mut cpu: Vec<f64> = ss.iter().map(|s| s.cpu).collect();
+            let cpu = secs(median(&mut cpu));
             if t.len() == ss.len() && !t.is_empty() {
                 let (mn, mx) = (
                     t.iter().cloned().fold(f64::MAX, f64::min),
@@ -443,17 +469,24 @@ fn main() {
                 );
                 let m = median(&mut t);
                 println!(
-                    "| {} | {} | {} [{}-{}] | {:.1} | {:.0} |",
+                    "| {} | {} | {} [{}-{}] | {:.1} | {} | {:.0} |",
                     v.name(),
                     if note.is_empty() { "-" } else { &note },
                     secs(m),
                     secs(mn),
                     secs(mx),
                     size as f64 / GIB as f64 / m,
+                    cpu,
                     alloc
                 );
             } else {
-                println!("| {} | {} | - | - | {:.0} |", v.name(), note, alloc);
+                println!(
+                    "| {} | {} | - | - | {} | {:.0} |",
+                    v.name(),
+                    note,
+                    cpu,
+                    alloc
+                );
             }
         }
         println!();
