@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, ExtentKind, Kind, Target, ZeroFlags};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::{debug, info, trace, warn, Instrument};
@@ -95,6 +95,8 @@ const MAX_DESCRIPTORS: usize = 16 << 10;
 /// Replies and payloads are laid out so the data starts on this boundary,
 /// which lets O_DIRECT use the buffer without a bounce copy.
 const DATA_ALIGN: usize = 4096;
+/// Read-ahead of the request reader.
+const READ_AHEAD: usize = 64 << 10;
 /// Context id handed out for base:allocation.
 const BASE_ALLOCATION_ID: u32 = 1;
 
@@ -315,7 +317,7 @@ async fn connection<R, W>(
     W: AsyncWrite + Unpin + Send + 'static,
 {
     debug!("connection from {peer}");
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut rd = Input::new(rd);
     let mut wr = BufWriter::with_capacity(64 << 10, wr);
     let hs = tokio::select! {
         r = tokio::time::timeout(sh.cfg.handshake_timeout, handshake(&sh, &mut rd, &mut wr)) => r,
@@ -433,7 +435,7 @@ async fn send<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut Vec<u8>) -> io::Resul
 }
 
 /// The option haggling phase. Ok(None): the client aborted.
-async fn handshake<R, W>(sh: &Shared, rd: &mut R, wr: &mut W) -> io::Result<Option<Session>>
+async fn handshake<R, W>(sh: &Shared, rd: &mut Input<R>, wr: &mut W) -> io::Result<Option<Session>>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -444,7 +446,7 @@ where
     send(wr, &mut out).await?;
 
     let mut b4 = [0u8; 4];
-    rd.read_exact(&mut b4).await?;
+    rd.read_exact(&mut b4, 0).await?;
     let cflags = u32::from_be_bytes(b4);
     // Spec (Client flags): the server MUST drop the connection on unknown flags.
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
@@ -461,7 +463,7 @@ where
 
     for _ in 0..cfg.max_options {
         let mut hb = [0u8; OPTION_HEADER_LEN];
-        rd.read_exact(&mut hb).await?;
+        rd.read_exact(&mut hb, 0).await?;
         let (h, _) = decode_option_header(&hb).map_err(|e| protocol_error(e.to_string()))?;
         let name = option_name(h.option);
         if h.len > cfg.max_option_len {
@@ -480,7 +482,7 @@ where
             return Err(protocol_error(msg));
         }
         data.resize(h.len as usize, 0);
-        rd.read_exact(&mut data).await?;
+        rd.read_exact(&mut data, 0).await?;
         trace!("option {name} ({} bytes)", h.len);
 
         let opt = match ClientOption::parse(h.option, &data) {
@@ -749,7 +751,7 @@ struct Out {
 
 async fn transmission<R, W>(
     sh: Arc<Shared>,
-    mut rd: BufReader<R>,
+    mut rd: Input<R>,
     wr: BufWriter<W>,
     s: Session,
     mut shutdown: watch::Receiver<bool>,
@@ -769,6 +771,10 @@ where
     let hlen = request_header_len(ext);
     let mut hdr = [0u8; EXTENDED_REQUEST_LEN];
     let mut result = Ok(());
+    // Bytes to read ahead with a header: many small requests per syscall,
+    // but after a big payload none, since read-ahead would be payload bytes
+    // copied twice (socket -> buffer -> payload buffer).
+    let mut read_ahead = READ_AHEAD;
 
     loop {
         if tx.is_closed() {
@@ -779,7 +785,7 @@ where
             _ = shutdown.wait_for(|v| *v) => break,
         };
         let read = tokio::select! {
-            r = rd.read_exact(&mut hdr[..hlen]) => r,
+            r = rd.read_exact(&mut hdr[..hlen], read_ahead) => r,
             _ = shutdown.wait_for(|v| *v) => break,
         };
         if let Err(e) = read {
@@ -815,6 +821,11 @@ where
             break;
         }
         let payload = req.payload_len(ext);
+        read_ahead = if payload >= READ_AHEAD as u64 / 4 {
+            0
+        } else {
+            READ_AHEAD
+        };
         if payload > s.max_payload as u64 {
             // Reading it would cost unbounded memory or time, and skipping it
             // unread would parse data as requests: answer, then hang up.
@@ -874,7 +885,7 @@ where
             let n = payload as usize;
             let (mut buf, start) = sh.pool.get(0, n);
             let r = tokio::select! {
-                r = rd.read_exact(&mut buf[start..start + n]) => r,
+                r = rd.read_exact(&mut buf[start..start + n], hlen) => r,
                 _ = shutdown.wait_for(|v| *v) => break,
             };
             if let Err(e) = r {
@@ -1410,6 +1421,67 @@ fn block_status(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded
     let mut b = Vec::with_capacity(s.mode.header_len() + 8 + 16 * ds.len());
     encode_block_status(&mut b, s.mode, to, REPLY_FLAG_DONE, id, &ds);
     whole(b)
+}
+
+// ---------------------------------------------------------------------------
+// Request input
+// ---------------------------------------------------------------------------
+
+/// The socket's read half with a read-ahead buffer whose use the caller
+/// controls per read, so payloads land in their own buffer in one copy.
+struct Input<R> {
+    r: R,
+    buf: Box<[u8]>,
+    pos: usize,
+    end: usize,
+}
+
+impl<R: AsyncRead + Unpin> Input<R> {
+    fn new(r: R) -> Self {
+        Input {
+            r,
+            buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
+            pos: 0,
+            end: 0,
+        }
+    }
+
+    /// Fills `dst`, reading at most `ahead` bytes beyond it into the buffer.
+    /// EOF before `dst` is full is UnexpectedEof.
+    async fn read_exact(&mut self, dst: &mut [u8], ahead: usize) -> io::Result<()> {
+        let n = (self.end - self.pos).min(dst.len());
+        dst[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        let mut done = n;
+        if done == dst.len() {
+            return Ok(());
+        }
+        let rest = dst.len() - done;
+        // Big remainders go straight to `dst`: copying them through the
+        // buffer would cost more than the syscall it saves.
+        if ahead == 0 || rest >= self.buf.len() / 2 {
+            while done < dst.len() {
+                match self.r.read(&mut dst[done..]).await? {
+                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    k => done += k,
+                }
+            }
+            return Ok(());
+        }
+        // The buffer is empty here: refill it with this read and what follows.
+        self.pos = 0;
+        self.end = 0;
+        let limit = (rest + ahead).min(self.buf.len());
+        while self.end < rest {
+            match self.r.read(&mut self.buf[self.end..limit]).await? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                k => self.end += k,
+            }
+        }
+        dst[done..].copy_from_slice(&self.buf[..rest]);
+        self.pos = rest;
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------------------
