@@ -193,6 +193,40 @@ def test_flood_of_options(export):
     assert_healthy(srv, path, model)
 
 
+def test_export_name_option_old_style_entry(export):
+    """NBD_OPT_EXPORT_NAME (what old clients use instead of GO): the server
+    answers with size and flags directly (no zero padding: NO_ZEROES)."""
+    path, model, srv = export
+    c = raw(srv).start()
+    c.send_option(wire.OPT_EXPORT_NAME, b"")
+    size, flags = struct.unpack(">QH", wire.recv_exact(c.sock, 10))
+    assert size == SIZE and not flags & wire.TX_READ_ONLY
+    assert c.request(wire.CMD_READ, 100, 1000) == (0, bytes(model[100:1100]))
+    c.disconnect()
+    assert_healthy(srv, path, model)
+
+
+def test_list_then_abort(export):
+    path, model, srv = export
+    c = raw(srv).start()
+    c.send_option(wire.OPT_LIST)
+    option, rtype, data = c.read_option_reply()
+    assert (option, rtype) == (wire.OPT_LIST, wire.REP_SERVER)
+    (n,) = struct.unpack(">I", data[:4])
+    assert data[4:4 + n] == b""
+    assert c.read_option_reply()[:2] == (wire.OPT_LIST, wire.REP_ACK)
+    c.send_option(wire.OPT_ABORT)
+    # The spec: the server SHOULD acknowledge ABORT, then closes.
+    c.sock.settimeout(10)
+    try:
+        option, rtype, _ = c.read_option_reply()
+        assert (option, rtype) == (wire.OPT_ABORT, wire.REP_ACK)
+    except wire.Closed:
+        pass
+    assert wire.wait_for_close(c.sock, 10)
+    assert_healthy(srv, path, model)
+
+
 # -- transmission -----------------------------------------------------------------
 
 def test_unknown_command_and_unknown_flags_get_einval(export):
@@ -202,6 +236,9 @@ def test_unknown_command_and_unknown_flags_get_einval(export):
     assert c.request(wire.CMD_READ, 0, 4096, flags=0x8000) == (errno.EINVAL, b"")
     # NO_HOLE is documented for WRITE_ZEROES only.
     assert c.request(wire.CMD_READ, 0, 4096, flags=0x2) == (errno.EINVAL, b"")
+    # BLOCK_STATUS without a negotiated meta context (and without
+    # structured replies): the spec says EINVAL.
+    assert c.request(7, 0, 4096) == (errno.EINVAL, b"")
     assert c.request(wire.CMD_READ, 512, 1024) == (0, bytes(model[512:1536]))
     c.disconnect()
     assert_healthy(srv, path, model)
@@ -310,6 +347,27 @@ def test_offsets_that_overflow(export, cmd, offset, length, expected):
     assert (got, error) == (cookie, expected)
     assert c.request(wire.CMD_READ, SIZE - 4096, 4096) == (0, bytes(model[SIZE - 4096:]))
     c.disconnect()
+    assert_healthy(srv, path, model)
+
+
+def test_read_declaring_4_gib(export):
+    """A READ of 2^32-1 bytes with simple replies would make the server
+    allocate and send 4 GiB: it must answer with an error (or hang up)
+    instead, without reserving the memory."""
+    path, model, srv = export
+    warm_up(srv)
+    peak_before = srv.status("VmPeak")
+    c = raw(srv).start().go()
+    cookie = c.send_request(wire.CMD_READ, 0, 0xFFFFFFFF)
+    c.sock.settimeout(10)
+    try:
+        got, error, _ = c.read_simple_reply()
+        assert got == cookie and error in (errno.EINVAL, errno.EOVERFLOW, errno.ENOMEM), error
+        assert c.request(wire.CMD_READ, 0, 4096) == (0, bytes(model[:4096]))
+    except wire.Closed:
+        pass
+    assert srv.status("VmPeak") - peak_before < 512 * MiB
+    c.sock.close()
     assert_healthy(srv, path, model)
 
 
