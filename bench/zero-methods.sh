@@ -12,6 +12,7 @@
 # Output: markdown on stdout (also saved to $BENCH_OUT, default
 # target/zero-methods.md), progress on stderr.
 #
+# Needs about SIZE * 1.25 + 1 GiB of free RAM (checked before each kind).
 # All storage is built in RAM by rawdisk-testkit (tmpfs-backed loop devices
 # for ext4/xfs/loop), torn down when the run ends, also on failure. The
 # machine has 2 cores: do not run it while builds are running.

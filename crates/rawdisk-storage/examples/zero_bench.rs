@@ -362,6 +362,15 @@ fn caps_row(kind: StorageKind) -> Vec<String> {
     ]
 }
 
+/// MemAvailable from /proc/meminfo, in bytes.
+fn mem_available() -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    m.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 fn main() {
     let mut size = 4 * GIB;
     let mut reps = 3usize;
@@ -405,6 +414,18 @@ fn main() {
         reps
     );
     for k in &kinds {
+        // Every kind lives in RAM: refuse rather than have the OOM killer pick
+        // a victim on a shared machine (it did, once, during a 4 GiB run).
+        let need = size + size / 4 + GIB;
+        let avail = mem_available();
+        if avail < need {
+            eprintln!(
+                "zero_bench: {k}: needs about {} MiB of free RAM, {} MiB available; stopping",
+                need / MIB,
+                avail / MIB
+            );
+            std::process::exit(3);
+        }
         let room = size + size / 8 + 64 * MIB;
         let s = Scratch::with_room(*k, size, room);
         if *k == StorageKind::LoopTmpfs {
