@@ -7,6 +7,7 @@ ENOTSUP and changes nothing. Zero with may-trim frees space on file systems
 that punch holes. Needs root (mounts, loop devices)."""
 
 import errno
+import os
 import subprocess
 import time
 
@@ -165,3 +166,15 @@ def test_zero_may_trim_frees_and_no_hole_keeps(target, serve):
     assert kept >= before - MiB, (before, kept)
     assert freed <= kept - 7 * MiB, (kept, freed)
     check_everything(srv, path, model)
+
+
+@pytest.mark.parametrize("target", ["loop512", "loop4096"], indirect=True)
+def test_rotational_flag_tells_the_truth(target, serve):
+    path, _ = target
+    name = os.path.basename(os.path.realpath(path))
+    with open(f"/sys/block/{name}/queue/rotational") as f:
+        rotational = f.read().strip() == "1"
+    srv = serve(path, read_only=True)
+    with connected(srv.uri) as h:
+        assert bool(h.is_rotational()) == rotational
+        assert h.is_read_only()
