@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 
 SERVER_KIND = os.environ.get("TEST_SERVER", "rawdisk")
 RAWDISK_BIN = os.environ.get("RAWDISK_BIN", "/work/main/target/release/rawdisk")
@@ -99,14 +100,18 @@ class Server:
         while os.path.exists(os.path.join(workdir, f"srv{n}.log")):
             n += 1
         self.sock = None if tcp else os.path.join(workdir, f"srv{n}.sock")
-        self.port = free_tcp_port() if tcp else None
-        self.bind = f"127.0.0.1:{self.port}" if tcp else None
+        # rawdisk binds port 0 and prints the port it got (no race with
+        # concurrent test runs); the reference servers need a port up front.
+        self.port = None if not tcp or kind == "rawdisk" else free_tcp_port()
+        self.bind = f"127.0.0.1:{self.port or 0}" if tcp else None
         self.stdout_path = os.path.join(workdir, f"srv{n}.out")
         self.stderr_path = os.path.join(workdir, f"srv{n}.log")
-        self.pid_file = os.path.join(workdir, f"srv{n}.pid")
+        self.pid_file = opts.pop("pid_file", None)
+        if kind != "rawdisk":
+            # The reference servers say they are ready by writing a pid file.
+            self.pid_file = os.path.join(workdir, f"srv{n}.pid")
         self.argv = server_argv(kind, target, sock=self.sock, bind=self.bind,
-                                pid_file=self.pid_file if kind != "rawdisk" else opts.pop("pid_file", None),
-                                **opts)
+                                pid_file=self.pid_file, **opts)
         self.proc = None
         self.watchdog_fired = False
         self.printed_uri = None
@@ -149,6 +154,9 @@ class Server:
             if "\n" not in out:
                 return False
             self.printed_uri = out.splitlines()[0].strip()
+            if self.sock is None:
+                self.port = urllib.parse.urlparse(self.printed_uri).port
+                assert self.port, f"no port in the printed URI {self.printed_uri!r}"
         elif not os.path.exists(self.pid_file) or os.path.getsize(self.pid_file) == 0:
             return False
         return self.sock is None or os.path.exists(self.sock)
