@@ -284,3 +284,41 @@ def test_connections_in_parallel_with_requests_in_flight(export):
             cm.__exit__(None, None, None)
     assert_export_is(srv.uri, model)
     assert_target_is(path, model)
+
+
+def test_every_command_kind_in_flight_at_once(sparse_export):
+    """Big reads, writes, zeroes, trims, cache, block status and flushes all
+    in flight on one connection: replies come back in any order but never
+    interleave (libnbd fails the connection if a reply is torn), and the
+    disjoint ranges end up exactly as the model says."""
+    path, model, srv = sparse_export
+    seen_extents = []
+
+    def extent(context, off, entries, err):
+        seen_extents.append((context, off, len(entries)))
+        return 0
+
+    with connected(srv.uri, meta=True) as h:
+        cookies, reads = [], []
+        for i in range(8):
+            base = i * 4 * MiB
+            data = random_bytes(MiB, seed=900 + i)
+            cookies.append(h.aio_pwrite(nbd.Buffer.from_bytearray(data), base))
+            model[base:base + MiB] = data
+            buf = nbd.Buffer(2 * MiB - 3)
+            reads.append((h.aio_pread(buf, base + MiB + 1), base + MiB + 1, buf))
+            cookies.append(h.aio_zero(256 * 1024, base + 3 * MiB))
+            model[base + 3 * MiB:base + 3 * MiB + 256 * 1024] = bytes(256 * 1024)
+            cookies.append(h.aio_trim(128 * 1024, base + 3 * MiB + 512 * 1024))
+            model[base + 3 * MiB + 512 * 1024:base + 3 * MiB + 640 * 1024] = bytes(128 * 1024)
+            cookies.append(h.aio_cache(MiB, base + MiB))
+            cookies.append(h.aio_block_status(MiB, base + MiB, extent))
+            cookies.append(h.aio_flush())
+        # Reads look only at ranges nothing in flight writes to.
+        results = wait_all(h, cookies + [c for c, _, _ in reads])
+        assert set(results.values()) == {0}, results
+        for _, off, buf in reads:
+            assert buf.to_bytearray() == model[off:off + 2 * MiB - 3], f"read at {off}"
+    assert len(seen_extents) == 8 and all(c == nbd.CONTEXT_BASE_ALLOCATION for c, _, _ in seen_extents)
+    assert_export_is(srv.uri, model)
+    assert_target_is(path, model)
