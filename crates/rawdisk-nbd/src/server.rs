@@ -885,7 +885,7 @@ where
             let n = payload as usize;
             let (mut buf, start) = sh.pool.get(0, n);
             let r = tokio::select! {
-                r = rd.read_exact(&mut buf[start..start + n], hlen) => r,
+                r = rd.read_exact(&mut buf[start..start + n], read_ahead) => r,
                 _ = shutdown.wait_for(|v| *v) => break,
             };
             if let Err(e) = r {

@@ -71,6 +71,9 @@ pub struct Args {
     /// Connections served at once; more are closed at accept.
     #[arg(long, value_name = "N", default_value_t = 64)]
     max_connections: usize,
+    /// Threads doing storage calls [default: 16, 64 with --cache none].
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
     /// File or block device to export.
     target: PathBuf,
 }
@@ -120,12 +123,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ..Default::default()
     };
 
-    // Two cores in the target machine: two workers for sockets is plenty;
-    // storage calls block on the blocking pool, whose size bounds how many
-    // hit the storage at once.
+    // Two async workers for the sockets; storage calls block on the
+    // blocking pool. Through the page cache more threads than this only add
+    // wake-ups and lock contention; O_DIRECT reads and writes wait on the
+    // device, so there the pool is the device queue depth.
+    let threads = args.threads.unwrap_or(match cache {
+        CacheMode::Writeback => 16,
+        CacheMode::None => 64,
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .max_blocking_threads(64)
+        .max_blocking_threads(threads.max(1))
         .thread_name("rawdisk-serve")
         .enable_all()
         .build()
