@@ -1,0 +1,240 @@
+#!/usr/bin/python3
+"""Plots and ratio tables from the shared harness's results.tsv.
+
+Usage: /usr/bin/python3 bench/plot.py RESULTS_TSV OUTDIR   -> OUTDIR/*.png
+       /usr/bin/python3 bench/plot.py RESULTS_TSV --table  -> markdown on stdout
+
+Needs Debian's python3-matplotlib (only for the PNGs). "custom" is rawdisk
+serve --cache writeback, "custom:direct" rawdisk serve --cache none, as set
+by bench/run-matrix.sh. The anchors are nbdkit and qemu-nbd in both cache
+modes the harness runs; "faster anchor" is the one with the lowest median on
+that row (highest for throughput), so rawdisk is held to the best of them.
+"""
+import csv
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+LABEL = {"custom": "rawdisk", "custom:direct": "rawdisk-direct"}
+ANCHORS = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "qemu-nbd-unmap", "nbd-server"]
+ANCHOR_TOOLS = ["qemu-img"]
+ORDER = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "custom", "custom:direct",
+         "qemu-img", "shell"]
+COLOR = {"nbdkit": "#7f7f7f", "qemu-nbd": "#1f77b4", "qemu-nbd-direct": "#aec7e8",
+         "custom": "#d62728", "custom:direct": "#ff9896", "qemu-img": "#1f77b4",
+         "shell": "#7f7f7f"}
+TARGETS = ["tmpfs", "ramfs", "ext4", "xfs", "blk", "blk4k", "blk-nowz", "hostfs"]
+
+
+def load(path):
+    # cell[(script, workload, target)][server] -> {rep: value}; failures kept apart
+    cells = defaultdict(lambda: defaultdict(dict))
+    fails = defaultdict(lambda: defaultdict(list))
+    res = defaultdict(lambda: defaultdict(list))   # rss/cpu per cell and server
+    cpu = defaultdict(lambda: defaultdict(dict))   # server CPU s, same shape as cells
+    metric_of = {"throughput": "bw_MiBps"}
+    with open(path) as f:
+        for r in csv.DictReader(f, delimiter="\t"):
+            s = r["script"]
+            if s not in ("convert", "zero", "throughput", "prealloc") or r["workload"] == "(all)":
+                continue
+            if r["metric"] != metric_of.get(s, "time_s"):
+                continue
+            k = (s, r["workload"], r["target"])
+            try:
+                v = float(r["value"])
+            except ValueError:
+                v = None
+            if r["ok"] == "1" and v is not None:
+                cells[k][r["server"]][r["rep"]] = v
+                try:
+                    res[k][r["server"]].append((float(r["rss_kb"]) / 1024.0, float(r["cpu_s"])))
+                    cpu[k][r["server"]][r["rep"]] = float(r["cpu_s"])
+                except ValueError:
+                    pass
+            else:
+                fails[k][r["server"]].append(r["note"])
+    return cells, fails, res, cpu
+
+
+def med(d):
+    return statistics.median(d.values()) if d else None
+
+
+def order_key(s):
+    return ORDER.index(s) if s in ORDER else 99
+
+
+def tkey(t):
+    return TARGETS.index(t) if t in TARGETS else 99
+
+
+def faster_anchor(script, row):
+    anchors = ANCHOR_TOOLS if script == "prealloc" else ANCHORS
+    cand = [(med(row[a]), a) for a in anchors if a in row and row[a]]
+    if not cand:
+        return None, None
+    hib = script == "throughput"
+    return (max if hib else min)(cand)
+
+
+def paired(row, a, b):
+    rs = [row[a][k] / row[b][k] for k in row[a] if k in row[b] and row[b][k]]
+    return statistics.median(rs) if rs else None
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    return "%.0f" % v if v >= 100 else "%.1f" % v if v >= 10 else "%.2f" % v if v >= 1 else "%.3f" % v
+
+
+def table(cells, fails, res):
+    """Per row: rawdisk (both modes) median / faster anchor's median, and paired."""
+    scripts = ["convert", "zero", "throughput", "prealloc"]
+    for script in scripts:
+        keys = sorted((k for k in cells if k[0] == script), key=lambda k: (k[1], tkey(k[2])))
+        if not keys:
+            continue
+        hib = script == "throughput"
+        mine = ["custom"] if script == "prealloc" else ["custom", "custom:direct"]
+        print("#### %s: rawdisk / faster anchor (%s)\n" % (
+            script, "MiB/s, >= 1.11 is the goal" if hib else "seconds, <= 0.90 is the goal"))
+        print("| workload | target | faster anchor (median) | " +
+              " | ".join("%s median | ratio (paired) | server CPU s: it / anchor | peak RSS MiB: it / anchor"
+                         % LABEL.get(m, m) for m in mine) + " |")
+        print("|---|---|---|" + "---|---|---|---|" * len(mine))
+        for k in keys:
+            row = cells[k]
+            am, an = faster_anchor(script, row)
+            out = ["%s" % k[1], k[2], "%s %s" % (an, fmt(am)) if an else "-"]
+            for m in mine:
+                if m in row and row[m] and am:
+                    mm = med(row[m])
+                    p = paired(row, m, an)
+                    # goal: times <= 0.9 x anchor, bandwidth >= anchor / 0.9
+                    r = mm / am
+                    good = r >= 1 / 0.9 if hib else r <= 0.9
+                    rss_m = statistics.median(x[0] for x in res[k][m]) if res[k][m] else None
+                    rss_a = statistics.median(x[0] for x in res[k][an]) if res[k][an] else None
+                    cpu_m = statistics.median(x[1] for x in res[k][m]) if res[k][m] else None
+                    cpu_a = statistics.median(x[1] for x in res[k][an]) if res[k][an] else None
+                    out += [fmt(mm), "%s%.2f (%s)%s" % ("**" if not good else "", r,
+                                                        "%.2f" % p if p else "-",
+                                                        "**" if not good else ""),
+                            "%s / %s" % (fmt(cpu_m), fmt(cpu_a)),
+                            "%s / %s" % (fmt(rss_m), fmt(rss_a))]
+                elif fails[k].get(m):
+                    out += ["failed: %s" % fails[k][m][0][:40], "", "", ""]
+                else:
+                    out += ["-", "", "", ""]
+            print("| " + " | ".join(out) + " |")
+        print()
+
+
+def plots(cells, fails, outdir, cpu=None):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(outdir, exist_ok=True)
+    jobs = [(s, cells, "") for s in ("convert", "zero", "throughput", "prealloc")]
+    if cpu:
+        # Server CPU time is far less sensitive to a loaded machine than wall time.
+        jobs += [(s, cpu, "-cpu") for s in ("convert", "zero")]
+    for script, cells, suffix in jobs:
+        keys = [k for k in cells if k[0] == script]
+        if not keys:
+            continue
+        if script == "throughput":
+            panels = sorted({k[2] for k in keys}, key=tkey)       # one panel per target
+            groups_of = lambda p: sorted({k[1] for k in keys if k[2] == p})
+            key_of = lambda p, g: (script, g, p)
+        else:
+            panels = sorted({k[1] for k in keys})                 # one panel per workload
+            groups_of = lambda p: sorted({k[2] for k in keys if k[1] == p}, key=tkey)
+            key_of = lambda p, g: (script, p, g)
+        servers = sorted({s for k in keys for s in cells[k]}, key=order_key)
+        n = len(panels)
+        fig, axes = plt.subplots(n, 1, figsize=(11, 3.2 * n), squeeze=False)
+        for ax, p in zip(axes[:, 0], panels):
+            groups = groups_of(p)
+            w = 0.8 / max(1, len(servers))
+            for i, s in enumerate(servers):
+                xs, ys, lo, hi = [], [], [], []
+                for j, g in enumerate(groups):
+                    d = cells.get(key_of(p, g), {}).get(s)
+                    if not d:
+                        if fails.get(key_of(p, g), {}).get(s):
+                            ax.text(j - 0.4 + w * (i + 0.5), 0, "x", ha="center", va="bottom",
+                                    color=COLOR.get(s, "k"), fontsize=8)
+                        continue
+                    v = list(d.values())
+                    m = statistics.median(v)
+                    xs.append(j - 0.4 + w * (i + 0.5))
+                    ys.append(m)
+                    lo.append(m - min(v))
+                    hi.append(max(v) - m)
+                ax.bar(xs, ys, w, yerr=[lo, hi], capsize=2, label=LABEL.get(s, s),
+                       color=COLOR.get(s))
+            ax.set_xticks(range(len(groups)))
+            ax.set_xticklabels(groups, fontsize=8)
+            ax.set_title("%s: %s" % (script, p), fontsize=10)
+            ax.set_ylabel("MiB/s (higher is better)" if script == "throughput"
+                          else "server CPU s (lower is better)" if suffix
+                          else "seconds (lower is better)", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0, 0].legend(fontsize=8, ncol=len(servers))
+        fig.text(0.01, 0.003, "median of repetitions, bars = min..max; x = failed, "
+                 "no bar = not runnable (no O_DIRECT on ramfs)",
+                 fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "%s%s.png" % (script, suffix)), dpi=90)
+        plt.close(fig)
+
+    # rawdisk's median divided by the faster anchor's, every row, one chart.
+    cells = jobs[0][1]
+    rows = []
+    for k in sorted(cells, key=lambda k: (k[0], k[1], tkey(k[2]))):
+        am, an = faster_anchor(k[0], cells[k])
+        if not am:
+            continue
+        for m in (["custom"] if k[0] == "prealloc" else ["custom", "custom:direct"]):
+            d = cells[k].get(m)
+            if d:
+                r = med(d) / am
+                if k[0] == "throughput":
+                    r = 1 / r        # so that < 1 always means rawdisk is better
+                rows.append(("%s %s %s" % (k[1], k[2], LABEL[m]), r))
+    if rows:
+        fig, ax = plt.subplots(figsize=(8, 0.22 * len(rows) + 1))
+        ys = range(len(rows))
+        ax.barh(ys, [r for _, r in rows],
+                color=["#2ca02c" if r <= 0.9 else "#ff7f0e" if r <= 1.0 else "#d62728"
+                       for _, r in rows])
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels([n for n, _ in rows], fontsize=6)
+        ax.invert_yaxis()
+        ax.axvline(0.9, color="k", ls="--", lw=0.8)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("rawdisk median / faster anchor median (time; inverse for MiB/s): "
+                      "< 0.9 = goal met", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "ratio-to-faster-anchor.png"), dpi=90)
+        plt.close(fig)
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    cells, fails, res, cpu = load(sys.argv[1])
+    if sys.argv[2] == "--table":
+        table(cells, fails, res)
+    else:
+        plots(cells, fails, sys.argv[2], cpu)
+
+
+if __name__ == "__main__":
+    main()
