@@ -95,6 +95,10 @@ const MAX_DESCRIPTORS: usize = 16 << 10;
 /// Replies and payloads are laid out so the data starts on this boundary,
 /// which lets O_DIRECT use the buffer without a bounce copy.
 const DATA_ALIGN: usize = 4096;
+/// At most this many small requests run as one blocking job...
+const BATCH_MAX: usize = 16;
+/// ...and only reads and writes up to this length.
+const BATCH_MAX_LEN: u64 = 64 << 10;
 /// Read-ahead of the request reader.
 const READ_AHEAD: usize = 64 << 10;
 /// Context id handed out for base:allocation.
@@ -775,14 +779,23 @@ where
     // but after a big payload none, since read-ahead would be payload bytes
     // copied twice (socket -> buffer -> payload buffer).
     let mut read_ahead = READ_AHEAD;
+    let mut batch: Vec<Job> = Vec::with_capacity(BATCH_MAX);
 
     loop {
         if tx.is_closed() {
             break;
         }
-        let slot = tokio::select! {
-            p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
-            _ = shutdown.wait_for(|v| *v) => break,
+        // Never wait with a batch held back: its requests hold slots and
+        // bytes that waiting may need.
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                dispatch(&sh, &s, &tx, &mut batch);
+                tokio::select! {
+                    p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+                    _ = shutdown.wait_for(|v| *v) => break,
+                }
+            }
         };
         let read = tokio::select! {
             r = rd.read_exact(&mut hdr[..hlen], read_ahead) => r,
@@ -845,7 +858,26 @@ where
             _ if payload > 0 => payload as usize + DATA_ALIGN,
             _ => 0,
         };
-        let bytes = if need > 0 {
+        let ready = if need > 0 {
+            let c = conn_bytes.clone().try_acquire_many_owned(need as u32).ok();
+            let t = sh
+                .bytes_total
+                .clone()
+                .try_acquire_many_owned(need as u32)
+                .ok();
+            match (c, t) {
+                (Some(c), Some(t)) => Some((c, t)),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        if need > 0 && ready.is_none() {
+            dispatch(&sh, &s, &tx, &mut batch);
+        }
+        let bytes = if let Some(p) = ready {
+            Some(p)
+        } else if need > 0 {
             let limits = async {
                 let c = conn_bytes
                     .clone()
@@ -883,6 +915,9 @@ where
         let mut data = None;
         if payload > 0 {
             let n = payload as usize;
+            if rd.buffered() < n {
+                dispatch(&sh, &s, &tx, &mut batch);
+            }
             let (mut buf, start) = sh.pool.get(0, n);
             let r = tokio::select! {
                 r = rd.read_exact(&mut buf[start..start + n], read_ahead) => r,
@@ -920,20 +955,31 @@ where
             continue;
         }
 
-        let sh2 = sh.clone();
-        let s2 = s.clone();
-        let tx2 = tx.clone();
-        tokio::task::spawn_blocking(move || {
-            let (buf, start, end) = execute(&sh2, &s2, &req, to, data);
-            sh2.note_caps();
-            let _ = tx2.send(Out {
-                buf,
-                start,
-                end,
-                _permits: permits,
-            });
-        });
+        let job = Job {
+            req,
+            to,
+            data,
+            permits,
+        };
+        // Small page-cache reads and writes cost less than handing one to a
+        // blocking thread: while more requests are already buffered, gather
+        // them and hand them over together. Anything else goes alone, so big
+        // or slow requests still run in parallel.
+        let small = matches!(req.typ, CMD_READ | CMD_WRITE)
+            && req.length <= BATCH_MAX_LEN
+            && req.flags & CMD_FLAG_FUA == 0;
+        if small {
+            batch.push(job);
+            if batch.len() >= BATCH_MAX || rd.buffered() < hlen {
+                dispatch(&sh, &s, &tx, &mut batch);
+            }
+        } else {
+            dispatch(&sh, &s, &tx, &mut batch);
+            batch.push(job);
+            dispatch(&sh, &s, &tx, &mut batch);
+        }
     }
+    dispatch(&sh, &s, &tx, &mut batch);
 
     // In-flight requests hold clones of tx: the writer ends after their
     // replies are sent.
@@ -952,6 +998,41 @@ where
         }
     }
     result
+}
+
+/// A validated request with everything it needs to run.
+struct Job {
+    req: Request,
+    to: ReplyTo,
+    data: Option<(Vec<u8>, usize, usize)>,
+    permits: Permits,
+}
+
+/// Hands the gathered requests to one blocking thread, which runs them in
+/// order and queues each reply as soon as it is done.
+fn dispatch(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    tx: &mpsc::UnboundedSender<Out>,
+    batch: &mut Vec<Job>,
+) {
+    if batch.is_empty() {
+        return;
+    }
+    let jobs = std::mem::replace(batch, Vec::with_capacity(BATCH_MAX));
+    let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
+    tokio::task::spawn_blocking(move || {
+        for j in jobs {
+            let (buf, start, end) = execute(&sh, &s, &j.req, j.to, j.data);
+            let _ = tx.send(Out {
+                buf,
+                start,
+                end,
+                _permits: j.permits,
+            });
+        }
+        sh.note_caps();
+    });
 }
 
 fn send_small(tx: &mpsc::UnboundedSender<Out>, buf: Vec<u8>, slot: OwnedSemaphorePermit) {
@@ -1444,6 +1525,11 @@ impl<R: AsyncRead + Unpin> Input<R> {
             pos: 0,
             end: 0,
         }
+    }
+
+    /// Bytes read ahead and not consumed yet.
+    fn buffered(&self) -> usize {
+        self.end - self.pos
     }
 
     /// Fills `dst`, reading at most `ahead` bytes beyond it into the buffer.
