@@ -147,6 +147,23 @@ def is_hole_at(extents, off):
     raise AssertionError(f"offset {off} not covered by {extents}")
 
 
+def open_flags(pid, path):
+    """The open(2) flags of every descriptor `pid` has on `path`."""
+    real = os.path.realpath(path)
+    flags = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != real:
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                for line in f:
+                    if line.startswith("flags:"):
+                        flags.append(int(line.split()[1], 8))
+        except FileNotFoundError:
+            continue
+    return flags
+
+
 # -- libnbd -------------------------------------------------------------------
 
 def connect(uri, strict=True, meta=False, name="test"):

@@ -16,7 +16,7 @@ import servers
 import storage
 import wire
 from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, fill_device,
-                     make_image, random_bytes)
+                     make_image, open_flags, random_bytes)
 
 O_DIRECT = 0o40000  # x86-64 / aarch64 value, as /proc/PID/fdinfo shows it (octal flags)
 DIRECT_STORAGE = ["ext4_dir", "xfs_dir", "loop512", "loop4096"]
@@ -32,23 +32,6 @@ def target(request):
         return
     with storage.scratch_dir_in(where) as d:
         yield make_image(d, "disk.img", 16 * MiB, seed=81)
-
-
-def open_flags(pid, path):
-    """The open(2) flags of every descriptor `pid` has on `path`."""
-    real = os.path.realpath(path)
-    flags = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") != real:
-                continue
-            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                for line in f:
-                    if line.startswith("flags:"):
-                        flags.append(int(line.split()[1], 8))
-        except FileNotFoundError:
-            continue
-    return flags
 
 
 @pytest.mark.rawdisk_only("nbdkit's cache=none evicts pages instead of using O_DIRECT")

@@ -14,7 +14,7 @@ import pytest
 import servers
 import wire
 from helpers import (MiB, allocated_bytes, assert_export_is, assert_target_is, connect, connected,
-                     make_image, random_bytes)
+                     make_image, open_flags, random_bytes)
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
 
@@ -125,3 +125,13 @@ def test_short_handshake_timeout_and_others_still_served(workdir, serve):
             s.close()
     assert_export_is(srv.uri, model)
     srv.assert_alive()
+
+
+def test_read_only_opens_the_target_read_only(workdir, serve):
+    path, model = make_image(workdir, "disk.img", MiB, seed=98)
+    srv = serve(path, read_only=True)
+    with connected(srv.uri) as h:
+        assert h.pread(4096, 0) == model[:4096]
+        modes = [flags & os.O_ACCMODE for flags in open_flags(srv.pid, path)]
+    assert modes and set(modes) == {os.O_RDONLY}, modes
+    assert_target_is(path, model)
