@@ -797,6 +797,10 @@ where
                 }
             }
         };
+        // A held-back batch waits for nothing but the next buffered header.
+        if rd.buffered() < hlen {
+            dispatch(&sh, &s, &tx, &mut batch);
+        }
         let read = tokio::select! {
             r = rd.read_exact(&mut hdr[..hlen], read_ahead) => r,
             _ = shutdown.wait_for(|v| *v) => break,

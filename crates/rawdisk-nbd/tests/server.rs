@@ -1366,3 +1366,68 @@ fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
     h.thread.take().unwrap().join().unwrap().unwrap();
     h.check_file();
 }
+
+#[test]
+fn gathered_small_requests_are_answered_whatever_follows() {
+    let h = Harness::start(Setup::default());
+    for mode in [
+        ReplyMode::Simple,
+        ReplyMode::Structured,
+        ReplyMode::Extended,
+    ] {
+        // Small reads sent in one burst are gathered while more are
+        // buffered; a refused request, or nothing, after them must not hold
+        // them back.
+        for tail in [Some(99u16), None] {
+            let (mut c, _) = h.open(mode);
+            let ext = mode.extended();
+            let mut burst = Vec::new();
+            let mut want = HashMap::new();
+            for i in 0..5u64 {
+                let cookie = 100 + i;
+                let mut b = Vec::new();
+                Request {
+                    typ: CMD_READ,
+                    cookie,
+                    offset: i * 4096,
+                    length: 4096,
+                    flags: 0,
+                }
+                .encode(&mut b, ext);
+                burst.extend(b);
+                c.pending.insert(
+                    cookie,
+                    Pending {
+                        typ: CMD_READ,
+                        offset: i * 4096,
+                        len: 4096,
+                    },
+                );
+                want.insert(cookie, i * 4096);
+            }
+            if let Some(typ) = tail {
+                burst.extend(raw_request(typ, 200, 0, ext));
+                c.pending.insert(
+                    200,
+                    Pending {
+                        typ,
+                        offset: 0,
+                        len: 0,
+                    },
+                );
+            }
+            c.send(&burst);
+            for _ in 0..want.len() + tail.is_some() as usize {
+                let r = c.recv();
+                if r.cookie == 200 {
+                    assert_eq!(r.error, NBD_EINVAL);
+                    continue;
+                }
+                let off = want.remove(&r.cookie).unwrap() as usize;
+                assert_eq!(r.error, 0);
+                assert!(r.data == h.model[off..off + 4096]);
+            }
+            c.disc();
+        }
+    }
+}
