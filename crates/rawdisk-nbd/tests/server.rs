@@ -56,6 +56,15 @@ impl Default for Setup {
     }
 }
 
+impl Setup {
+    /// The default setup with `f` applied to the server's configuration.
+    fn cfg(f: impl FnOnce(&mut ServerConfig)) -> Setup {
+        let mut s = Setup::default();
+        f(&mut s.cfg);
+        s
+    }
+}
+
 impl Harness {
     fn start(setup: Setup) -> Harness {
         let dir = tempfile::Builder::new()
@@ -710,14 +719,10 @@ fn handshake_options_and_errors() {
 
 #[test]
 fn export_name_with_and_without_zeroes() {
-    let h = Harness::start(Setup {
-        cfg: ServerConfig {
-            export_name: "disk".into(),
-            description: "a test disk".into(),
-            ..Setup::default().cfg
-        },
-        ..Default::default()
-    });
+    let h = Harness::start(Setup::cfg(|c| {
+        c.export_name = "disk".into();
+        c.description = "a test disk".into();
+    }));
     for no_zeroes in [false, true] {
         let mut c = h.conn();
         c.greeting();
@@ -1088,13 +1093,9 @@ fn bounds_and_bad_requests_keep_the_connection() {
 
 #[test]
 fn read_only_export_refuses_writes() {
-    let mut h = Harness::start(Setup {
-        cfg: ServerConfig {
-            read_only: true,
-            ..Setup::default().cfg
-        },
-        ..Default::default()
-    });
+    let mut h = Harness::start(Setup::cfg(|c| {
+        c.read_only = true;
+    }));
     let (mut c, g) = h.open(ReplyMode::Structured);
     assert!(g.flags & FLAG_READ_ONLY != 0);
     assert_eq!(
@@ -1155,14 +1156,10 @@ fn storage_errors_are_mapped_and_the_connection_survives() {
 
 #[test]
 fn hostile_clients_get_errors_or_a_clean_close() {
-    let mut h = Harness::start(Setup {
-        cfg: ServerConfig {
-            handshake_timeout: Duration::from_millis(500),
-            max_options: 32,
-            ..Setup::default().cfg
-        },
-        ..Default::default()
-    });
+    let mut h = Harness::start(Setup::cfg(|c| {
+        c.handshake_timeout = Duration::from_millis(500);
+        c.max_options = 32;
+    }));
     // One well-behaved client in transmission throughout.
     let (mut good, _) = h.open(ReplyMode::Structured);
     let mut check_good = |h: &Harness, what: &str| {
@@ -1304,13 +1301,9 @@ fn hostile_clients_get_errors_or_a_clean_close() {
 
 #[test]
 fn connection_limit() {
-    let h = Harness::start(Setup {
-        cfg: ServerConfig {
-            max_connections: 2,
-            ..Setup::default().cfg
-        },
-        ..Default::default()
-    });
+    let h = Harness::start(Setup::cfg(|c| {
+        c.max_connections = 2;
+    }));
     let (mut a, _) = h.open(ReplyMode::Structured);
     let mut b = h.conn();
     b.greeting();
