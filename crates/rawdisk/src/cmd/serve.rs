@@ -243,6 +243,7 @@ async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Re
         }
     };
 
+    let read_only = cfg.read_only || target.is_read_only();
     let server = Server::new(target.clone(), cfg);
     let (min, pref, max) = server.block_sizes();
     tracing::info!(
@@ -291,7 +292,11 @@ async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Re
         .serve(listener, stop_rx)
         .await
         .context("server failed")?;
-    tracing::info!("all connections closed; target flushed");
+    if read_only {
+        tracing::info!("all connections closed");
+    } else {
+        tracing::info!("all connections closed; target flushed");
+    }
     Ok(ExitCode::SUCCESS)
 }
 
