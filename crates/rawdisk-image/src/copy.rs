@@ -40,8 +40,9 @@ pub enum ZeroMode {
 
 #[derive(Debug, Clone)]
 pub struct CopyOptions {
-    /// Requests in flight (worker threads); 0: 64 when a side is NBD, 16
-    /// between local targets.
+    /// Requests in flight (worker threads); 0: 64 when a side is NBD, one
+    /// per CPU between local targets through the page cache, 16 with
+    /// O_DIRECT.
     pub requests: usize,
     /// NBD connections per side when the server allows multi-conn.
     pub connections: usize,
@@ -383,7 +384,16 @@ pub fn copy_endpoints(
     // Memory is workers × request: keep it under 1 GiB whatever the options.
     let wanted = match opts.requests {
         0 if src.is_nbd() || dst.is_nbd() => 64,
-        0 => 16,
+        // Through the page cache a local copy is memcpy and page
+        // allocation: one worker per CPU is fastest, more only fight over
+        // the destination inode's lock (tmpfs 2.3 GiB/s with 2 workers on 2
+        // CPUs, 1.5 GiB/s with 16). O_DIRECT waits on the device: keep a
+        // queue.
+        0 if opts.cache == CacheMode::None => 16,
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+            .clamp(2, 16),
         n => n,
     };
     let workers = wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize);

@@ -680,6 +680,32 @@ fn copying_a_file_onto_itself_is_refused() {
 }
 
 #[test]
+#[ignore = "needs root"]
+fn full_destination_file_system_is_a_clear_error() {
+    let fs = rawdisk_testkit::Fs::tmpfs(4 * MIB);
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    make_image(&src, 8 * MIB, Shape::Dense);
+    let dst = fs.path("dst.img");
+    let e = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &opts()).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(
+            e,
+            CopyError::Io {
+                side: Side::Destination,
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("offset") && msg.contains("No space left"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn destination_smaller_than_source_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src.img");

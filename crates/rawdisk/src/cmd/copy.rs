@@ -42,8 +42,8 @@ pub struct Args {
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
-    /// Requests in flight [default: 64 when a side is NBD, 16 between
-    /// local files and devices].
+    /// Requests in flight [default: 64 when a side is NBD; between local
+    /// files and devices one per CPU, 16 with --cache none].
     #[arg(short = 'm', long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     requests: Option<u32>,
     /// NBD connections per side when the server allows multi-conn.
