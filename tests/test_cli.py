@@ -135,3 +135,51 @@ def test_read_only_opens_the_target_read_only(workdir, serve):
         modes = [flags & os.O_ACCMODE for flags in open_flags(srv.pid, path)]
     assert modes and set(modes) == {os.O_RDONLY}, modes
     assert_target_is(path, model)
+
+
+@pytest.mark.parametrize("family", ["unix", "tcp"])
+def test_systemd_socket_activation(workdir, family):
+    """LISTEN_FDS/LISTEN_PID (sd_listen_fds): the server takes fd 3 as its
+    listener, prints a URI for it, and serves it."""
+    import socket
+    img = os.path.join(workdir, "act.img")
+    with open(img, "wb") as f:
+        f.truncate(4 * MiB)
+    if family == "unix":
+        path = os.path.join(workdir, "act.sock")
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lsock.bind(path)
+        uri = "nbd+unix:///?socket=" + path
+    else:
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lsock.bind(("127.0.0.1", 0))
+        uri = "nbd://127.0.0.1:%d/" % lsock.getsockname()[1]
+    lsock.listen(16)
+
+    def as_fd3():
+        os.dup2(lsock.fileno(), 3)
+        os.set_inheritable(3, True)
+
+    # LISTEN_PID must name the server itself: the shell sets it, then execs.
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" serve "$1"',
+         servers.RAWDISK_BIN, img],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_fd3, close_fds=False)
+    try:
+        printed = proc.stdout.readline().decode().strip()
+        # Printed before anything connects: a server that ignored fd 3 would
+        # print its default listener here instead.
+        assert printed == uri, printed
+        h = nbd.NBD()
+        h.connect_uri(uri)
+        h.pwrite(b"\xa5" * 4096, 8192)
+        assert h.pread(4096, 8192) == b"\xa5" * 4096
+        h.shutdown()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()
+        lsock.close()
+    with open(img, "rb") as f:
+        data = f.read()
+    assert data[8192:12288] == b"\xa5" * 4096
+    assert data[:8192] == bytes(8192) and data[12288:] == bytes(len(data) - 12288)

@@ -215,8 +215,10 @@ impl Drop for Cleanup {
 async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Result<ExitCode> {
     let mut cleanup = Cleanup { files: Vec::new() };
     let export = escape(&cfg.export_name, false);
-    let (listener, uri) = match &args.socket {
-        Some(path) => {
+    let activated = activated_listener(&export)?;
+    let (listener, uri) = match (activated, &args.socket) {
+        (Some(pair), _) => pair,
+        (None, Some(path)) => {
             remove_stale_socket(path)?;
             let l = tokio::net::UnixListener::bind(path)
                 .with_context(|| format!("cannot listen on '{}'", path.display()))?;
@@ -228,7 +230,7 @@ async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Re
             );
             (Listener::Unix(l), uri)
         }
-        None => {
+        (None, None) => {
             let bind = args.bind.as_deref().unwrap_or("127.0.0.1:10809");
             let l = tokio::net::TcpListener::bind(bind)
                 .await
@@ -298,6 +300,61 @@ async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Re
         tracing::info!("all connections closed; target flushed");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// systemd socket activation (sd_listen_fds(3)): when LISTEN_PID names this
+/// process, the listening socket is fd 3 and --socket/--bind are ignored.
+/// The socket file, if any, belongs to systemd: it is not removed at exit.
+fn activated_listener(export: &str) -> anyhow::Result<Option<(Listener, String)>> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    const SD_LISTEN_FDS_START: i32 = 3;
+    let ours = std::env::var("LISTEN_PID")
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        == Some(std::process::id());
+    let n: u32 = std::env::var("LISTEN_FDS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    if !ours || n == 0 {
+        return Ok(None);
+    }
+    if n > 1 {
+        tracing::warn!("LISTEN_FDS={n}: serving on the first socket only");
+    }
+    // Children (none today) must not think the sockets are theirs.
+    std::env::remove_var("LISTEN_PID");
+    std::env::remove_var("LISTEN_FDS");
+    std::env::remove_var("LISTEN_FDNAMES");
+    // SAFETY: LISTEN_PID names this process, so the service manager passed
+    // fd 3 to us as a listening socket and nothing else in the process has
+    // taken it; ownership is taken exactly once, here.
+    let fd = unsafe { OwnedFd::from_raw_fd(SD_LISTEN_FDS_START) };
+    let unix = std::os::unix::net::UnixListener::from(fd);
+    match unix.local_addr() {
+        Ok(addr) => {
+            unix.set_nonblocking(true)
+                .context("socket activation: fd 3")?;
+            let l = tokio::net::UnixListener::from_std(unix).context("socket activation: fd 3")?;
+            let path = addr
+                .as_pathname()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let uri = format!("nbd+unix:///{export}?socket={}", escape(&path, true));
+            Ok(Some((Listener::Unix(l), uri)))
+        }
+        Err(_) => {
+            // Not AF_UNIX: take it as TCP (getsockname tells us which).
+            let tcp = std::net::TcpListener::from(OwnedFd::from(unix));
+            let addr = tcp
+                .local_addr()
+                .context("socket activation: fd 3 is neither a Unix nor a TCP socket")?;
+            tcp.set_nonblocking(true)
+                .context("socket activation: fd 3")?;
+            let l = tokio::net::TcpListener::from_std(tcp).context("socket activation: fd 3")?;
+            Ok(Some((Listener::Tcp(l), format!("nbd://{addr}/{export}"))))
+        }
+    }
 }
 
 /// A socket file left by a server that died would make bind fail. Remove
