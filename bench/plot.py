@@ -193,7 +193,7 @@ def plots(cells, fails, outdir, cpu=None):
         fig.text(0.01, 0.003, "median of repetitions, bars = min..max; x = failed, "
                  "no bar = not runnable (no O_DIRECT on ramfs)",
                  fontsize=7)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.06 / n, 1, 1))
         fig.savefig(os.path.join(outdir, "%s%s.png" % (script, suffix)), dpi=90)
         plt.close(fig)
 
