@@ -5,30 +5,12 @@
 //! zeroed and skipped, time and throughput. Any error ends the copy with exit
 //! status 1 and one line naming the side, the offset and the cause.
 
+use super::{CacheArg, PreallocArg};
 use std::process::ExitCode;
 
 use rawdisk_image::copy::{self, CopyOptions, ZeroMode};
-use rawdisk_storage::{CacheMode, Prealloc};
 
 use crate::size::size_arg;
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum PreallocArg {
-    /// Sparse: set the size only.
-    Off,
-    /// fallocate(); writes zeros where the file system has no fallocate.
-    Falloc,
-    /// Write zeros over the whole file first.
-    Full,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum CacheArg {
-    /// Through the page cache.
-    Writeback,
-    /// O_DIRECT on local files and devices.
-    None,
-}
 
 /// Copy between files, block devices and NBD exports, sparse-aware and in
 /// parallel (like `qemu-img convert -n` and `nbdcopy`).
@@ -97,16 +79,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         } else {
             ZeroMode::MayTrim
         },
-        preallocation: match a.preallocation {
-            PreallocArg::Off => Prealloc::Off,
-            PreallocArg::Falloc => Prealloc::Falloc,
-            PreallocArg::Full => Prealloc::Full,
-        },
+        preallocation: a.preallocation.into(),
         flush: !a.no_flush,
-        cache: match a.cache {
-            CacheArg::Writeback => CacheMode::Writeback,
-            CacheArg::None => CacheMode::None,
-        },
+        cache: a.cache.into(),
         progress: a.progress,
     };
     let (src, dst) = copy::open_pair(&a.source, &a.destination, &opts)?;

@@ -7,6 +7,7 @@
 //! how much it wrote instead. Progress (bytes/s, ETA) goes to stderr while
 //! data is written, only when stderr is a terminal.
 
+use super::{CacheArg, PreallocArg};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,25 +15,6 @@ use std::sync::Arc;
 
 use rawdisk_image::create::{create, CreateOptions};
 use rawdisk_image::progress::Bar;
-use rawdisk_storage::{CacheMode, Prealloc};
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum PreallocArg {
-    /// Sparse: set the size only.
-    Off,
-    /// fallocate(); writes zeros where the file system has no fallocate.
-    Falloc,
-    /// Write zeros over the whole image, then flush.
-    Full,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum CacheArg {
-    /// Through the page cache.
-    Writeback,
-    /// O_DIRECT.
-    None,
-}
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum FormatArg {
@@ -79,17 +61,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let opts = CreateOptions {
         path: args.target,
         size: args.size,
-        prealloc: match args.preallocation {
-            PreallocArg::Off => Prealloc::Off,
-            PreallocArg::Falloc => Prealloc::Falloc,
-            PreallocArg::Full => Prealloc::Full,
-        },
+        prealloc: args.preallocation.into(),
         force: args.force,
         zero: args.zero,
-        cache: match args.cache {
-            CacheArg::Writeback => CacheMode::Writeback,
-            CacheArg::None => CacheMode::None,
-        },
+        cache: args.cache.into(),
         keep_on_error: args.keep_on_error,
         cancel: Some(cancel_on_signal()),
     };

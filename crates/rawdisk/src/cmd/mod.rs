@@ -5,3 +5,45 @@ pub mod info;
 pub mod map;
 pub mod probe;
 pub mod serve;
+
+use rawdisk_storage::{CacheMode, Prealloc};
+
+/// `--preallocation`, shared by create, serve --create and copy.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum PreallocArg {
+    /// Sparse: set the size only.
+    Off,
+    /// fallocate(); writes zeros where the file system has no fallocate.
+    Falloc,
+    /// Write zeros over the whole image, then flush.
+    Full,
+}
+
+impl From<PreallocArg> for Prealloc {
+    fn from(p: PreallocArg) -> Prealloc {
+        match p {
+            PreallocArg::Off => Prealloc::Off,
+            PreallocArg::Falloc => Prealloc::Falloc,
+            PreallocArg::Full => Prealloc::Full,
+        }
+    }
+}
+
+/// `--cache`, shared by serve, create and copy (qemu-nbd's and qemu-img's
+/// names for the two modes).
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum CacheArg {
+    /// Through the page cache; flush is fdatasync.
+    Writeback,
+    /// O_DIRECT; unaligned requests are served by read-modify-write.
+    None,
+}
+
+impl From<CacheArg> for CacheMode {
+    fn from(c: CacheArg) -> CacheMode {
+        match c {
+            CacheArg::Writeback => CacheMode::Writeback,
+            CacheArg::None => CacheMode::None,
+        }
+    }
+}

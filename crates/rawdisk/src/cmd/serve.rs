@@ -6,6 +6,7 @@
 //! accepting. SIGINT/SIGTERM: stop accepting, finish in-flight requests,
 //! flush, exit 0.
 
+use super::{CacheArg, PreallocArg};
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -18,24 +19,6 @@ use rawdisk_nbd::server::{Listener, Server, ServerConfig};
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum CacheArg {
-    /// Through the page cache; flush is fdatasync.
-    Writeback,
-    /// O_DIRECT; unaligned requests are served by read-modify-write.
-    None,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum PreallocArg {
-    /// Sparse: set the size only.
-    Off,
-    /// fallocate(); writes zeros where the file system has no fallocate.
-    Falloc,
-    /// Write zeros over the whole image.
-    Full,
-}
 
 /// Export a file or block device over NBD.
 #[derive(clap::Args)]
@@ -82,12 +65,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
-    let cache = match args.cache {
-        CacheArg::Writeback => CacheMode::Writeback,
-        CacheArg::None => CacheMode::None,
-    };
+    let cache = args.cache.into();
     let created = match args.create {
-        Some(size) => create_target(&args.target, size, prealloc(args.preallocation), cache)?,
+        Some(size) => create_target(&args.target, size, args.preallocation.into(), cache)?,
         None => false,
     };
     let opened = Target::open(
@@ -139,14 +119,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(serve(args, target, cfg))
-}
-
-fn prealloc(p: PreallocArg) -> Prealloc {
-    match p {
-        PreallocArg::Off => Prealloc::Off,
-        PreallocArg::Falloc => Prealloc::Falloc,
-        PreallocArg::Full => Prealloc::Full,
-    }
 }
 
 /// --create: make the file if it does not exist. Returns whether it did.
