@@ -7,99 +7,23 @@
 //! verify catches a corrupted byte.
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rawdisk_image::copy::{self, CopyError, CopyOptions, Side, ZeroMode};
 use rawdisk_image::endpoint::Endpoint;
-use rawdisk_testkit::{allocated_bytes, pattern, MIB};
+use rawdisk_testkit::{allocated_bytes, pattern, NbdServer, MIB};
 
 // ---------------------------------------------------------------------------
 // Fixtures
 
-struct Server {
-    child: Child,
-    sock: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn spawn(mut cmd: Command, dir: tempfile::TempDir, sock: PathBuf) -> Server {
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
-        let mut s = Server {
-            child,
-            sock,
-            _dir: dir,
-        };
-        let t0 = Instant::now();
-        while !s.sock.exists() {
-            if let Ok(Some(st)) = s.child.try_wait() {
-                panic!("{cmd:?} exited early: {st}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "{cmd:?} did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        s
-    }
-
-    fn nbdkit(file: &Path, filters: &[&str], params: &[&str]) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("nbd.sock");
-        let mut c = Command::new("nbdkit");
-        c.args(["-f", "--exit-with-parent", "-U"])
-            .arg(&sock)
-            .args(filters)
-            .arg("file")
-            .arg(format!("file={}", file.display()))
-            .args(params);
-        Server::spawn(c, dir, sock)
-    }
-
-    fn qemu_nbd(file: &Path) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("nbd.sock");
-        let mut c = Command::new("qemu-nbd");
-        c.args(["-f", "raw", "-t", "-e", "8", "--cache=writeback", "-k"])
-            .arg(&sock)
-            .arg(file);
-        Server::spawn(c, dir, sock)
-    }
-
-    fn rawdisk(file: &Path) -> Server {
-        let bin = rawdisk_bin();
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("nbd.sock");
-        let mut c = Command::new(bin);
-        c.args(["serve", "--socket"]).arg(&sock).arg(file);
-        c.stderr(Stdio::null());
-        Server::spawn(c, dir, sock)
-    }
-
-    fn by_kind(kind: &str, file: &Path) -> Server {
-        match kind {
-            "nbdkit" => Server::nbdkit(file, &[], &[]),
-            "qemu-nbd" => Server::qemu_nbd(file),
-            _ => Server::rawdisk(file),
-        }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// The reference servers come from the testkit; rawdisk's own from its binary.
+fn server(kind: &str, file: &Path) -> NbdServer {
+    match kind {
+        "nbdkit" => NbdServer::nbdkit(file, &[], &[]),
+        "qemu-nbd" => NbdServer::qemu_nbd(file),
+        _ => NbdServer::rawdisk(&rawdisk_bin(), file),
     }
 }
 
@@ -409,7 +333,7 @@ fn nbd_matrix(kind: &str) {
         let mut junk = vec![0u8; size as usize];
         pattern(77, 0, &mut junk);
         std::fs::write(&exp, &junk).unwrap();
-        let srv = Server::by_kind(kind, &exp);
+        let srv = server(kind, &exp);
         let st = copy::copy(src.to_str().unwrap(), &srv.uri(), &opts())
             .unwrap_or_else(|e| panic!("{kind}: file -> nbd: {e}"));
         assert_eq!(st.bytes_skipped, 0);
@@ -436,7 +360,7 @@ fn nbd_matrix(kind: &str) {
         // NBD -> NBD (into a second dirty export)
         let exp2 = dir.path().join(format!("export{i}b.img"));
         std::fs::write(&exp2, &junk).unwrap();
-        let srv2 = Server::by_kind(kind, &exp2);
+        let srv2 = server(kind, &exp2);
         copy::copy(&srv.uri(), &srv2.uri(), &opts())
             .unwrap_or_else(|e| panic!("{kind}: nbd -> nbd: {e}"));
         same(
@@ -475,7 +399,7 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
     let exp = dir.path().join("export.img");
     std::fs::write(&exp, vec![0u8; 32 * MIB as usize]).unwrap();
     // Slow writes so the copy is still running when the server dies.
-    let mut srv = Server::nbdkit(&exp, &["--filter=delay"], &["delay-write=50ms"]);
+    let mut srv = NbdServer::nbdkit(&exp, &["--filter=delay"], &["delay-write=50ms"]);
     let uri = srv.uri();
     let t0 = Instant::now();
     let handle = std::thread::spawn({
@@ -512,7 +436,7 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
 
     // The binary: non-zero exit and one clear line.
     if let Some(bin) = std::env::var_os("RAWDISK_BIN") {
-        let mut srv = Server::nbdkit(&exp, &["--filter=delay"], &["delay-write=50ms"]);
+        let mut srv = NbdServer::nbdkit(&exp, &["--filter=delay"], &["delay-write=50ms"]);
         let child = Command::new(bin)
             .args([
                 "copy",
@@ -549,7 +473,7 @@ fn server_errors_end_the_copy() {
     let exp = dir.path().join("export.img");
     std::fs::write(&exp, vec![0u8; 8 * MIB as usize]).unwrap();
     // A quarter of the writes fail with ENOSPC.
-    let srv = Server::nbdkit(
+    let srv = NbdServer::nbdkit(
         &exp,
         &["--filter=error"],
         &["error=ENOSPC", "error-pwrite-rate=25%"],
@@ -572,7 +496,7 @@ fn server_errors_end_the_copy() {
     );
 
     // Failing reads on an NBD source.
-    let srv = Server::nbdkit(
+    let srv = NbdServer::nbdkit(
         &src,
         &["--filter=error"],
         &["error=EIO", "error-pread-rate=10%"],
@@ -702,7 +626,7 @@ fn destination_smaller_than_source_is_refused() {
     make_image(&src, ODD, Shape::Sparse);
     let exp = dir.path().join("small.img");
     std::fs::write(&exp, vec![0u8; MIB as usize]).unwrap();
-    let srv = Server::nbdkit(&exp, &[], &[]);
+    let srv = NbdServer::nbdkit(&exp, &[], &[]);
     let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &opts()).unwrap_err();
     assert!(matches!(e, CopyError::Setup(_)), "{e}");
     assert!(e.to_string().contains("smaller than the source"), "{e}");

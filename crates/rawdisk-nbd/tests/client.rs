@@ -4,79 +4,16 @@
 //! server reach the caller.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rawdisk_nbd::client::{Client, ConnectOptions, Error, ZeroFlags};
 use rawdisk_nbd::uri::NbdUri;
+use rawdisk_testkit::NbdServer;
 
-struct Server {
-    child: Child,
-    sock: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn spawn(mut cmd: Command, dir: tempfile::TempDir, sock: PathBuf) -> Server {
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
-        let mut s = Server {
-            child,
-            sock,
-            _dir: dir,
-        };
-        let t0 = Instant::now();
-        while !s.sock.exists() {
-            if let Ok(Some(st)) = s.child.try_wait() {
-                panic!("{cmd:?} exited early: {st}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "{cmd:?} did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        s
-    }
-
-    /// nbdkit's file plugin; `filters` go before the plugin, `params` after.
-    fn nbdkit(file: &Path, filters: &[&str], params: &[&str]) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("nbd.sock");
-        let mut c = Command::new("nbdkit");
-        c.args(["-f", "--exit-with-parent", "-U"])
-            .arg(&sock)
-            .args(filters)
-            .arg("file")
-            .arg(format!("file={}", file.display()))
-            .args(params);
-        Server::spawn(c, dir, sock)
-    }
-
-    fn qemu_nbd(file: &Path) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("nbd.sock");
-        let mut c = Command::new("qemu-nbd");
-        c.args(["-f", "raw", "-t", "-e", "8", "--cache=writeback", "-k"])
-            .arg(&sock)
-            .arg(file);
-        Server::spawn(c, dir, sock)
-    }
-
-    fn uri(&self) -> NbdUri {
-        NbdUri::parse(&format!("nbd+unix:///?socket={}", self.sock.display())).unwrap()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The reference servers (testkit) as this crate's URI type.
+fn uri(s: &NbdServer) -> NbdUri {
+    NbdUri::parse(&s.uri()).unwrap()
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -145,17 +82,17 @@ async fn read_all(c: &Client) -> Vec<u8> {
     out
 }
 
-fn server(kind: &str, file: &Path) -> Server {
+fn server(kind: &str, file: &Path) -> NbdServer {
     match kind {
-        "nbdkit" => Server::nbdkit(file, &[], &[]),
-        _ => Server::qemu_nbd(file),
+        "nbdkit" => NbdServer::nbdkit(file, &[], &[]),
+        _ => NbdServer::qemu_nbd(file),
     }
 }
 
-fn servers(file: &Path) -> Vec<(&'static str, Server)> {
+fn servers(file: &Path) -> Vec<(&'static str, NbdServer)> {
     vec![
-        ("nbdkit", Server::nbdkit(file, &[], &[])),
-        ("qemu-nbd", Server::qemu_nbd(file)),
+        ("nbdkit", NbdServer::nbdkit(file, &[], &[])),
+        ("qemu-nbd", NbdServer::qemu_nbd(file)),
     ]
 }
 
@@ -166,7 +103,7 @@ fn handshake_read_write_zero_trim_flush() {
         let (img, want) = sparse_image(dir.path());
         let srv = server(name, &img);
         let want = rt().block_on(async {
-            let c = Client::connect(&srv.uri(), &ConnectOptions::default())
+            let c = Client::connect(&uri(&srv), &ConnectOptions::default())
                 .await
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             let i = c.info().clone();
@@ -231,7 +168,7 @@ fn block_status_matches_the_file_layout() {
     for (name, srv) in servers(&img) {
         let want = exported(name, &want);
         rt().block_on(async {
-            let c = Client::connect(&srv.uri(), &ConnectOptions::default())
+            let c = Client::connect(&uri(&srv), &ConnectOptions::default())
                 .await
                 .unwrap();
             let mut off = 0;
@@ -277,7 +214,7 @@ fn many_requests_in_flight_and_multi_conn() {
                 connections: 4,
                 ..Default::default()
             };
-            let c = Arc::new(Client::connect(&srv.uri(), &opts).await.unwrap());
+            let c = Arc::new(Client::connect(&uri(&srv), &opts).await.unwrap());
             if c.info().can_multi_conn() {
                 assert_eq!(c.info().connections, 4, "{name}");
             } else {
@@ -317,13 +254,13 @@ fn server_errors_reach_the_caller() {
     let dir = tempfile::tempdir().unwrap();
     let (img, _) = sparse_image(dir.path());
     // Every pread fails with EIO.
-    let srv = Server::nbdkit(
+    let srv = NbdServer::nbdkit(
         &img,
         &["--filter=error"],
         &["error=EIO", "error-pread-rate=1"],
     );
     rt().block_on(async {
-        let c = Client::connect(&srv.uri(), &ConnectOptions::default())
+        let c = Client::connect(&uri(&srv), &ConnectOptions::default())
             .await
             .unwrap();
         let e = c.read(65536, 4096).await.unwrap_err();
@@ -343,10 +280,10 @@ fn dead_server_fails_every_request_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     let (img, _) = sparse_image(dir.path());
     // Slow reads so requests are in flight when the server dies.
-    let mut srv = Server::nbdkit(&img, &["--filter=delay"], &["delay-read=2"]);
+    let mut srv = NbdServer::nbdkit(&img, &["--filter=delay"], &["delay-read=2"]);
     rt().block_on(async {
         let c = Arc::new(
-            Client::connect(&srv.uri(), &ConnectOptions::default())
+            Client::connect(&uri(&srv), &ConnectOptions::default())
                 .await
                 .unwrap(),
         );
@@ -380,9 +317,9 @@ fn dead_server_fails_every_request_in_flight() {
 fn unknown_export_and_no_server_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let (img, _) = sparse_image(dir.path());
-    let srv = Server::qemu_nbd(&img);
+    let srv = NbdServer::qemu_nbd(&img);
     rt().block_on(async {
-        let mut u = srv.uri();
+        let mut u = uri(&srv);
         u.export = "nope".into();
         let e = Client::connect(&u, &ConnectOptions::default())
             .await
@@ -412,7 +349,7 @@ fn without_structured_replies_or_extended_headers() {
                     structured_replies: sr,
                     ..Default::default()
                 };
-                let c = Client::connect(&srv.uri(), &opts).await.unwrap();
+                let c = Client::connect(&uri(&srv), &opts).await.unwrap();
                 assert_eq!(c.info().structured_replies, sr, "{name}");
                 assert!(!c.info().extended_headers);
                 same(
@@ -430,8 +367,8 @@ fn without_structured_replies_or_extended_headers() {
 fn blocking_facade() {
     let dir = tempfile::tempdir().unwrap();
     let (img, want) = sparse_image(dir.path());
-    let srv = Server::nbdkit(&img, &[], &[]);
-    let c = rawdisk_nbd::client::blocking::Client::connect(&srv.uri(), &ConnectOptions::default())
+    let srv = NbdServer::nbdkit(&img, &[], &[]);
+    let c = rawdisk_nbd::client::blocking::Client::connect(&uri(&srv), &ConnectOptions::default())
         .unwrap();
     let mut buf = vec![0u8; want.len()];
     c.read_at(&mut buf, 0).unwrap();

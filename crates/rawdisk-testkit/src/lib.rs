@@ -1099,6 +1099,104 @@ pub fn drop_cache(path: &Path) {
     );
 }
 
+/// An NBD server under test or for reference (nbdkit's file plugin, qemu-nbd,
+/// `rawdisk serve`), listening on a Unix socket in a private temp dir;
+/// killed on Drop.
+pub struct NbdServer {
+    /// The server process, for tests that kill it on purpose.
+    pub child: std::process::Child,
+    sock: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl NbdServer {
+    /// Starts `cmd` (which must listen on `sock`) and waits for the socket.
+    pub fn spawn(
+        mut cmd: std::process::Command,
+        dir: tempfile::TempDir,
+        sock: std::path::PathBuf,
+    ) -> NbdServer {
+        use std::process::Stdio;
+        use std::time::{Duration, Instant};
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
+        let mut s = NbdServer {
+            child,
+            sock,
+            _dir: dir,
+        };
+        let t0 = Instant::now();
+        while !s.sock.exists() {
+            if let Ok(Some(st)) = s.child.try_wait() {
+                panic!("{cmd:?} exited early: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{cmd:?} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s
+    }
+
+    fn new_socket() -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("nbd.sock");
+        (dir, sock)
+    }
+
+    /// nbdkit's file plugin; `filters` go before the plugin, `params` after.
+    pub fn nbdkit(file: &Path, filters: &[&str], params: &[&str]) -> NbdServer {
+        let (dir, sock) = Self::new_socket();
+        let mut c = std::process::Command::new("nbdkit");
+        c.args(["-f", "--exit-with-parent", "-U"])
+            .arg(&sock)
+            .args(filters)
+            .arg("file")
+            .arg(format!("file={}", file.display()))
+            .args(params);
+        Self::spawn(c, dir, sock)
+    }
+
+    /// qemu-nbd with qemu's defaults (page cache, 8 connections allowed).
+    pub fn qemu_nbd(file: &Path) -> NbdServer {
+        let (dir, sock) = Self::new_socket();
+        let mut c = std::process::Command::new("qemu-nbd");
+        c.args(["-f", "raw", "-t", "-e", "8", "--cache=writeback", "-k"])
+            .arg(&sock)
+            .arg(file);
+        Self::spawn(c, dir, sock)
+    }
+
+    /// `rawdisk serve` from the binary at `bin`.
+    pub fn rawdisk(bin: &Path, file: &Path) -> NbdServer {
+        let (dir, sock) = Self::new_socket();
+        let mut c = std::process::Command::new(bin);
+        c.args(["serve", "--socket"]).arg(&sock).arg(file);
+        c.stderr(std::process::Stdio::null());
+        Self::spawn(c, dir, sock)
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.sock
+    }
+
+    /// `nbd+unix:///?socket=PATH`
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
