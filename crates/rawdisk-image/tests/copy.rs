@@ -436,7 +436,9 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
 
     // The binary: non-zero exit and one clear line.
     if let Some(bin) = std::env::var_os("RAWDISK_BIN") {
-        let mut srv = NbdServer::nbdkit(&exp, &["--filter=delay"], &["delay-write=50ms"]);
+        // 128 writes of 256 KiB, 4 at a time, 200 ms each: ~6 s of copying,
+        // so the kill below lands mid-copy even on a loaded machine.
+        let mut srv = NbdServer::nbdkit(&exp, &["--filter=delay"], &["delay-write=200ms"]);
         let child = Command::new(bin)
             .args([
                 "copy",
@@ -444,6 +446,8 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
                 "4",
                 "-C",
                 "1",
+                "--request-size",
+                "256K",
                 src.to_str().unwrap(),
                 &srv.uri(),
             ])
@@ -453,10 +457,13 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
             .unwrap();
         std::thread::sleep(Duration::from_millis(400));
         let mut child = child;
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "copy ended before the kill"
-        );
+        if let Some(st) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "copy ended before the kill ({st}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
         srv.child.kill().unwrap();
         let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
