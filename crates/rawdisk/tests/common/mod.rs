@@ -4,7 +4,6 @@
 
 use std::hash::Hasher;
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -70,23 +69,7 @@ impl Run {
 
 /// Runs a reference tool; panics when it fails.
 pub fn tool(prog: &str, args: &[&str]) -> String {
-    let out = Command::new(prog)
-        .args(args)
-        .env(
-            "PATH",
-            format!(
-                "/usr/sbin:/usr/bin:/sbin:/bin:{}",
-                std::env::var("PATH").unwrap_or_default()
-            ),
-        )
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"));
-    assert!(
-        out.status.success(),
-        "{prog} {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    rawdisk_testkit::run(prog, args)
 }
 
 /// A hash of every byte of a file or device (not cryptographic: it catches
@@ -109,7 +92,7 @@ pub fn fingerprint(path: &Path) -> u64 {
 }
 
 pub fn st_blocks(path: &Path) -> u64 {
-    std::fs::metadata(path).expect("stat").blocks()
+    rawdisk_testkit::allocated_bytes(path) / 512
 }
 
 /// One map run: (start, length, zero, data, offset, present, depth).
