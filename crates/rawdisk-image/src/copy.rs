@@ -269,6 +269,52 @@ enum Work {
     Data { offset: u64, len: u64 },
 }
 
+/// The first error any worker hit; later ones are only logged. Workers stop
+/// taking work once it is set.
+#[derive(Default)]
+struct FirstError {
+    failed: AtomicBool,
+    first: Mutex<Option<CopyError>>,
+}
+
+impl FirstError {
+    fn set(&self, e: CopyError) {
+        self.failed.store(true, Ordering::SeqCst);
+        let mut g = self.first.lock().unwrap();
+        if g.is_none() {
+            *g = Some(e);
+        } else {
+            tracing::debug!(error = %e, "further copy error after the first");
+        }
+    }
+
+    fn is_set(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    fn into_inner(self) -> Option<CopyError> {
+        self.first.into_inner().unwrap()
+    }
+}
+
+/// The next piece of work for a worker: None when the plan is done or a
+/// worker failed (a failure to map the source is recorded as the error).
+fn next_work(planner: &Mutex<Planner<'_>>, errors: &FirstError) -> Option<Work> {
+    if errors.is_set() {
+        return None;
+    }
+    match planner.lock().unwrap().next() {
+        Ok(w) => w,
+        Err(e) => {
+            errors.set(CopyError::Io {
+                side: Side::Source,
+                error: e,
+            });
+            None
+        }
+    }
+}
+
 /// Hands out work in offset order from the source's extents, fetched lazily.
 struct Planner<'a> {
     src: &'a Endpoint,
@@ -417,37 +463,15 @@ pub fn copy_endpoints(
         data_chunk: request,
         zero_chunk: 1 << 30,
     });
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<CopyError>> = Mutex::new(None);
+    let errors = FirstError::default();
     let counters = Counters::default();
     let bar = progress_bar(opts.progress, size);
-
-    let fail = |e: CopyError| {
-        failed.store(true, Ordering::SeqCst);
-        let mut g = first_error.lock().unwrap();
-        if g.is_none() {
-            *g = Some(e);
-        } else {
-            tracing::debug!(error = %e, "further copy error after the first");
-        }
-    };
 
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
                 let mut buf = IoBuf::new(request as usize, align.max(4096) as usize);
-                while !failed.load(Ordering::SeqCst) {
-                    let w = match planner.lock().unwrap().next() {
-                        Ok(Some(w)) => w,
-                        Ok(None) => break,
-                        Err(e) => {
-                            fail(CopyError::Io {
-                                side: Side::Source,
-                                error: e,
-                            });
-                            break;
-                        }
-                    };
+                while let Some(w) = next_work(&planner, &errors) {
                     let r = match w {
                         Work::Zero { offset, len } => if skip_zero {
                             counters.skipped.fetch_add(len, Ordering::Relaxed);
@@ -472,7 +496,7 @@ pub fn copy_endpoints(
                             }
                         }
                         Err(e) => {
-                            fail(e);
+                            errors.set(e);
                             break;
                         }
                     }
@@ -483,7 +507,7 @@ pub fn copy_endpoints(
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    if let Some(e) = first_error.into_inner().unwrap() {
+    if let Some(e) = errors.into_inner() {
         return Err(e);
     }
     if opts.flush {
@@ -640,35 +664,16 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
         // this size, read where the destination has data.
         zero_chunk: 64 << 20,
     });
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<CopyError>> = Mutex::new(None);
+    // The first mismatch found is enough to fail; it need not be the lowest.
+    let errors = FirstError::default();
     let compared = AtomicU64::new(0);
     let skipped = AtomicU64::new(0);
-    let fail = |e: CopyError| {
-        failed.store(true, Ordering::SeqCst);
-        let mut g = first_error.lock().unwrap();
-        // Keep the lowest offset mismatch? The first found is enough to fail.
-        if g.is_none() {
-            *g = Some(e);
-        }
-    };
     std::thread::scope(|s| {
         for _ in 0..opts.requests.clamp(1, 16) {
             s.spawn(|| {
                 let mut a = IoBuf::new(request as usize, align.max(4096) as usize);
                 let mut b = IoBuf::new(request as usize, align.max(4096) as usize);
-                while !failed.load(Ordering::SeqCst) {
-                    let w = match planner.lock().unwrap().next() {
-                        Ok(Some(w)) => w,
-                        Ok(None) => break,
-                        Err(e) => {
-                            fail(CopyError::Io {
-                                side: Side::Source,
-                                error: e,
-                            });
-                            break;
-                        }
-                    };
+                while let Some(w) = next_work(&planner, &errors) {
                     let r = match w {
                         Work::Data { offset, len } => {
                             verify_data(src, dst, &mut a, &mut b, offset, len).map(|_| {
@@ -680,14 +685,14 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
                         }
                     };
                     if let Err(e) = r {
-                        fail(e);
+                        errors.set(e);
                         break;
                     }
                 }
             });
         }
     });
-    if let Some(e) = first_error.into_inner().unwrap() {
+    if let Some(e) = errors.into_inner() {
         return Err(e);
     }
     Ok(VerifyStats {
