@@ -557,6 +557,43 @@ fn probe_file(path: &Path, r: &mut ProbeReport) {
     drop(scratch);
 }
 
+/// Rows whose answer is fixed on any block device, whether probed through
+/// sysfs or by trying: there is no file allocation to manage...
+fn block_allocation_rows() -> [MethodReport; 2] {
+    [
+        mr(
+            Method::PunchAlloc,
+            "fallocate(PUNCH_HOLE) + fallocate(0)",
+            State::NotApplicable,
+            "regular files only".into(),
+        ),
+        mr(
+            Method::Fallocate,
+            "fallocate(0)",
+            State::NotApplicable,
+            "a block device is allocated already".into(),
+        ),
+    ]
+}
+
+/// ...no holes to map, and writing zeros always works.
+fn block_map_and_write_rows() -> [MethodReport; 2] {
+    [
+        mr(
+            Method::SeekHole,
+            "lseek(SEEK_DATA/SEEK_HOLE)",
+            State::NotApplicable,
+            "a block device maps as all data".into(),
+        ),
+        mr(
+            Method::WriteZeros,
+            "pwrite of zeros",
+            State::Works,
+            "always (the last resort)".into(),
+        ),
+    ]
+}
+
 fn mr(m: Method, call: &'static str, state: State, detail: String) -> MethodReport {
     MethodReport {
         method: m.name(),
@@ -728,18 +765,7 @@ fn probe_device_sysfs(path: &Path, r: &mut ProbeReport) {
         State::Works,
         zr_detail.clone(),
     ));
-    methods.push(mr(
-        Method::PunchAlloc,
-        "fallocate(PUNCH_HOLE) + fallocate(0)",
-        State::NotApplicable,
-        "regular files only".into(),
-    ));
-    methods.push(mr(
-        Method::Fallocate,
-        "fallocate(0)",
-        State::NotApplicable,
-        "a block device is allocated already".into(),
-    ));
+    methods.extend(block_allocation_rows());
     methods.push(mr(
         Method::BlkZeroout,
         "ioctl(BLKZEROOUT)",
@@ -757,18 +783,7 @@ fn probe_device_sysfs(path: &Path, r: &mut ProbeReport) {
         discard.0,
         discard.1,
     ));
-    methods.push(mr(
-        Method::SeekHole,
-        "lseek(SEEK_DATA/SEEK_HOLE)",
-        State::NotApplicable,
-        "a block device maps as all data".into(),
-    ));
-    methods.push(mr(
-        Method::WriteZeros,
-        "pwrite of zeros",
-        State::Works,
-        "always (the last resort)".into(),
-    ));
+    methods.extend(block_map_and_write_rows());
     r.methods = methods;
 
     let st = |m: Method| state_in(&r.methods, m);
@@ -899,18 +914,7 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
         s,
         d,
     ));
-    methods.push(mr(
-        Method::PunchAlloc,
-        "fallocate(PUNCH_HOLE) + fallocate(0)",
-        State::NotApplicable,
-        "regular files only".into(),
-    ));
-    methods.push(mr(
-        Method::Fallocate,
-        "fallocate(0)",
-        State::NotApplicable,
-        "a block device is allocated already".into(),
-    ));
+    methods.extend(block_allocation_rows());
     let (s, d) = try_zeroing(&sys, &f, 2 * len, len, false, || {
         sys.blkzeroout(fd, 2 * len, len)
     });
@@ -935,18 +939,7 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
         discard.0,
         discard.1,
     ));
-    methods.push(mr(
-        Method::SeekHole,
-        "lseek(SEEK_DATA/SEEK_HOLE)",
-        State::NotApplicable,
-        "a block device maps as all data".into(),
-    ));
-    methods.push(mr(
-        Method::WriteZeros,
-        "pwrite of zeros",
-        State::Works,
-        "always (the last resort)".into(),
-    ));
+    methods.extend(block_map_and_write_rows());
     // A loop device over a file system without ZERO_RANGE (tmpfs) serves
     // PUNCH_HOLE (the driver punches the backing file) until a write-zeroes
     // without unmap fails underneath; then it turns write-zeroes off for
