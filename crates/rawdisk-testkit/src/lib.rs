@@ -1027,54 +1027,48 @@ pub fn check_zero(path: &Path, offset: u64, len: u64) {
 
 /// The first non-zero offset in `offset..offset+len`, read in 8 MiB chunks.
 pub fn find_nonzero(path: &Path, offset: u64, len: u64) -> Option<u64> {
-    let f = open_ro(path);
+    let mut found = None;
+    for_each_chunk(path, offset, len, |at, data| {
+        found = first_nonzero(data).map(|i| at + i as u64);
+        found.is_none()
+    });
+    found
+}
+
+/// Reads `offset..offset+len` in 8 MiB chunks, handing each (its offset,
+/// its bytes) to `f` until `f` returns false; panics naming a failed read.
+fn for_each_chunk(path: &Path, offset: u64, len: u64, mut f: impl FnMut(u64, &[u8]) -> bool) {
+    let file = open_ro(path);
     let mut buf = vec![0u8; CHUNK.min(len as usize)];
     let mut done = 0;
     while done < len {
         let n = (len - done).min(buf.len() as u64) as usize;
-        f.read_exact_at(&mut buf[..n], offset + done)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "read {} at {} length {n}: {e}",
-                    path.display(),
-                    offset + done
-                )
-            });
-        if let Some(i) = first_nonzero(&buf[..n]) {
-            return Some(offset + done + i as u64);
+        let at = offset + done;
+        file.read_exact_at(&mut buf[..n], at)
+            .unwrap_or_else(|e| panic!("read {} at {at} length {n}: {e}", path.display()));
+        if !f(at, &buf[..n]) {
+            return;
         }
         done += n as u64;
     }
-    None
 }
 
 /// Checks that `offset..offset+len` holds the [`pattern`] of `seed`; panics
 /// with the first differing offset.
 #[track_caller]
 pub fn check_pattern(path: &Path, offset: u64, len: u64, seed: u64) {
-    let f = open_ro(path);
-    let mut buf = vec![0u8; CHUNK.min(len as usize)];
-    let mut want = vec![0u8; buf.len()];
-    let mut done = 0;
-    while done < len {
-        let n = (len - done).min(buf.len() as u64) as usize;
-        f.read_exact_at(&mut buf[..n], offset + done)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "read {} at {} length {n}: {e}",
-                    path.display(),
-                    offset + done
-                )
-            });
-        pattern(seed, offset + done, &mut want[..n]);
+    let mut want = vec![0u8; CHUNK.min(len as usize)];
+    for_each_chunk(path, offset, len, |at, data| {
+        let want = &mut want[..data.len()];
+        pattern(seed, at, want);
         assert_same(
             &format!("{}: pattern {seed} in {offset}+{len}", path.display()),
-            offset + done,
-            &buf[..n],
-            &want[..n],
+            at,
+            data,
+            want,
         );
-        done += n as u64;
-    }
+        true
+    });
 }
 
 /// Allocated bytes of a file (`st_blocks * 512`).
@@ -1200,6 +1194,28 @@ impl Drop for NbdServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The chunked checks see a byte in a later chunk and at the very end.
+    #[test]
+    fn chunked_checks_find_the_first_difference() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let len = 2 * CHUNK as u64 + 100;
+        std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+        assert_eq!(find_nonzero(&p, 0, len), None);
+        write_at(&p, CHUNK as u64 + 5, &[1]);
+        write_at(&p, len - 1, &[2]);
+        assert_eq!(find_nonzero(&p, 0, len), Some(CHUNK as u64 + 5));
+        assert_eq!(
+            find_nonzero(&p, CHUNK as u64 + 6, len - CHUNK as u64 - 6),
+            Some(len - 1)
+        );
+        write_pattern(&p, 0, len, 9);
+        check_pattern(&p, 0, len, 9);
+        write_at(&p, len - 1, &[!pattern_vec(9, len - 1, 1)[0]]);
+        let r = std::panic::catch_unwind(|| check_pattern(&p, 0, len, 9));
+        assert!(r.is_err(), "a changed last byte must fail check_pattern");
+    }
 
     #[test]
     fn pattern_depends_on_offset_only() {
