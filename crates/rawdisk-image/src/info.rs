@@ -7,7 +7,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use rawdisk_storage::{Kind, OpenOptions, Target};
+use rawdisk_storage::Kind;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -68,14 +68,7 @@ pub struct LoopBacking {
 
 /// Info about a file or block device (opened read-only; nothing is written).
 pub fn info_path(path: &Path) -> Result<Info> {
-    let t = Target::open(
-        path,
-        &OpenOptions {
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| Error::with(format!("open '{}'", path.display()), e))?;
+    let t = crate::open_read_only(path)?;
     let g = t.geometry();
     let md = std::fs::metadata(path)
         .map_err(|e| Error::with(format!("stat '{}'", path.display()), e))?;

@@ -19,3 +19,16 @@ pub mod progress;
 pub mod sysinfo;
 
 pub use error::{Error, Result};
+
+/// Opens a file or block device read-only, for the commands that only look
+/// (probe, map, info); the error names the path.
+pub(crate) fn open_read_only(path: &std::path::Path) -> Result<rawdisk_storage::Target> {
+    rawdisk_storage::Target::open(
+        path,
+        &rawdisk_storage::OpenOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| Error::with(format!("cannot open '{}'", path.display()), e))
+}

@@ -17,7 +17,7 @@
 
 use std::path::Path;
 
-use rawdisk_storage::{ExtentKind, OpenOptions, Target};
+use rawdisk_storage::{ExtentKind, Target};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -91,14 +91,7 @@ const RUNS_PER_CALL: usize = 4096;
 
 /// The map of a file or block device.
 pub fn map_path(path: &Path) -> Result<Vec<MapEntry>> {
-    let t = Target::open(
-        path,
-        &OpenOptions {
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| Error::with(format!("open '{}'", path.display()), e))?;
+    let t = crate::open_read_only(path)?;
     map_target(&t).map_err(|e| Error::with(format!("map '{}'", path.display()), e))
 }
 

@@ -158,14 +158,7 @@ pub fn probe(opts: &ProbeOptions) -> Result<ProbeReport> {
             "cannot probe '{shown}': not a regular file or block device"
         )));
     }
-    let t = Target::open(
-        path,
-        &OpenOptions {
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| Error::with(format!("cannot open '{shown}'"), e))?;
+    let t = crate::open_read_only(path)?;
     let g = t.geometry();
     let mut r = ProbeReport {
         target: path.display().to_string(),

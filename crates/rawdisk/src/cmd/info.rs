@@ -4,12 +4,7 @@ use std::process::ExitCode;
 
 use rawdisk_image::info;
 
-/// `--output`, shared by info, map and probe.
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum OutputArg {
-    Human,
-    Json,
-}
+use super::OutputArg;
 
 /// Print size, allocation and properties, as `qemu-img info` does (plus
 /// kind, sector sizes and I/O hints; for an NBD URI the export's flags and

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use rawdisk_image::map;
 
-use super::info::OutputArg;
+use super::OutputArg;
 
 /// Print the allocation map, as `qemu-img map` does.
 ///

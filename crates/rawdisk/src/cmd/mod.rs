@@ -47,3 +47,10 @@ impl From<CacheArg> for CacheMode {
         }
     }
 }
+
+/// `--output`, shared by info, map and probe (qemu-img's `--output=json`).
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum OutputArg {
+    Human,
+    Json,
+}

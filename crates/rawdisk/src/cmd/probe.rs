@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use rawdisk_image::probe::{probe, ProbeOptions};
 
-use super::info::OutputArg;
+use super::OutputArg;
 
 /// Report what the storage under a file or block device supports.
 ///
