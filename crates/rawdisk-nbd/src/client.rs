@@ -636,14 +636,16 @@ impl Conn {
                     .await
                     .map_err(connect_err)?;
                 s.set_nodelay(true).map_err(connect_err)?;
-                let (r, w) = s.into_split();
+                let (r, w) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
+                    .map_err(connect_err)?;
                 (Box::new(r), Box::new(w))
             }
             Transport::Unix { path } => {
                 let s = tokio::net::UnixStream::connect(path)
                     .await
                     .map_err(connect_err)?;
-                let (r, w) = s.into_split();
+                let (r, w) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
+                    .map_err(connect_err)?;
                 (Box::new(r), Box::new(w))
             }
         };

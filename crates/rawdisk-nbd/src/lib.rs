@@ -4,4 +4,5 @@
 pub mod client;
 pub mod proto;
 pub mod server;
+mod sock;
 pub mod uri;
