@@ -404,7 +404,12 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
     let t0 = Instant::now();
     let handle = std::thread::spawn({
         let src = src.clone();
-        move || copy::copy(src.to_str().unwrap(), &uri, &opts())
+        // 128 requests of 256 KiB at 50 ms each over 8 in flight: ~800 ms.
+        let o = CopyOptions {
+            request_size: 256 << 10,
+            ..opts()
+        };
+        move || copy::copy(src.to_str().unwrap(), &uri, &o)
     });
     std::thread::sleep(Duration::from_millis(400));
     assert!(
@@ -485,7 +490,12 @@ fn server_errors_end_the_copy() {
         &["--filter=error"],
         &["error=ENOSPC", "error-pwrite-rate=25%"],
     );
-    let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &opts()).unwrap_err();
+    // 128 writes of 64 KiB: all of them succeeding has odds of 1e-16.
+    let o = CopyOptions {
+        request_size: 64 << 10,
+        ..opts()
+    };
+    let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &o).unwrap_err();
     let msg = e.to_string();
     assert!(
         matches!(
@@ -634,7 +644,12 @@ fn destination_smaller_than_source_is_refused() {
     let exp = dir.path().join("small.img");
     std::fs::write(&exp, vec![0u8; MIB as usize]).unwrap();
     let srv = NbdServer::nbdkit(&exp, &[], &[]);
-    let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &opts()).unwrap_err();
+    // 128 writes of 64 KiB: all of them succeeding has odds of 1e-16.
+    let o = CopyOptions {
+        request_size: 64 << 10,
+        ..opts()
+    };
+    let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &o).unwrap_err();
     assert!(matches!(e, CopyError::Setup(_)), "{e}");
     assert!(e.to_string().contains("smaller than the source"), "{e}");
 }

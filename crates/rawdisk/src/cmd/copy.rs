@@ -24,15 +24,15 @@ pub struct Args {
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
-    /// Requests in flight [default: 64 when a side is NBD; between local
+    /// Requests in flight [default: 16 when a side is NBD; between local
     /// files and devices one per CPU, 16 with --cache none].
     #[arg(short = 'm', long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     requests: Option<u32>,
     /// NBD connections per side when the server allows multi-conn.
     #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     connections: u32,
-    /// Bytes per read and write request [default: 256K when a side is NBD,
-    /// 2M between local files and devices].
+    /// Bytes per read and write request, at most the NBD server's maximum
+    /// [default: 2M].
     #[arg(long, value_parser = size_arg)]
     request_size: Option<u64>,
     /// Zero blocks of this size in the data become zero requests (0: off).
