@@ -490,9 +490,10 @@ fn server_errors_end_the_copy() {
         &["--filter=error"],
         &["error=ENOSPC", "error-pwrite-rate=25%"],
     );
-    // 128 writes of 64 KiB: all of them succeeding has odds of 1e-16.
+    // 512 requests of 16 KiB: all of them succeeding has odds of 1e-64
+    // (writes, 25 %) and 1e-23 (reads, 10 %).
     let o = CopyOptions {
-        request_size: 64 << 10,
+        request_size: 16 << 10,
         ..opts()
     };
     let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &o).unwrap_err();
@@ -518,12 +519,7 @@ fn server_errors_end_the_copy() {
         &["--filter=error"],
         &["error=EIO", "error-pread-rate=10%"],
     );
-    let e = copy::copy(
-        &srv.uri(),
-        dir.path().join("o.img").to_str().unwrap(),
-        &opts(),
-    )
-    .unwrap_err();
+    let e = copy::copy(&srv.uri(), dir.path().join("o.img").to_str().unwrap(), &o).unwrap_err();
     let msg = e.to_string();
     assert!(
         matches!(
@@ -644,12 +640,7 @@ fn destination_smaller_than_source_is_refused() {
     let exp = dir.path().join("small.img");
     std::fs::write(&exp, vec![0u8; MIB as usize]).unwrap();
     let srv = NbdServer::nbdkit(&exp, &[], &[]);
-    // 128 writes of 64 KiB: all of them succeeding has odds of 1e-16.
-    let o = CopyOptions {
-        request_size: 64 << 10,
-        ..opts()
-    };
-    let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &o).unwrap_err();
+    let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &opts()).unwrap_err();
     assert!(matches!(e, CopyError::Setup(_)), "{e}");
     assert!(e.to_string().contains("smaller than the source"), "{e}");
 }

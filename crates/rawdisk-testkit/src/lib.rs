@@ -1103,6 +1103,22 @@ pub struct NbdServer {
     _dir: tempfile::TempDir,
 }
 
+/// Whether a Unix socket bound at `path` is listening: /proc/net/unix
+/// lists it with __SO_ACCEPTCON (0x10000) in its flags. Unlike a test
+/// connect, this leaves no half-open connection for the server to log.
+fn unix_listening(path: &Path) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
+        return path.exists();
+    };
+    let want = path.to_string_lossy();
+    table.lines().skip(1).any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() >= 8
+            && f[7] == want
+            && u32::from_str_radix(f[3], 16).is_ok_and(|flags| flags & 0x10000 != 0)
+    })
+}
+
 impl NbdServer {
     /// Starts `cmd` (which must listen on `sock`) and waits for the socket.
     pub fn spawn(
@@ -1123,7 +1139,9 @@ impl NbdServer {
             _dir: dir,
         };
         let t0 = Instant::now();
-        while !s.sock.exists() {
+        // The socket file appears at bind(), before listen(): a connect in
+        // between is refused. Wait for the kernel to list it as listening.
+        while !unix_listening(&s.sock) {
             if let Ok(Some(st)) = s.child.try_wait() {
                 panic!("{cmd:?} exited early: {st}");
             }
