@@ -488,7 +488,12 @@ pub fn copy_endpoints(
                         Work::Data { offset, len } => copy_data(
                             src, dst, &mut buf, offset, len, sparse, skip_zero, may_trim, &counters,
                         )
-                        .map(|_| len),
+                        .map(|_| {
+                            if opts.flush {
+                                dst.start_writeback(offset, len);
+                            }
+                            len
+                        }),
                     };
                     match r {
                         Ok(n) => {

@@ -392,6 +392,14 @@ impl Endpoint {
         }
     }
 
+    /// See [`rawdisk_storage::Target::start_writeback`]; nothing for NBD
+    /// (the server decides when its cache is written).
+    pub fn start_writeback(&self, offset: u64, len: u64) {
+        if let Endpoint::Local { target, .. } = self {
+            target.start_writeback(offset, len);
+        }
+    }
+
     pub fn flush(&self) -> Result<()> {
         match self {
             Endpoint::Local { target, .. } => target.flush().map_err(|e| self.local_err(e)),

@@ -247,4 +247,8 @@ impl Sys for FaultSys {
         self.enter(CallKind::SyncRange)?;
         self.inner.sync_range(fd, offset, len)
     }
+    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        self.enter(CallKind::SyncRange)?;
+        self.inner.start_writeback(fd, offset, len)
+    }
 }

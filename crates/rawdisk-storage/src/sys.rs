@@ -167,6 +167,11 @@ pub trait Sys: Send + Sync + 'static {
     fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
         RealSys.sync_range(fd, offset, len)
     }
+    /// Start writing back the dirty page cache of [offset, offset+len)
+    /// without waiting for it (sync_file_range WRITE only).
+    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        RealSys.start_writeback(fd, offset, len)
+    }
 }
 
 /// The kernel.
@@ -425,16 +430,29 @@ impl Sys for RealSys {
         let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
             | libc::SYNC_FILE_RANGE_WRITE
             | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-        let (off, n) = (
-            i64::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
-            i64::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
-        );
-        // SAFETY: sync_file_range only reads its integer arguments; `fd` is a
-        // valid open descriptor for the duration of the borrow.
-        let r = unsafe { libc::sync_file_range(fd.as_raw_fd(), off, n, flags) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        sync_file_range(fd, offset, len, flags)
     }
+
+    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        sync_file_range(fd, offset, len, libc::SYNC_FILE_RANGE_WRITE)
+    }
+}
+
+fn sync_file_range(
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    len: u64,
+    flags: libc::c_uint,
+) -> io::Result<()> {
+    let (off, n) = (
+        i64::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
+        i64::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
+    );
+    // SAFETY: sync_file_range only reads its integer arguments; `fd` is a
+    // valid open descriptor for the duration of the borrow.
+    let r = unsafe { libc::sync_file_range(fd.as_raw_fd(), off, n, flags) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }

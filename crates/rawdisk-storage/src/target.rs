@@ -637,6 +637,19 @@ impl Target {
         }
     }
 
+    /// Start writing back what the page cache holds of this range, without
+    /// waiting: a copy that will flush at the end overlaps that write-back
+    /// with the rest of the copy instead of paying it all in the final
+    /// fdatasync. Advisory: errors are left for the flush to report.
+    pub fn start_writeback(&self, offset: u64, len: u64) {
+        if self.direct.is_some() || len == 0 {
+            return;
+        }
+        if let Err(e) = self.sys.start_writeback(self.fd(), offset, len) {
+            tracing::debug!(offset, len, "sync_file_range(WRITE): {e}");
+        }
+    }
+
     pub fn flush(&self) -> Result<()> {
         retry(|| self.datasync_raw()).map_err(|e| Error::new("flush", 0, 0, e))
     }

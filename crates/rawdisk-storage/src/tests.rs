@@ -1202,3 +1202,29 @@ fn direct_failed_write_past_the_end_leaves_the_size() {
     t.read_at(&mut b, 0).unwrap();
     assert_eq!(b, pattern(0, 1050));
 }
+
+#[test]
+fn start_writeback_is_advisory_and_skipped_under_o_direct() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    let data = pattern(0, 64 << 10);
+    t.write_at(&data, 0, false).unwrap();
+    // An error here is not the caller's: the final flush reports real ones.
+    f.fail_once(CallKind::SyncRange, 1, libc::EIO);
+    t.start_writeback(0, 64 << 10);
+    t.start_writeback(0, 64 << 10);
+    assert_eq!(f.calls(CallKind::SyncRange), 2);
+    t.flush().unwrap();
+    let mut back = vec![0u8; data.len()];
+    t.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, data);
+
+    // O_DIRECT leaves nothing in the page cache to write back.
+    let opts = OpenOptions {
+        cache: CacheMode::None,
+        ..OpenOptions::default()
+    };
+    let d = Target::open_with_sys(&tmp.path, &opts, f.clone()).unwrap();
+    d.start_writeback(0, 64 << 10);
+    assert_eq!(f.calls(CallKind::SyncRange), 2);
+}
