@@ -1119,7 +1119,7 @@ impl ProbeReport {
         z.add("zero, trim allowed", choice(&self.zero.with_trim));
         z.add("zero, no trim", choice(&self.zero.without_trim));
         z.add(
-            "fast zero",
+            "fast zero, no trim",
             match &self.zero.fast_zero_method {
                 Some(m) if self.zero.fast_zero != "no" => format!("{} ({m})", self.zero.fast_zero),
                 _ => self.zero.fast_zero.to_string(),

@@ -230,6 +230,9 @@ impl Sys for FaultSys {
         self.enter(CallKind::Fstat)?;
         self.inner.fstat(fd)
     }
+    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
+        self.inner.fs_magic(fd)
+    }
     fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
         self.enter(CallKind::Statx)?;
         self.inner.dio_align(fd)

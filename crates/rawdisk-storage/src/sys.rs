@@ -149,6 +149,10 @@ pub trait Sys: Send + Sync + 'static {
     fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
         RealSys.fstat(fd)
     }
+    /// The file system's magic number (fstatfs f_type).
+    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
+        RealSys.fs_magic(fd)
+    }
     /// statx(STATX_DIOALIGN); Ok(None) when the kernel or file system does
     /// not fill it in (before Linux 6.1, or file systems that do not report it).
     fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
@@ -378,6 +382,10 @@ impl Sys for RealSys {
             flags |= OFlags::TRUNC;
         }
         Ok(rustix::fs::open(path, flags, Mode::from_raw_mode(0o644))?)
+    }
+
+    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
+        Ok(rustix::fs::fstatfs(fd)?.f_type as u64)
     }
 
     fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {

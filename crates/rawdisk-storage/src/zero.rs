@@ -8,9 +8,10 @@
 //!    extents on ext4/XFS). Missing on tmpfs (no ZERO_RANGE in shmem), NFS,
 //!    and every kernel before 3.15.
 //! 3. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
-//!    and the space stays allocated. This is how tmpfs zeroes without
-//!    leaving a hole (1.4 s for 4 GiB in RESULTS-baseline.md vs 0.25 s/GiB
-//!    for writing, but no user-space copy and no page-cache churn).
+//!    and the space stays allocated (file systems with holes but without
+//!    ZERO_RANGE: NFS 4.2, where the seed patch measured it far cheaper than
+//!    writing). Not on tmpfs, where it frees and re-clears every page and
+//!    costs twice what writing zeros does (see `punch_alloc_slower`).
 //! 4. pwrite from one shared zero buffer, `write_zeros_chunk` bytes a call,
 //!    the offset advancing every chunk (nbdkit and the reference nbd-server
 //!    shipped a fallback that rewrote the first chunk over and over).
@@ -77,7 +78,8 @@ pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
 
 fn punch_alloc_may_work(t: &Target) -> bool {
     let c = &t.caps;
-    c.get(Method::PunchAlloc).may_work()
+    !t.punch_alloc_slower
+        && c.get(Method::PunchAlloc).may_work()
         && c.get(Method::PunchHole).may_work()
         && c.get(Method::Fallocate).may_work()
 }
