@@ -101,6 +101,9 @@ const BATCH_MAX: usize = 16;
 const BATCH_MAX_LEN: u64 = 64 << 10;
 /// Read-ahead of the request reader.
 const READ_AHEAD: usize = 64 << 10;
+/// Largest read or write run on the connection's reader when it is alone
+/// (qemu-img convert writes 2 MiB at a time).
+const INLINE_MAX_LEN: u64 = 4 << 20;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
 const PEEK_AHEAD: usize = 4 << 10;
@@ -985,14 +988,19 @@ where
         // it to a blocking thread and the reply to the writer task cost two
         // thread wake-ups, which at queue depth 1 is all latency (4 KiB
         // writes 91 -> 60 us, 2 MiB writes 840 -> 720 us per request on
-        // tmpfs). FLUSH may wait on a disk for long: never inline.
+        // tmpfs). Only reads and writes of at most INLINE_MAX_LEN, whose
+        // cost is a bounded copy: a zero or trim may take milliseconds (a
+        // 64 MiB punch on ext4, zeros written on ramfs) and FLUSH may wait
+        // on a disk, and a request that the client sends a moment later
+        // would wait behind it instead of running beside it.
         // Whether the client sent more is only known by looking: without
         // that, a client with 16 big writes queued would have them run one
         // after the other here (each header arrives after the previous
         // payload) instead of in parallel on the pool.
         let idle = batch.is_empty()
             && slots.available_permits() + 1 == sh.cfg.max_requests_per_conn
-            && req.typ != CMD_FLUSH;
+            && matches!(req.typ, CMD_READ | CMD_WRITE)
+            && req.length <= INLINE_MAX_LEN;
         // (Any byte buffered, even part of a header, is a next request.)
         if idle && rd.buffered() == 0 {
             if let Err(e) = rd.top_up(read_ahead.max(PEEK_AHEAD)).await {

@@ -54,6 +54,14 @@ impl AsyncRead for SockRead {
     }
 }
 
+impl Drop for SockWrite {
+    /// Like tokio's owned write half: dropping it sends EOF to the peer
+    /// even while the read half lives on.
+    fn drop(&mut self) {
+        let _ = rustix::net::shutdown(self.0.get_ref(), Shutdown::Write);
+    }
+}
+
 impl AsyncWrite for SockWrite {
     fn poll_write(
         self: Pin<&mut Self>,
