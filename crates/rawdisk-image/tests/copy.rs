@@ -108,6 +108,18 @@ fn same(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
+/// `e` is an I/O error of `side` whose message holds every one of `needles`.
+fn assert_io_error(e: &CopyError, side: Side, needles: &[&str]) {
+    let msg = e.to_string();
+    assert!(
+        matches!(e, CopyError::Io { side: s, .. } if *s == side),
+        "{msg}"
+    );
+    for n in needles {
+        assert!(msg.contains(n), "{n:?} missing from: {msg}");
+    }
+}
+
 fn opts() -> CopyOptions {
     CopyOptions {
         requests: 8,
@@ -301,16 +313,7 @@ fn source_errors_name_the_side() {
         &opts(),
     )
     .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            CopyError::Io {
-                side: Side::Source,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert_io_error(&e, Side::Source, &[]);
     assert!(e.to_string().starts_with("source "), "{e}");
     assert!(
         !dir.path().join("dst").exists(),
@@ -423,21 +426,7 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
         "took {:?}",
         t0.elapsed()
     );
-    let msg = e.to_string();
-    assert!(
-        matches!(
-            e,
-            CopyError::Io {
-                side: Side::Destination,
-                ..
-            }
-        ),
-        "{msg}"
-    );
-    assert!(
-        msg.contains("offset") && msg.contains("connection"),
-        "{msg}"
-    );
+    assert_io_error(&e, Side::Destination, &["offset", "connection"]);
 
     // The binary: non-zero exit and one clear line.
     if let Some(bin) = std::env::var_os("RAWDISK_BIN") {
@@ -497,21 +486,7 @@ fn server_errors_end_the_copy() {
         ..opts()
     };
     let e = copy::copy(src.to_str().unwrap(), &srv.uri(), &o).unwrap_err();
-    let msg = e.to_string();
-    assert!(
-        matches!(
-            e,
-            CopyError::Io {
-                side: Side::Destination,
-                ..
-            }
-        ),
-        "{msg}"
-    );
-    assert!(
-        msg.contains("write at offset") && msg.contains("ENOSPC"),
-        "{msg}"
-    );
+    assert_io_error(&e, Side::Destination, &["write at offset", "ENOSPC"]);
 
     // Failing reads on an NBD source.
     let srv = NbdServer::nbdkit(
@@ -520,21 +495,7 @@ fn server_errors_end_the_copy() {
         &["error=EIO", "error-pread-rate=10%"],
     );
     let e = copy::copy(&srv.uri(), dir.path().join("o.img").to_str().unwrap(), &o).unwrap_err();
-    let msg = e.to_string();
-    assert!(
-        matches!(
-            e,
-            CopyError::Io {
-                side: Side::Source,
-                ..
-            }
-        ),
-        "{msg}"
-    );
-    assert!(
-        msg.contains("read at offset") && msg.contains("EIO"),
-        "{msg}"
-    );
+    assert_io_error(&e, Side::Source, &["read at offset", "EIO"]);
 }
 
 // ---------------------------------------------------------------------------
@@ -615,21 +576,7 @@ fn full_destination_file_system_is_a_clear_error() {
     make_image(&src, 8 * MIB, Shape::Dense);
     let dst = fs.path("dst.img");
     let e = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &opts()).unwrap_err();
-    let msg = e.to_string();
-    assert!(
-        matches!(
-            e,
-            CopyError::Io {
-                side: Side::Destination,
-                ..
-            }
-        ),
-        "{msg}"
-    );
-    assert!(
-        msg.contains("offset") && msg.contains("No space left"),
-        "{msg}"
-    );
+    assert_io_error(&e, Side::Destination, &["offset", "No space left"]);
 }
 
 #[test]

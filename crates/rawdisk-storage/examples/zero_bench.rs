@@ -102,15 +102,6 @@ fn variants(kind: StorageKind, size: u64) -> Vec<Variant> {
             NO_TRIM,
             [&ZR[..], &[PUNCH, CallKind::BlkZeroout]].concat(),
         ));
-        v.push(t(
-            "fallocate -p (punch)",
-            &["fallocate", "-p", "-o", "0", "-l", &len, "{}"],
-        ));
-        v.push(t(
-            "fallocate -z (zero range)",
-            &["fallocate", "-z", "-o", "0", "-l", &len, "{}"],
-        ));
-        v.push(t("blkdiscard -z (BLKZEROOUT)", &["blkdiscard", "-z", "{}"]));
     } else {
         v.push(e("engine forced punch-alloc", NO_TRIM, ZR.to_vec()));
         v.push(e(
@@ -118,14 +109,17 @@ fn variants(kind: StorageKind, size: u64) -> Vec<Variant> {
             NO_TRIM,
             [&ZR[..], &[PUNCH], &ALLOC[..]].concat(),
         ));
-        v.push(t(
-            "fallocate -p (punch)",
-            &["fallocate", "-p", "-o", "0", "-l", &len, "{}"],
-        ));
-        v.push(t(
-            "fallocate -z (zero range)",
-            &["fallocate", "-z", "-o", "0", "-l", &len, "{}"],
-        ));
+    }
+    v.push(t(
+        "fallocate -p (punch)",
+        &["fallocate", "-p", "-o", "0", "-l", &len, "{}"],
+    ));
+    v.push(t(
+        "fallocate -z (zero range)",
+        &["fallocate", "-z", "-o", "0", "-l", &len, "{}"],
+    ));
+    if kind.is_block() {
+        v.push(t("blkdiscard -z (BLKZEROOUT)", &["blkdiscard", "-z", "{}"]));
     }
     v.push(t(
         "dd bs=1M conv=fsync",
