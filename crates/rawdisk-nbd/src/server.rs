@@ -107,6 +107,8 @@ const INLINE_MAX_LEN: u64 = 4 << 20;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
 const PEEK_AHEAD: usize = 4 << 10;
+/// Granularity of pooled buffer sizes.
+const POOL_ROUND: usize = 64 << 10;
 /// Context id handed out for base:allocation.
 const BASE_ALLOCATION_ID: u32 = 1;
 
@@ -1709,7 +1711,16 @@ impl BufPool {
                 .map(|(i, _)| i);
             best.map(|i| g.swap_remove(i))
         };
-        let buf = picked.unwrap_or_else(|| vec![0u8; need]);
+        // Fresh buffers are rounded up to 64 KiB: a 1 MiB write payload and
+        // a 1 MiB read reply (which carries a header) then fit each other's
+        // recycled buffers, instead of the pool holding 16 of one size while
+        // 16 more of the other are allocated beside them.
+        let size = if need >= POOL_ROUND {
+            need.next_multiple_of(POOL_ROUND)
+        } else {
+            need
+        };
+        let buf = picked.unwrap_or_else(|| vec![0u8; size]);
         let addr = buf.as_ptr() as usize + prefix;
         let start = (DATA_ALIGN - addr % DATA_ALIGN) % DATA_ALIGN;
         (buf, start)

@@ -226,6 +226,18 @@ pub fn page_size() -> u64 {
     }
 }
 
+/// Caps glibc's malloc arenas for this process (mallopt M_ARENA_MAX). By
+/// default every thread that allocates may get its own arena (up to 8 per
+/// core), and each keeps the large buffers freed into it: a server whose
+/// blocking threads allocate I/O buffers grows by a set of buffers per
+/// arena. Returns whether glibc took the setting.
+pub fn limit_malloc_arenas(n: u32) -> bool {
+    let n = libc::c_int::try_from(n).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt only reads its two integer arguments; called before
+    // the threads that allocate are started.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, n) == 1 }
+}
+
 /// ioctl with an `int` result written through a pointer (BLKSSZGET, BLKROGET, ...).
 fn ioctl_get_int(fd: BorrowedFd<'_>, req: u32) -> io::Result<libc::c_int> {
     let mut v: libc::c_int = 0;

@@ -111,6 +111,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         CacheMode::Writeback => 16,
         CacheMode::None => 64,
     });
+    // Two arenas: the payload buffers mostly come from the server's pool,
+    // and with an arena per blocking thread a fio session of 1 MiB, 256 KiB
+    // and 4 KiB jobs peaked at 28 MiB instead of 23 MiB (nbdkit: 21 MiB).
+    if !rawdisk_storage::sys::limit_malloc_arenas(2) {
+        tracing::debug!("mallopt(M_ARENA_MAX) refused; default malloc arenas");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(threads.max(1))
