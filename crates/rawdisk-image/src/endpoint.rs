@@ -298,14 +298,16 @@ impl Endpoint {
                 target.read_at(buf, offset).map_err(|e| self.local_err(e))
             }
             Endpoint::Nbd { client, .. } => {
+                // One reply buffer for every chunk, not one per request.
                 let max = client.info().max_io().max(4096) as usize;
+                let mut v = vec![0u8; buf.len().min(max)];
                 let mut done = 0;
                 while done < buf.len() {
                     let n = (buf.len() - done).min(max);
-                    let v = runtime()
-                        .block_on(client.read(offset + done as u64, n))
+                    v = runtime()
+                        .block_on(client.read_into(offset + done as u64, v, 0..n))
                         .map_err(|e| self.nbd_err(e))?;
-                    buf[done..done + n].copy_from_slice(&v);
+                    buf[done..done + n].copy_from_slice(&v[..n]);
                     done += n;
                 }
                 Ok(())

@@ -591,3 +591,18 @@ fn destination_smaller_than_source_is_refused() {
     assert!(matches!(e, CopyError::Setup(_)), "{e}");
     assert!(e.to_string().contains("smaller than the source"), "{e}");
 }
+
+#[test]
+fn nbd_endpoint_read_at_spans_several_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    let want = make_image(&src, 40 * MIB + 333, Shape::Random(7));
+    // More than one 32 MiB maximum payload (nbdkit's): two requests.
+    let srv = NbdServer::nbdkit(&src, &[], &[]);
+    let ep = Endpoint::open(&srv.uri(), false).unwrap();
+    assert!(ep.max_io() < 36 * MIB, "max_io {}", ep.max_io());
+    let (off, len) = (4097usize, 36 * MIB as usize + 12345);
+    let mut got = vec![0u8; len];
+    ep.read_at(&mut got, off as u64).unwrap();
+    assert!(got == want[off..off + len], "read_at over NBD differs");
+}

@@ -1338,12 +1338,16 @@ pub mod blocking {
             &self.rt
         }
         pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+            // One reply buffer for every chunk, not one per request.
             let max = self.info().max_io().max(4096) as usize;
+            let mut v = vec![0u8; buf.len().min(max)];
             let mut done = 0;
             while done < buf.len() {
                 let n = (buf.len() - done).min(max);
-                let v = self.rt.block_on(self.inner.read(offset + done as u64, n))?;
-                buf[done..done + n].copy_from_slice(&v);
+                v = self
+                    .rt
+                    .block_on(self.inner.read_into(offset + done as u64, v, 0..n))?;
+                buf[done..done + n].copy_from_slice(&v[..n]);
                 done += n;
             }
             Ok(())
