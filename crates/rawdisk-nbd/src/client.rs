@@ -636,7 +636,7 @@ impl Conn {
                     .await
                     .map_err(connect_err)?;
                 s.set_nodelay(true).map_err(connect_err)?;
-                let (r, w) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
+                let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
                     .map_err(connect_err)?;
                 (Box::new(r), Box::new(w))
             }
@@ -644,7 +644,7 @@ impl Conn {
                 let s = tokio::net::UnixStream::connect(path)
                     .await
                     .map_err(connect_err)?;
-                let (r, w) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
+                let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
                     .map_err(connect_err)?;
                 (Box::new(r), Box::new(w))
             }

@@ -19,17 +19,18 @@
 
 use std::cell::RefCell;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rawdisk_storage::{CacheMode, ExtentKind, Kind, Target, ZeroFlags};
+use rawdisk_storage::{CacheMode, ExtentKind, Kind, Method, Target, ZeroFlags};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::{debug, info, trace, warn, Instrument};
 
 use crate::proto::*;
+use crate::sock::{Pipe, SpliceSink};
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -107,6 +108,17 @@ const INLINE_MAX_LEN: u64 = 4 << 20;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
 const PEEK_AHEAD: usize = 4 << 10;
+/// Page-cache reads of at least this many bytes are spliced to the socket
+/// (splice_read): below it a copy costs less than the splice calls and the
+/// header's own send.
+const SPLICE_MIN: u64 = 64 << 10;
+/// Size of each pipe: /proc/sys/fs/pipe-max-size's default, the most a
+/// process without CAP_SYS_RESOURCE may ask for.
+const PIPE_BYTES: usize = 1 << 20;
+/// Empty pipes kept between reads.
+const PIPES_KEPT: usize = 32;
+/// Pipes in existence at once, kept or in flight (two descriptors each).
+const PIPES_MAX: usize = 128;
 /// Granularity of pooled buffer sizes.
 const POOL_ROUND: usize = 64 << 10;
 /// Context id handed out for base:allocation.
@@ -133,6 +145,7 @@ struct Shared {
     bytes_total: Arc<Semaphore>,
     bytes_per_conn: usize,
     pool: BufPool,
+    pipes: PipePool,
     caps_logged: AtomicU64,
     next_conn: AtomicU64,
     sparse_skip: AtomicU64,
@@ -154,6 +167,7 @@ impl Server {
                 bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
                 bytes_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
+                pipes: PipePool::new(),
                 caps_logged: AtomicU64::new(caps_gen),
                 next_conn: AtomicU64::new(1),
                 sparse_skip: AtomicU64::new(0),
@@ -189,7 +203,7 @@ impl Server {
                 a = accept(&listener) => a,
             };
             while tasks.try_join_next().is_some() {}
-            let (rd, wr, peer) = match accepted {
+            let (rd, wr, sink, peer) = match accepted {
                 Ok(c) => c,
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
@@ -207,7 +221,15 @@ impl Server {
             };
             let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
             let span = tracing::debug_span!("conn", id);
-            let fut = connection(sh.clone(), rd, wr, peer, shutdown.clone(), permit);
+            let fut = connection(
+                sh.clone(),
+                rd,
+                wr,
+                Some(sink),
+                peer,
+                shutdown.clone(),
+                permit,
+            );
             tasks.spawn(fut.instrument(span));
         }
         drop(listener);
@@ -244,19 +266,20 @@ impl Server {
             return;
         };
         let (rd, wr) = tokio::io::split(stream);
-        connection(sh.clone(), rd, wr, "stream".into(), shutdown, permit).await;
+        connection(sh.clone(), rd, wr, None, "stream".into(), shutdown, permit).await;
     }
 }
 
 type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
 type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
 
-async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, String)> {
+async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, SpliceSink, String)> {
     match l {
         Listener::Unix(l) => {
             let (s, _) = l.accept().await?;
-            let (r, w) = crate::sock::split(s.into_std()?.into())?;
-            Ok((Box::new(r), Box::new(w), "unix socket".into()))
+            crate::sock::grow_unix_send_buffer(&s);
+            let (r, w, sink) = crate::sock::split(s.into_std()?.into())?;
+            Ok((Box::new(r), Box::new(w), sink, "unix socket".into()))
         }
         Listener::Tcp(l) => {
             let (s, peer) = l.accept().await?;
@@ -265,8 +288,8 @@ async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, String)> {
             if let Err(e) = s.set_nodelay(true) {
                 warn!("TCP_NODELAY on {peer}: {e}");
             }
-            let (r, w) = crate::sock::split(s.into_std()?.into())?;
-            Ok((Box::new(r), Box::new(w), peer.to_string()))
+            let (r, w, sink) = crate::sock::split(s.into_std()?.into())?;
+            Ok((Box::new(r), Box::new(w), sink, peer.to_string()))
         }
     }
 }
@@ -311,6 +334,8 @@ struct Session {
     enforce_min_block: bool,
     min_block: u32,
     max_payload: u32,
+    /// The connection is a socket that read data can be spliced into.
+    splice: bool,
 }
 
 fn protocol_error(msg: impl Into<String>) -> io::Error {
@@ -321,6 +346,7 @@ async fn connection<R, W>(
     sh: Arc<Shared>,
     rd: R,
     wr: W,
+    sink: Option<SpliceSink>,
     peer: String,
     mut shutdown: watch::Receiver<bool>,
     _conn_permit: OwnedSemaphorePermit,
@@ -360,6 +386,8 @@ async fn connection<R, W>(
         }
         Ok(Ok(Some(s))) => s,
     };
+    let mut session = session;
+    session.splice = sink.is_some();
     debug!(
         "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",
         match session.mode {
@@ -381,7 +409,7 @@ async fn connection<R, W>(
             "not requested"
         },
     );
-    let result = transmission(sh, rd, wr, session, shutdown).await;
+    let result = transmission(sh, rd, wr, session, sink, shutdown).await;
     match result {
         Ok(()) => debug!("{peer}: connection closed"),
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
@@ -719,6 +747,7 @@ fn session(
         enforce_min_block,
         min_block: sh.min_block,
         max_payload: sh.cfg.max_payload,
+        splice: false,
     }
 }
 
@@ -753,11 +782,9 @@ struct Permits {
     _total_bytes: Option<OwnedSemaphorePermit>,
 }
 
-/// One encoded reply: `buf[start..end]`.
+/// A finished reply on its way to the writer.
 struct Out {
-    buf: Vec<u8>,
-    start: usize,
-    end: usize,
+    reply: Encoded,
     _permits: Permits,
 }
 
@@ -766,6 +793,7 @@ async fn transmission<R, W>(
     mut rd: Input<R>,
     wr: BufWriter<W>,
     s: Session,
+    sink: Option<SpliceSink>,
     mut shutdown: watch::Receiver<bool>,
 ) -> io::Result<()>
 where
@@ -780,7 +808,7 @@ where
     // reader (replies of requests it ran itself); the lock keeps replies
     // from interleaving on the socket.
     let wr = Arc::new(tokio::sync::Mutex::new(wr));
-    let writer = tokio::spawn(writer(wr.clone(), rx, sh.clone()).in_current_span());
+    let writer = tokio::spawn(writer(wr.clone(), rx, sh.clone(), sink.clone()).in_current_span());
     let slots = Arc::new(Semaphore::new(sh.cfg.max_requests_per_conn));
     let conn_bytes = Arc::new(Semaphore::new(sh.bytes_per_conn));
     let ext = s.mode.extended();
@@ -960,12 +988,8 @@ where
             if let Some((buf, _, _)) = data {
                 sh.pool.put(buf);
             }
-            let buf = small_error(&s, to, err, msg);
-            let end = buf.len();
             let _ = tx.send(Out {
-                buf,
-                start: 0,
-                end,
+                reply: whole(small_error(&s, to, err, msg)),
                 _permits: permits,
             });
             continue;
@@ -1012,16 +1036,15 @@ where
         }
         let alone = idle && rd.buffered() == 0;
         if alone {
-            let (buf, start, end) = execute(&sh, &s, &job.req, job.to, job.data);
+            let reply = execute(&sh, &s, &job.req, job.to, job.data);
             sh.note_caps();
             let mut w = wr.lock().await;
             let sent = async {
-                w.write_all(&buf[start..end]).await?;
+                put_reply(&sh, &mut w, sink.as_ref(), reply).await?;
                 w.flush().await
             }
             .await;
             drop(w);
-            sh.pool.put(buf);
             drop(job.permits);
             if let Err(e) = sent {
                 result = Err(e);
@@ -1082,11 +1105,9 @@ fn dispatch(
     let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
     tokio::task::spawn_blocking(move || {
         for j in jobs {
-            let (buf, start, end) = execute(&sh, &s, &j.req, j.to, j.data);
+            let reply = execute(&sh, &s, &j.req, j.to, j.data);
             let _ = tx.send(Out {
-                buf,
-                start,
-                end,
+                reply,
                 _permits: j.permits,
             });
         }
@@ -1095,11 +1116,8 @@ fn dispatch(
 }
 
 fn send_small(tx: &mpsc::UnboundedSender<Out>, buf: Vec<u8>, slot: OwnedSemaphorePermit) {
-    let end = buf.len();
     let _ = tx.send(Out {
-        buf,
-        start: 0,
-        end,
+        reply: whole(buf),
         _permits: Permits {
             _slot: slot,
             _conn_bytes: None,
@@ -1112,19 +1130,42 @@ async fn writer<W: AsyncWrite + Unpin>(
     wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
     mut rx: mpsc::UnboundedReceiver<Out>,
     sh: Arc<Shared>,
+    sink: Option<SpliceSink>,
 ) -> io::Result<()> {
     while let Some(out) = rx.recv().await {
         let mut wr = wr.lock().await;
-        wr.write_all(&out.buf[out.start..out.end]).await?;
-        sh.pool.put(out.buf);
+        put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
         // Coalesce whatever else is ready into the same flush.
         while let Ok(out) = rx.try_recv() {
-            wr.write_all(&out.buf[out.start..out.end]).await?;
-            sh.pool.put(out.buf);
+            put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
         }
         wr.flush().await?;
     }
     wr.lock().await.shutdown().await
+}
+
+/// Queues one reply on the buffered writer; a spliced read's header is
+/// flushed and its data spliced from the pipes to the socket behind it.
+async fn put_reply<W: AsyncWrite + Unpin>(
+    sh: &Shared,
+    wr: &mut BufWriter<W>,
+    sink: Option<&SpliceSink>,
+    reply: Encoded,
+) -> io::Result<()> {
+    wr.write_all(&reply.buf[reply.start..reply.end]).await?;
+    sh.pool.put(reply.buf);
+    if reply.spliced.is_empty() {
+        return Ok(());
+    }
+    let sink = sink.expect("spliced replies only on sessions with a splice sink");
+    wr.flush().await?;
+    for sp in reply.spliced {
+        sink.send_from(&sp.pipe, sp.len).await?;
+        // Only an emptied pipe goes back: an error above drops the rest
+        // with whatever they still hold.
+        sh.pipes.put(sp.pipe);
+    }
+    Ok(())
 }
 
 impl Shared {
@@ -1307,11 +1348,35 @@ fn put_header(dst: &mut [u8], f: impl FnOnce(&mut Vec<u8>)) {
     })
 }
 
-type Encoded = (Vec<u8>, usize, usize);
+/// One encoded reply: `buf[start..end]`, then for a spliced read the data
+/// waiting in pipes.
+struct Encoded {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    spliced: Vec<Spliced>,
+}
+
+/// `len` bytes of read data in `pipe`.
+struct Spliced {
+    pipe: Pipe,
+    len: usize,
+}
+
+impl Encoded {
+    fn bytes(buf: Vec<u8>, start: usize, end: usize) -> Encoded {
+        Encoded {
+            buf,
+            start,
+            end,
+            spliced: Vec::new(),
+        }
+    }
+}
 
 fn whole(b: Vec<u8>) -> Encoded {
     let n = b.len();
-    (b, 0, n)
+    Encoded::bytes(b, 0, n)
 }
 
 /// Runs one validated request on the blocking pool; returns the encoded reply.
@@ -1423,6 +1488,11 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
     };
     match s.mode {
         ReplyMode::Simple => {
+            match splice_read(sh, s, req) {
+                Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
+                Some(Err(e)) => return read_err(&e),
+                None => {}
+            }
             let (mut buf, start) = sh.pool.get(SIMPLE_REPLY_LEN, n);
             let d = start + SIMPLE_REPLY_LEN;
             if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
@@ -1430,7 +1500,7 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                 return read_err(&e);
             }
             put_header(&mut buf[start..d], |h| encode_simple_reply(h, to.cookie, 0));
-            (buf, start, d + n)
+            Encoded::bytes(buf, start, d + n)
         }
         ReplyMode::Structured | ReplyMode::Extended => {
             if n == 0 {
@@ -1452,6 +1522,11 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                     sh.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
                 }
             }
+            match splice_read(sh, s, req) {
+                Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
+                Some(Err(e)) => return read_err(&e),
+                None => {}
+            }
             let p = offset_data_header_len(s.mode);
             let (mut buf, start) = sh.pool.get(p, n);
             let d = start + p;
@@ -1464,7 +1539,111 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
             put_header(&mut buf[start..d], |h| {
                 encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n as u64)
             });
-            (buf, start, d + n)
+            Encoded::bytes(buf, start, d + n)
+        }
+    }
+}
+
+/// A read whose data goes to the socket through pipes (Target::read_to_pipe)
+/// instead of a buffer, in pieces that end on PIPE_BYTES boundaries of the
+/// target so that each fills at most one pipe of PIPE_BYTES. None when this
+/// read does not qualify or a pipe is not to be had; the caller then copies.
+fn splice_read(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+) -> Option<Result<Vec<Spliced>, rawdisk_storage::Error>> {
+    let t = &*sh.target;
+    if !s.splice
+        || req.length < SPLICE_MIN
+        || t.cache_mode() == CacheMode::None
+        || !t.caps().get(Method::Splice).may_work()
+    {
+        return None;
+    }
+    let end = req.offset + req.length;
+    let mut out = Vec::with_capacity(req.length.div_ceil(PIPE_BYTES as u64) as usize + 1);
+    let mut pos = req.offset;
+    while pos < end {
+        let piece_end = ((pos / PIPE_BYTES as u64 + 1) * PIPE_BYTES as u64).min(end);
+        let n = (piece_end - pos) as usize;
+        let pipe = sh.pipes.get()?;
+        match t.read_to_pipe(pipe.write_end(), pos, n) {
+            Ok(true) => out.push(Spliced { pipe, len: n }),
+            // This pipe may hold part of the piece: it is dropped, not
+            // pooled; the pieces already filled go back empty-handed too.
+            Ok(false) => return None,
+            Err(e) => return Some(Err(e)),
+        }
+        pos = piece_end;
+    }
+    Some(Ok(out))
+}
+
+/// The header of a read whose data is all in `spliced`; in structured modes
+/// one data chunk carrying DONE (the data is read already: no error can
+/// follow).
+fn spliced_reply(s: &Session, req: &Request, to: ReplyTo, spliced: Vec<Spliced>) -> Encoded {
+    let mut b = Vec::with_capacity(offset_data_header_len(s.mode).max(SIMPLE_REPLY_LEN));
+    match s.mode {
+        ReplyMode::Simple => encode_simple_reply(&mut b, to.cookie, 0),
+        _ => encode_offset_data_header(&mut b, s.mode, to, REPLY_FLAG_DONE, req.offset, req.length),
+    }
+    Encoded {
+        end: b.len(),
+        buf: b,
+        start: 0,
+        spliced,
+    }
+}
+
+/// Pipes of PIPE_BYTES kept for spliced reads, so a read does not pay
+/// pipe2 + fcntl + two closes, and a cap on how many exist at all (each is
+/// two descriptors, which accept() needs too).
+struct PipePool {
+    pipes: Mutex<Vec<Pipe>>,
+    live: Arc<AtomicUsize>,
+    /// The kernel refused a pipe of PIPE_BYTES (pipe-max-size lowered, the
+    /// per-user pipe budget spent): reads are copied from then on.
+    refused: AtomicBool,
+}
+
+impl PipePool {
+    fn new() -> Self {
+        PipePool {
+            pipes: Mutex::new(Vec::new()),
+            live: Arc::new(AtomicUsize::new(0)),
+            refused: AtomicBool::new(false),
+        }
+    }
+
+    fn get(&self) -> Option<Pipe> {
+        if let Some(p) = self.pipes.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Some(p);
+        }
+        if self.refused.load(Ordering::Relaxed) || self.live.load(Ordering::Relaxed) >= PIPES_MAX {
+            return None;
+        }
+        match Pipe::with_capacity(PIPE_BYTES, self.live.clone()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                if e.raw_os_error() == Some(libc::EPERM) {
+                    if !self.refused.swap(true, Ordering::Relaxed) {
+                        warn!("a pipe of {PIPE_BYTES} bytes was refused ({e}): reads are copied");
+                    }
+                } else {
+                    // EMFILE, ENFILE: this read is copied, the next may not be.
+                    debug!("no pipe for a spliced read: {e}");
+                }
+                None
+            }
+        }
+    }
+
+    fn put(&self, p: Pipe) {
+        let mut g = self.pipes.lock().unwrap_or_else(|p| p.into_inner());
+        if g.len() < PIPES_KEPT {
+            g.push(p);
         }
     }
 }
@@ -1532,7 +1711,7 @@ fn sparse_read(
             at = d + len as usize;
         }
     }
-    (buf, start, at)
+    Encoded::bytes(buf, start, at)
 }
 
 fn block_status(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {

@@ -10,21 +10,24 @@
 //! is what qemu-nbd's and nbdkit's receive loops do.
 
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use rustix::net::{RecvFlags, SendFlags, Shutdown};
+use rustix::pipe::{PipeFlags, SpliceFlags};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// Both halves of one socket; the fd closes when both are dropped.
-pub(crate) fn split(fd: OwnedFd) -> io::Result<(SockRead, SockWrite)> {
+/// Both halves of one socket and a handle for splicing into it; the fd
+/// closes when all three are dropped.
+pub(crate) fn split(fd: OwnedFd) -> io::Result<(SockRead, SockWrite, SpliceSink)> {
     // SAFETY: the AsyncFd owns the OwnedFd, so the descriptor it registers
     // stays open and names the same socket until the AsyncFd is dropped.
     let fd = Arc::new(unsafe { AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)?);
-    Ok((SockRead(fd.clone()), SockWrite(fd)))
+    Ok((SockRead(fd.clone()), SockWrite(fd.clone()), SpliceSink(fd)))
 }
 
 pub(crate) struct SockRead(Arc<AsyncFd<OwnedFd>>);
@@ -88,5 +91,101 @@ impl AsyncWrite for SockWrite {
         // The peer may be gone already; that is not an error worth reporting.
         let _ = rustix::net::shutdown(self.0.get_ref(), Shutdown::Write);
         Poll::Ready(Ok(()))
+    }
+}
+
+/// The socket as a splice destination, for read replies whose data sits in a
+/// [`Pipe`]. It shares the write half's readiness; callers keep the two from
+/// interleaving (the server holds its reply lock and flushes the buffered
+/// half first).
+#[derive(Clone)]
+pub(crate) struct SpliceSink(Arc<AsyncFd<OwnedFd>>);
+
+impl SpliceSink {
+    /// Sends exactly `len` bytes that are already in `pipe`.
+    ///
+    /// splice(2) to a socket sends without MSG_NOSIGNAL: a peer that hung up
+    /// raises SIGPIPE, which Rust programs ignore from start-up (the error
+    /// comes back as EPIPE like for send).
+    pub(crate) async fn send_from(&self, pipe: &Pipe, len: usize) -> io::Result<()> {
+        let mut left = len;
+        while left > 0 {
+            let mut guard = self.0.writable().await?;
+            // NONBLOCK is for the pipe side (the socket is non-blocking
+            // already); the pipe holds `left` bytes, so EAGAIN can only mean
+            // a full socket buffer. On Linux 6.5+ a Unix or TCP socket takes
+            // references to the page-cache pages instead of copying them.
+            let r = guard.try_io(|fd| {
+                Ok(rustix::pipe::splice(
+                    &pipe.r,
+                    None,
+                    fd,
+                    None,
+                    left,
+                    SpliceFlags::NONBLOCK | SpliceFlags::MOVE,
+                )?)
+            });
+            match r {
+                Ok(Ok(0)) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        format!("splice to socket: pipe empty with {left} bytes still to send"),
+                    ))
+                }
+                Ok(Ok(n)) => left -= n,
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A pipe used to carry page-cache pages from the target to a socket
+/// without copying them through user memory (splice file -> pipe on a
+/// blocking thread, pipe -> socket on the connection's writer).
+pub(crate) struct Pipe {
+    r: OwnedFd,
+    w: OwnedFd,
+    /// Pipes alive in the owner's pool; this one leaves it when dropped.
+    live: Arc<AtomicUsize>,
+}
+
+impl Pipe {
+    /// A pipe that holds at least `bytes` (the kernel rounds the size up to
+    /// a power of two pages). Fails where F_SETPIPE_SZ is refused: above
+    /// /proc/sys/fs/pipe-max-size (1 MiB) or past the per-user pipe page
+    /// budget, for processes without CAP_SYS_RESOURCE.
+    pub(crate) fn with_capacity(bytes: usize, live: Arc<AtomicUsize>) -> io::Result<Pipe> {
+        let (r, w) = rustix::pipe::pipe_with(PipeFlags::CLOEXEC)?;
+        rustix::pipe::fcntl_setpipe_size(&w, bytes)?;
+        live.fetch_add(1, Ordering::Relaxed);
+        Ok(Pipe { r, w, live })
+    }
+
+    /// The end the target splices its pages into.
+    pub(crate) fn write_end(&self) -> BorrowedFd<'_> {
+        self.w.as_fd()
+    }
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Lets the server run further ahead of a client on a Unix socket: its
+/// send buffer bounds the reply bytes queued before the client reads them
+/// (AF_UNIX charges the sender only), and the default 208 KiB is a fifth of
+/// one 1 MiB read. fio reading 1 MiB at queue depth 16 from tmpfs, spliced
+/// replies: about 1,900 MiB/s with the default, 2,800 with this.
+/// SO_SNDBUFFORCE needs CAP_NET_ADMIN; without it SO_SNDBUF is capped at
+/// net.core.wmem_max (the kernel then doubles either value).
+pub(crate) fn grow_unix_send_buffer(s: &tokio::net::UnixStream) {
+    const WANT: usize = 2 << 20;
+    if rustix::net::sockopt::set_socket_send_buffer_size_force(s, WANT).is_err() {
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(s, WANT);
     }
 }

@@ -1150,6 +1150,104 @@ fn storage_errors_are_mapped_and_the_connection_survives() {
     h.check_file();
 }
 
+/// Page-cache reads of 64 KiB and more reach the socket by splice, in pieces
+/// that end on 1 MiB boundaries of the file: reads around those edges, in
+/// every reply mode, return exactly the file's bytes, also when the kernel
+/// moves only a few KiB per splice call.
+#[test]
+fn spliced_reads_return_the_file_bytes() {
+    let size = 8 * MIB + 777;
+    let mut h = Harness::start(Setup {
+        size,
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let cases = [
+        (0, 64 * KIB),
+        (1, 64 * KIB),
+        (4095, 64 * KIB + 1),
+        (MIB - 4096, 2 * MIB),
+        (MIB - 1, MIB + 2),
+        (3 * MIB + 5, 4 * MIB + 3),
+        (0, 8 * MIB),
+        (size - 70_000, 70_000),
+    ];
+    for max_io in [0, 5000] {
+        fault.set_max_io(max_io);
+        for mode in [
+            ReplyMode::Simple,
+            ReplyMode::Structured,
+            ReplyMode::Extended,
+        ] {
+            let (mut c, _) = h.open(mode);
+            for &(off, len) in &cases {
+                let before = fault.calls(CallKind::Splice);
+                let d = c.read(off, len);
+                assert!(
+                    d == h.model[off as usize..(off + len) as usize],
+                    "{mode:?} max_io {max_io}: read of {len} at {off} differs"
+                );
+                assert!(
+                    fault.calls(CallKind::Splice) > before,
+                    "{mode:?}: read of {len} at {off} was not spliced"
+                );
+            }
+            // Below 64 KiB a copy is cheaper: no splice.
+            let before = fault.calls(CallKind::Splice);
+            assert_eq!(
+                c.read(MIB - 100, 200),
+                h.model[(MIB - 100) as usize..(MIB + 100) as usize]
+            );
+            assert_eq!(fault.calls(CallKind::Splice), before);
+            c.disc();
+        }
+    }
+    fault.set_max_io(0);
+    h.stop().unwrap();
+    h.check_file();
+}
+
+/// An error while a read is spliced is that read's error, and nothing of it
+/// reaches the client; "no splice on this file system" (EINVAL) is learned
+/// on the first try and the read, and every later one, is copied instead.
+#[test]
+fn splice_errors_are_reported_and_a_missing_splice_is_learned() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let (off, len) = (MIB / 2, 3 * MIB);
+    let want = h.model[off as usize..(off + len) as usize].to_vec();
+    // The second of the read's four pieces fails.
+    fault.fail_once(
+        CallKind::Splice,
+        fault.calls(CallKind::Splice) + 2,
+        libc::EIO,
+    );
+    let r = c.cmd(CMD_READ, 0, off, len, &[]);
+    assert_eq!(r.error, NBD_EIO);
+    assert!(r.covered.is_empty(), "data of a failed read was sent");
+    assert!(c.read(off, len) == want, "read after the error differs");
+
+    fault.fail_from(
+        CallKind::Splice,
+        fault.calls(CallKind::Splice) + 1,
+        libc::EINVAL,
+    );
+    let n = fault.calls(CallKind::Splice);
+    assert!(c.read(off, len) == want, "copied read differs");
+    assert_eq!(fault.calls(CallKind::Splice), n + 1, "one try, then copy");
+    assert!(c.read(0, 2 * MIB) == h.model[..2 * MIB as usize]);
+    assert_eq!(fault.calls(CallKind::Splice), n + 1, "splice tried again");
+    fault.clear_rules();
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
 // ---------------------------------------------------------------------------
 // Hostile clients
 // ---------------------------------------------------------------------------

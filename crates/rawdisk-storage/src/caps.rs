@@ -25,10 +25,13 @@ pub enum Method {
     SeekHole,
     /// pwrite of a zero buffer; always works, counted only
     WriteZeros,
+    /// splice(file -> pipe): page-cache reads handed to a socket by page
+    /// reference instead of copied through a buffer
+    Splice,
 }
 
 impl Method {
-    pub const ALL: [Method; 8] = [
+    pub const ALL: [Method; 9] = [
         Method::PunchHole,
         Method::ZeroRange,
         Method::PunchAlloc,
@@ -37,6 +40,7 @@ impl Method {
         Method::BlkDiscard,
         Method::SeekHole,
         Method::WriteZeros,
+        Method::Splice,
     ];
 
     pub fn name(self) -> &'static str {
@@ -49,6 +53,7 @@ impl Method {
             Method::BlkDiscard => "blkdiscard",
             Method::SeekHole => "seek-hole",
             Method::WriteZeros => "write-zeros",
+            Method::Splice => "splice",
         }
     }
 
@@ -78,6 +83,10 @@ impl Method {
             Method::BlkDiscard => "ioctl(BLKDISCARD): discard (trim) a block device range",
             Method::SeekHole => "lseek(SEEK_DATA/SEEK_HOLE): map data and holes",
             Method::WriteZeros => "pwrite of a zero buffer: always works, costs a full write",
+            Method::Splice => {
+                "splice(file -> pipe): reads served from the page cache by page reference, \
+                 without copying through a buffer"
+            }
         }
     }
 
@@ -150,7 +159,7 @@ struct Slot {
 /// The shared, lock-free record of what a target supports.
 #[derive(Default)]
 pub struct Capabilities {
-    slots: [Slot; 8],
+    slots: [Slot; Method::ALL.len()],
     /// Bumped on every state change so observers (the server's logger) can
     /// notice a change without polling every slot.
     generation: AtomicU64,

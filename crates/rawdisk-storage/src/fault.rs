@@ -116,7 +116,7 @@ impl FaultSys {
         self.counts.lock().unwrap().clear();
     }
 
-    /// Limit pread/pwrite/pwrite_dsync to `n` bytes per call (0 = no limit).
+    /// Limit pread/pwrite/pwrite_dsync/splice to `n` bytes per call (0 = no limit).
     pub fn set_max_io(&self, n: usize) {
         self.max_io.store(n, Ordering::Relaxed);
     }
@@ -253,5 +253,16 @@ impl Sys for FaultSys {
     fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
         self.enter(CallKind::SyncRange)?;
         self.inner.start_writeback(fd, offset, len)
+    }
+    fn splice_to_pipe(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> io::Result<usize> {
+        self.enter(CallKind::Splice)?;
+        let n = self.cap(len);
+        self.inner.splice_to_pipe(fd, offset, pipe, n)
     }
 }

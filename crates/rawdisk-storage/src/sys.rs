@@ -58,6 +58,8 @@ pub enum CallKind {
     ReadSysfs,
     /// sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)
     SyncRange,
+    /// splice(file -> pipe) of a page-cache read.
+    Splice,
 }
 
 /// Block device geometry read by ioctls.
@@ -175,6 +177,18 @@ pub trait Sys: Send + Sync + 'static {
     /// without waiting for it (sync_file_range WRITE only).
     fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
         RealSys.start_writeback(fd, offset, len)
+    }
+    /// splice(2) up to `len` bytes at `offset` into the pipe `pipe` without
+    /// blocking on the pipe (EAGAIN when it is full); returns the bytes moved,
+    /// 0 at end of file.
+    fn splice_to_pipe(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> io::Result<usize> {
+        RealSys.splice_to_pipe(fd, offset, pipe, len)
     }
 }
 
@@ -455,6 +469,26 @@ impl Sys for RealSys {
 
     fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
         sync_file_range(fd, offset, len, libc::SYNC_FILE_RANGE_WRITE)
+    }
+
+    fn splice_to_pipe(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> io::Result<usize> {
+        let mut off = offset;
+        // NONBLOCK applies to the pipe only: a read of uncached pages still
+        // waits for the disk (callers run on blocking threads).
+        Ok(rustix::pipe::splice(
+            fd,
+            Some(&mut off),
+            pipe,
+            None,
+            len,
+            rustix::pipe::SpliceFlags::NONBLOCK,
+        )?)
     }
 }
 

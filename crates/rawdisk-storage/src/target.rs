@@ -202,6 +202,7 @@ impl std::fmt::Debug for Target {
 /// it counts only where a kernel documents it as lack of support:
 /// - lseek(SEEK_DATA/SEEK_HOLE) on block devices (fixed_size_llseek accepts
 ///   only SET/CUR/END) and on kernels before 3.1 (whence > SEEK_END).
+/// - splice(2) from a file whose file system has no splice_read.
 ///
 /// ENODEV: fallocate on a block device before Linux 4.9 (vfs_fallocate only
 /// allowed regular files and directories). ENOTTY: an ioctl the kernel or
@@ -212,7 +213,8 @@ pub(crate) fn is_unsupported(e: &io::Error, m: Method) -> bool {
         Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::ENOTTY) | Some(libc::ENODEV) => {
             true
         }
-        Some(libc::EINVAL) => m == Method::SeekHole,
+        // splice(2) on a file system without splice_read.
+        Some(libc::EINVAL) => m == Method::SeekHole || m == Method::Splice,
         _ => false,
     }
 }
@@ -585,6 +587,55 @@ impl Target {
             }
         }
         Ok(done)
+    }
+
+    /// Moves `[offset, offset + len)` into `pipe` by splice(2): the pipe then
+    /// holds references to the page-cache pages, which a splice to a socket
+    /// sends without the two copies of read + send. The pipe must have room
+    /// for every page the range touches.
+    ///
+    /// Ok(true): all of it is in the pipe. Ok(false): not done this way —
+    /// O_DIRECT (the pages would be copied anyway), splice known not to work
+    /// here, or the pipe filled up; the pipe may hold part of the range and
+    /// must be discarded, and the caller reads with [`Target::read_at`].
+    /// Errors are the read's (EIO, a short file) and the pipe holds part of
+    /// the range too.
+    pub fn read_to_pipe(&self, pipe: BorrowedFd<'_>, offset: u64, len: usize) -> Result<bool> {
+        check_offset("read", offset, len)?;
+        if self.direct.is_some() || !self.caps.get(Method::Splice).may_work() {
+            return Ok(false);
+        }
+        let mut done = 0usize;
+        while done < len {
+            let pos = offset + done as u64;
+            match self.sys.splice_to_pipe(self.fd(), pos, pipe, len - done) {
+                Ok(0) => {
+                    return Err(Error::new(
+                        "read",
+                        offset,
+                        len as u64,
+                        io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "short read: end of target at byte {pos} (range ends at {})",
+                                offset + len as u64
+                            ),
+                        ),
+                    ))
+                }
+                Ok(n) => done += n,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
+                Err(e) if done == 0 && is_unsupported(&e, Method::Splice) => {
+                    self.learn(Method::Splice, Tri::Fails, Some(&e));
+                    return Ok(false);
+                }
+                Err(e) => return Err(Error::new("read", offset, len as u64, e)),
+            }
+        }
+        self.caps.count(Method::Splice, Some(len as u64));
+        self.learn(Method::Splice, Tri::Works, None);
+        Ok(true)
     }
 
     /// `fua`: the data is durable when this returns.

@@ -253,6 +253,7 @@ pub fn method_call_kinds(m: Method) -> Vec<CallKind> {
             CallKind::Fallocate(rawdisk_storage::sys::FallocMode::AllocateKeepSize),
         ],
         Method::SeekHole => vec![CallKind::SeekHole, CallKind::SeekData],
+        Method::Splice => vec![CallKind::Splice],
     }
 }
 
