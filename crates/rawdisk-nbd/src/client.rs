@@ -644,6 +644,11 @@ impl Conn {
                 let s = tokio::net::UnixStream::connect(path)
                     .await
                     .map_err(connect_err)?;
+                // Write payloads queue in this side's send buffer (AF_UNIX
+                // charges the sender): `rawdisk copy` of the seed image
+                // through `rawdisk serve` on tmpfs, --no-flush, 5 reps:
+                // 0.524 -> 0.480 s.
+                crate::sock::grow_unix_send_buffer(&s);
                 let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
                     .map_err(connect_err)?;
                 (Box::new(r), Box::new(w))
