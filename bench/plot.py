@@ -16,13 +16,15 @@ import statistics
 import sys
 from collections import defaultdict
 
-LABEL = {"custom": "rawdisk", "custom:direct": "rawdisk-direct"}
+LABEL = {"custom": "rawdisk", "custom:direct": "rawdisk-direct", "custom:wb": "rawdisk-wb"}
+MINE = ["custom", "custom:direct", "custom:wb"]
 ANCHORS = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "qemu-nbd-unmap", "nbd-server"]
 ANCHOR_TOOLS = ["qemu-img"]
-ORDER = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "custom", "custom:direct",
+ORDER = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "custom", "custom:direct", "custom:wb",
          "qemu-img", "shell"]
 COLOR = {"nbdkit": "#7f7f7f", "qemu-nbd": "#1f77b4", "qemu-nbd-direct": "#aec7e8",
-         "custom": "#d62728", "custom:direct": "#ff9896", "qemu-img": "#1f77b4",
+         "custom": "#d62728", "custom:direct": "#ff9896", "custom:wb": "#9467bd",
+         "qemu-img": "#1f77b4",
          "shell": "#7f7f7f"}
 TARGETS = ["tmpfs", "ramfs", "ext4", "xfs", "blk", "blk4k", "blk-nowz", "hostfs"]
 
@@ -90,6 +92,11 @@ def fmt(v):
     return "%.0f" % v if v >= 100 else "%.1f" % v if v >= 10 else "%.2f" % v if v >= 1 else "%.3f" % v
 
 
+def mine_in(cells, keys):
+    """The rawdisk variants measured on any of these rows, in MINE order."""
+    return [m for m in MINE if any(cells[k].get(m) for k in keys)]
+
+
 def table(cells, fails, res):
     """Per row: rawdisk (both modes) median / faster anchor's median, and paired."""
     scripts = ["convert", "zero", "throughput", "prealloc"]
@@ -98,7 +105,7 @@ def table(cells, fails, res):
         if not keys:
             continue
         hib = script == "throughput"
-        mine = ["custom"] if script == "prealloc" else ["custom", "custom:direct"]
+        mine = mine_in(cells, keys)
         print("#### %s: rawdisk / faster anchor (%s)\n" % (
             script, "MiB/s, >= 1.11 is the goal" if hib else "seconds, <= 0.90 is the goal"))
         print("| workload | target | faster anchor (median) | " +
@@ -204,7 +211,7 @@ def plots(cells, fails, outdir, cpu=None):
         am, an = faster_anchor(k[0], cells[k])
         if not am:
             continue
-        for m in (["custom"] if k[0] == "prealloc" else ["custom", "custom:direct"]):
+        for m in mine_in(cells, [k]):
             d = cells[k].get(m)
             if d:
                 r = med(d) / am

@@ -43,11 +43,14 @@ fi
 [[ -x "$RAWDISK_STABLE" ]] || { echo "no binary at $RAWDISK_STABLE" >&2; exit 1; }
 
 R=$(printf '%q' "$RAWDISK_STABLE")
-# custom = rawdisk with the page cache (its default), custom:direct = O_DIRECT.
+# custom = rawdisk with the page cache (its default), custom:direct = O_DIRECT,
 export SERVER_CMD="$R serve --cache writeback --socket {socket} {file}"
 export SERVER_CMD_direct="$R serve --cache none --socket {socket} {file}"
+# custom:wb = page cache with write-behind (convert and zero only: fio's
+# writes are never flushed, so write-behind can only cost there).
+export SERVER_CMD_wb="$R serve --cache writeback --write-behind --socket {socket} {file}"
 export TOOL_CMD="$R create --preallocation {mode} {file} {size}"
-: "${BENCH_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct}"
+: "${BENCH_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:wb}"
 : "${TP_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct}"
 : "${BENCH_TOOLS:=qemu-img,shell,custom}"
 export BENCH_SERVERS TP_SERVERS BENCH_TOOLS

@@ -1248,6 +1248,62 @@ fn splice_errors_are_reported_and_a_missing_splice_is_learned() {
     h.check_file();
 }
 
+/// --write-behind starts write-back of each write of 256 KiB or more, not of
+/// smaller or FUA writes; it is advisory, so a failing sync_file_range
+/// leaves the write successful, and without the option it never runs.
+#[test]
+fn write_behind_starts_write_back_of_big_writes_only() {
+    for on in [false, true] {
+        let mut h = Harness::start(Setup {
+            fault: true,
+            cfg: ServerConfig {
+                write_behind: on,
+                ..Setup::default().cfg
+            },
+            ..Default::default()
+        });
+        let fault = h.fault.clone().unwrap();
+        let (mut c, _) = h.open(ReplyMode::Structured);
+        let big = random(256 * KIB as usize, 7);
+        let calls = |f: &FaultSys| f.calls(CallKind::SyncRange);
+        let n0 = calls(&fault);
+        c.write(MIB + 1, &big);
+        h.model[(MIB + 1) as usize..(MIB + 1) as usize + big.len()].copy_from_slice(&big);
+        assert_eq!(
+            calls(&fault),
+            n0 + on as u64,
+            "write-behind {on}: 256 KiB write"
+        );
+        c.write(3 * MIB, &big[..64 * KIB as usize]);
+        h.model[3 * MIB as usize..(3 * MIB + 64 * KIB) as usize]
+            .copy_from_slice(&big[..64 * KIB as usize]);
+        assert_eq!(
+            calls(&fault),
+            n0 + on as u64,
+            "64 KiB write started write-back"
+        );
+        let r = c.cmd(CMD_WRITE, CMD_FLAG_FUA, 4 * MIB, big.len() as u64, &big);
+        assert_eq!(r.error, 0);
+        h.model[4 * MIB as usize..4 * MIB as usize + big.len()].copy_from_slice(&big);
+        assert_eq!(
+            calls(&fault),
+            n0 + on as u64,
+            "FUA write started write-back"
+        );
+        fault.fail_from(CallKind::SyncRange, 1, libc::EIO);
+        c.write(5 * MIB, &big);
+        h.model[5 * MIB as usize..5 * MIB as usize + big.len()].copy_from_slice(&big);
+        fault.clear_rules();
+        assert!(
+            c.read(0, 8 * MIB) == h.model,
+            "write-behind {on}: data differs"
+        );
+        c.disc();
+        h.stop().unwrap();
+        h.check_file();
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Hostile clients
 // ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ impl From<PreallocArg> for Prealloc {
 
 /// `--cache`, shared by serve, create and copy (qemu-nbd's and qemu-img's
 /// names for the two modes).
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CacheArg {
     /// Through the page cache; flush is fdatasync.
     Writeback,
