@@ -17,8 +17,10 @@
 # Each run: target dirtied (untimed), [server started], copy timed, [server
 # stopped], destination compared with the source (cmp): a run that fails or
 # differs is reported, not counted. Ratio = rawdisk / min(qemu-img, nbdcopy).
-# qemu-img and nbdcopy do not flush the destination; rawdisk does unless
-# --no-flush, so both rawdisk variants are measured.
+# qemu-img (output cache unsafe) and nbdcopy do not flush the destination;
+# rawdisk does unless --no-flush. Both pairings are measured: rawdisk against
+# qemu-img -t writeback and nbdcopy --flush, rawdisk --no-flush against the
+# plain two.
 
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -60,6 +62,11 @@ run_tool() { # tool dst -> runs the copy of $SRC_IMG to dst
     rawdisk-noflush) RUST_LOG=warn "$RAWDISK_BIN" copy -q --no-flush "$SRC_IMG" "$2" ;;
     qemu-img) qemu-img convert -n -W -m 16 -f raw -O raw "$SRC_IMG" "$2" ;;
     nbdcopy) nbdcopy "$SRC_IMG" "$2" ;;
+    # The same two made to flush like rawdisk's default: qemu-img's output
+    # cache mode writeback instead of unsafe (fdatasync or NBD FLUSH at
+    # close), nbdcopy --flush.
+    qemu-img-flush) qemu-img convert -n -W -m 16 -t writeback -f raw -O raw "$SRC_IMG" "$2" ;;
+    nbdcopy-flush) nbdcopy --flush "$SRC_IMG" "$2" ;;
   esac
 }
 
@@ -68,7 +75,8 @@ for tgt in "${TARGETS[@]}"; do
   target_dirty
   for ((rep = 1; rep <= BENCH_REPS; rep++)); do
     for mode in $COPY_MODES; do
-      mapfile -t order < <(rotate "$((rep - 1))" rawdisk rawdisk-noflush qemu-img nbdcopy)
+      mapfile -t order < <(rotate "$((rep - 1))" rawdisk rawdisk-noflush qemu-img nbdcopy \
+        qemu-img-flush nbdcopy-flush)
       for tool in "${order[@]}"; do
         target_dirty
         sync
@@ -101,8 +109,8 @@ done
 
 # Medians of the good runs and the ratio to the faster other tool.
 echo
-echo "| target | mode | rawdisk s | rawdisk --no-flush s | qemu-img s | nbdcopy s | rawdisk / best other | --no-flush / best other |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| target | mode | rawdisk s | qemu-img -t writeback s | nbdcopy --flush s | rawdisk / best flushing other | rawdisk --no-flush s | qemu-img s | nbdcopy s | --no-flush / best other |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 "$PY" - "$OUT" <<'EOF'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
@@ -113,16 +121,19 @@ for r in rows:
         keys.append(k)
 for t, m in keys:
     med = {}
-    for tool in ("rawdisk", "rawdisk-noflush", "qemu-img", "nbdcopy"):
+    for tool in ("rawdisk", "rawdisk-noflush", "qemu-img", "nbdcopy", "qemu-img-flush",
+                 "nbdcopy-flush"):
         v = [float(r["seconds"]) for r in rows
              if (r["target"], r["mode"], r["tool"]) == (t, m, tool) and r["ok"] == "1"]
         med[tool] = statistics.median(v) if v else None
     f = lambda x: "failed" if x is None else f"{x:.3f}"
-    others = [x for x in (med["qemu-img"], med["nbdcopy"]) if x is not None]
-    ratio = lambda x: f"{x / min(others):.2f}" if x is not None and others else "n/a"
-    print(f"| {t} | {m} | {f(med['rawdisk'])} | {f(med['rawdisk-noflush'])} | "
-          f"{f(med['qemu-img'])} | {f(med['nbdcopy'])} | {ratio(med['rawdisk'])} | "
-          f"{ratio(med['rawdisk-noflush'])} |")
+    def ratio(x, names):
+        others = [med[n] for n in names if med[n] is not None]
+        return f"{x / min(others):.2f}" if x is not None and others else "n/a"
+    print(f"| {t} | {m} | {f(med['rawdisk'])} | {f(med['qemu-img-flush'])} | "
+          f"{f(med['nbdcopy-flush'])} | {ratio(med['rawdisk'], ('qemu-img-flush', 'nbdcopy-flush'))} | "
+          f"{f(med['rawdisk-noflush'])} | {f(med['qemu-img'])} | {f(med['nbdcopy'])} | "
+          f"{ratio(med['rawdisk-noflush'], ('qemu-img', 'nbdcopy'))} |")
 EOF
 echo
 log "raw results: $OUT"
