@@ -14,7 +14,10 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SHARED=${SHARED_BENCH:-$HERE/../../shared/bench}
 : "${RAWDISK_BIN:=$HERE/../target/release/rawdisk}"
-: "${SERVER_CMD:=$(realpath "$RAWDISK_BIN") serve --socket {socket} {file}}"
+# (Not ${SERVER_CMD:=...}: the "}" of {socket} would end that expansion.)
+if [[ -z "${SERVER_CMD:-}" ]]; then
+  SERVER_CMD="$(realpath "$RAWDISK_BIN") serve --socket {socket} {file}"
+fi
 export SERVER_CMD
 : "${BENCH_REPS:=5}"
 export BENCH_REPS
