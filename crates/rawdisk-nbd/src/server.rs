@@ -1634,7 +1634,12 @@ impl PipePool {
         if let Some(p) = self.pipes.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Some(p);
         }
-        if self.refused.load(Ordering::Relaxed) || self.live.load(Ordering::Relaxed) >= PIPES_MAX {
+        if self.refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        // Reserve before creating, so racing readers cannot overshoot.
+        if self.live.fetch_add(1, Ordering::Relaxed) >= PIPES_MAX {
+            self.live.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
         match Pipe::with_capacity(PIPE_BYTES, self.live.clone()) {

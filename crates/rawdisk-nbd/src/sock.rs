@@ -148,7 +148,8 @@ impl SpliceSink {
 pub(crate) struct Pipe {
     r: OwnedFd,
     w: OwnedFd,
-    /// Pipes alive in the owner's pool; this one leaves it when dropped.
+    /// Pipes alive in the owner's pool, counting this one (reserved by the
+    /// caller before creating it); dropping the pipe gives its count back.
     live: Arc<AtomicUsize>,
 }
 
@@ -157,11 +158,19 @@ impl Pipe {
     /// a power of two pages). Fails where F_SETPIPE_SZ is refused: above
     /// /proc/sys/fs/pipe-max-size (1 MiB) or past the per-user pipe page
     /// budget, for processes without CAP_SYS_RESOURCE.
+    /// `live` already counts this pipe; on error that count is given back.
     pub(crate) fn with_capacity(bytes: usize, live: Arc<AtomicUsize>) -> io::Result<Pipe> {
-        let (r, w) = rustix::pipe::pipe_with(PipeFlags::CLOEXEC)?;
-        rustix::pipe::fcntl_setpipe_size(&w, bytes)?;
-        live.fetch_add(1, Ordering::Relaxed);
-        Ok(Pipe { r, w, live })
+        let made = rustix::pipe::pipe_with(PipeFlags::CLOEXEC).and_then(|(r, w)| {
+            rustix::pipe::fcntl_setpipe_size(&w, bytes)?;
+            Ok((r, w))
+        });
+        match made {
+            Ok((r, w)) => Ok(Pipe { r, w, live }),
+            Err(e) => {
+                live.fetch_sub(1, Ordering::Relaxed);
+                Err(e.into())
+            }
+        }
     }
 
     /// The end the target splices its pages into.
