@@ -26,7 +26,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
-use crate::target::{retry, Kind, Target};
+use crate::target::{retry, short_read, Kind, Target};
 
 /// Largest bounce buffer; bigger requests go in pieces.
 const BOUNCE_MAX: u64 = 8 << 20;
@@ -170,19 +170,7 @@ impl Direct {
             let mut bounce = AlignedBuf::zeroed((a1 - a0) as usize, self.mem_align());
             let n = t.pread_upto(&mut bounce, a0)? as u64;
             if a0 + n < p_off + p_len {
-                return Err(Error::new(
-                    "read",
-                    offset,
-                    total,
-                    std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!(
-                            "short read: end of target at byte {} (range ends at {})",
-                            a0 + n,
-                            offset + total
-                        ),
-                    ),
-                ));
+                return Err(short_read(offset, total, a0 + n));
             }
             let s = (p_off - offset) as usize;
             buf[s..s + p_len as usize]

@@ -219,6 +219,23 @@ pub(crate) fn is_unsupported(e: &io::Error, m: Method) -> bool {
     }
 }
 
+/// The error of a read of `[offset, offset + len)` that met the end of the
+/// target at byte `end` (the file shrank under us, or a device went away).
+pub(crate) fn short_read(offset: u64, len: u64, end: u64) -> Error {
+    Error::new(
+        "read",
+        offset,
+        len,
+        io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "short read: end of target at byte {end} (range ends at {})",
+                offset + len
+            ),
+        ),
+    )
+}
+
 /// Retry a syscall interrupted by a signal before it did anything. Every call
 /// retried here is idempotent on its range (fallocate, ioctls, fsync).
 pub(crate) fn retry<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
@@ -555,19 +572,7 @@ impl Target {
     pub(crate) fn pread_all(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let n = self.pread_upto(buf, offset)?;
         if n < buf.len() {
-            return Err(Error::new(
-                "read",
-                offset,
-                buf.len() as u64,
-                io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "short read: end of target at byte {} (range ends at {})",
-                        offset + n as u64,
-                        offset + buf.len() as u64
-                    ),
-                ),
-            ));
+            return Err(short_read(offset, buf.len() as u64, offset + n as u64));
         }
         Ok(())
     }
@@ -609,20 +614,7 @@ impl Target {
         while done < len {
             let pos = offset + done as u64;
             match self.sys.splice_to_pipe(self.fd(), pos, pipe, len - done) {
-                Ok(0) => {
-                    return Err(Error::new(
-                        "read",
-                        offset,
-                        len as u64,
-                        io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            format!(
-                                "short read: end of target at byte {pos} (range ends at {})",
-                                offset + len as u64
-                            ),
-                        ),
-                    ))
-                }
+                Ok(0) => return Err(short_read(offset, len as u64, pos)),
                 Ok(n) => done += n,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
