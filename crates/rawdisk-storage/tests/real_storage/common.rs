@@ -136,6 +136,26 @@ impl Sys for Recorder {
     fn read_sysfs(&self, path: &Path) -> io::Result<String> {
         self.inner.read_sysfs(path)
     }
+    // The trait's defaults for these call the kernel directly: without the
+    // forwarding, the FaultSys below would neither count nor fail them.
+    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
+        self.inner.fs_magic(fd)
+    }
+    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.sync_range(fd, offset, len)
+    }
+    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.start_writeback(fd, offset, len)
+    }
+    fn splice_to_pipe(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> io::Result<usize> {
+        self.inner.splice_to_pipe(fd, offset, pipe, len)
+    }
 }
 
 /// A target opened through Recorder → FaultSys → the kernel.
