@@ -151,8 +151,9 @@ pub struct QueueLimits {
     pub optimal_io_size: Option<u64>,
 }
 
-/// statfs f_type of tmpfs (<linux/magic.h>).
+/// statfs f_type of tmpfs and ramfs (<linux/magic.h>).
 const TMPFS_MAGIC: u64 = 0x0102_1994;
+const RAMFS_MAGIC: u64 = 0x8584_58f6;
 
 /// One open file or block device. Cheap to share (`Arc`), every method takes
 /// `&self` and is safe from many threads.
@@ -175,6 +176,9 @@ pub struct Target {
     /// PUNCH_HOLE + fallocate(0) costs more than writing zeros here, so the
     /// zero chain skips it and it does not count as fast (tmpfs).
     pub(crate) punch_alloc_slower: bool,
+    /// The data lives only in the page cache (tmpfs, ramfs): nothing to
+    /// write back, so [`Target::start_writeback`] makes no call.
+    memory_only: bool,
     /// pwritev2(RWF_DSYNC) for FUA: Tri as u8 (not a shared [`Method`]: it
     /// depends on the kernel, not the storage).
     dsync: AtomicU8,
@@ -395,14 +399,19 @@ impl Target {
         // writing zeros 0.735 s (dd 0.59 s). So no-trim zero writes, and a
         // fast zero without trim is honestly refused (NBD: fast means
         // faster than writing the zeros).
-        let punch_alloc_slower =
-            kind == Kind::File && sys.fs_magic(fd.as_fd()).ok() == Some(TMPFS_MAGIC);
+        let magic = match kind {
+            Kind::File => sys.fs_magic(fd.as_fd()).ok(),
+            Kind::Block => None,
+        };
+        let punch_alloc_slower = magic == Some(TMPFS_MAGIC);
+        let memory_only = matches!(magic, Some(TMPFS_MAGIC | RAMFS_MAGIC));
         tracing::debug!(
             path = %path.display(),
             kind = kind.name(),
             ?geom,
             cache = ?opts.cache,
             punch_alloc_slower,
+            memory_only,
             "opened target"
         );
         Ok(Target {
@@ -423,6 +432,7 @@ impl Target {
                 .clamp(1, WRITE_ZEROS_CHUNK),
             max_call: opts.max_zero_call.unwrap_or(MAX_ZERO_CALL).max(1),
             punch_alloc_slower,
+            memory_only,
             dsync: AtomicU8::new(0),
             sysfs_dev,
         })
@@ -700,9 +710,12 @@ impl Target {
     /// Start writing back what the page cache holds of this range, without
     /// waiting: a copy that will flush at the end overlaps that write-back
     /// with the rest of the copy instead of paying it all in the final
-    /// fdatasync. Advisory: errors are left for the flush to report.
+    /// fdatasync. Advisory: errors are left for the flush to report. No call
+    /// where nothing is ever written back (O_DIRECT, tmpfs, ramfs): with
+    /// `serve --write-behind` or a flushing copy that would be one useless
+    /// syscall per request.
     pub fn start_writeback(&self, offset: u64, len: u64) {
-        if self.direct.is_some() || len == 0 {
+        if self.direct.is_some() || self.memory_only || len == 0 {
             return;
         }
         if let Err(e) = self.sys.start_writeback(self.fd(), offset, len) {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{CacheMode, Kind, Method, OpenOptions, Target, Tri, ZeroFlags};
 use rawdisk_testkit::{
     assert_same, pattern_vec, read_all, read_range, write_pattern, Fs, LoopDev, Scratch,
@@ -241,3 +242,31 @@ per_kind!(concurrent_disjoint:
     loop512 => Loop512,
     loop4k => Loop4k,
 );
+
+/// Write-back is started only where there is any: tmpfs and ramfs keep
+/// their data in the page cache alone and get no sync_file_range call (it
+/// would be one useless syscall per request under `serve --write-behind`);
+/// files on disks and block devices get one. The data is intact either way.
+pub fn start_writeback_only_where_data_is_written_back(kind: StorageKind) {
+    const SIZE: u64 = 4 * MIB;
+    let s = Scratch::new(kind, SIZE);
+    let p = open_probe(s.path());
+    let data = pattern_vec(77, MIB + 1, (2 * MIB) as usize);
+    p.target.write_at(&data, MIB + 1, false).unwrap();
+    let before = p.fault.calls(CallKind::SyncRange);
+    p.target.start_writeback(MIB + 1, 2 * MIB);
+    let want = match kind {
+        StorageKind::Tmpfs | StorageKind::Ramfs => 0,
+        _ => 1,
+    };
+    assert_eq!(
+        p.fault.calls(CallKind::SyncRange) - before,
+        want,
+        "{kind:?}"
+    );
+    p.target.flush().unwrap();
+    let mut back = vec![0u8; data.len()];
+    p.target.read_at(&mut back, MIB + 1).unwrap();
+    assert!(back == data, "{kind:?}: data differs after write-back");
+}
+per_kind!(start_writeback_only_where_data_is_written_back);
