@@ -3,6 +3,7 @@
 
 Usage: /usr/bin/python3 bench/plot.py RESULTS_TSV OUTDIR   -> OUTDIR/*.png
        /usr/bin/python3 bench/plot.py RESULTS_TSV --table  -> markdown on stdout
+       /usr/bin/python3 bench/plot.py RESULTS_TSV --summary -> like-for-like ratios
 
 Needs Debian's python3-matplotlib (only for the PNGs). "custom" is rawdisk
 serve --cache writeback, "custom:direct" rawdisk serve --cache none, as set
@@ -140,6 +141,65 @@ def table(cells, fails, res):
         print()
 
 
+# Like for like: rawdisk through the page cache against the servers that use
+# it too, rawdisk --cache none against qemu-nbd --cache=none.
+PAGE_ANCHORS = ["nbdkit", "qemu-nbd"]
+DIRECT_ANCHORS = ["qemu-nbd-direct"]
+VERSUS = [("custom", PAGE_ANCHORS), ("custom:direct", DIRECT_ANCHORS), ("custom:wb", PAGE_ANCHORS)]
+
+
+def versus(script, row, mine, anchors):
+    """(median ratio, paired ratio, anchor) of `mine` against the faster of `anchors`."""
+    cand = [(med(row[a]), a) for a in anchors if row.get(a)]
+    if not cand or not row.get(mine):
+        return None
+    am, an = (max if script == "throughput" else min)(cand)
+    return med(row[mine]) / am, paired(row, mine, an), an
+
+
+def summary(cells):
+    """One line per row: each rawdisk mode against its like-for-like anchor,
+    and the rows where some mode meets the goal against every anchor."""
+    for script in ["convert", "zero", "throughput"]:
+        keys = sorted((k for k in cells if k[0] == script), key=lambda k: (k[1], tkey(k[2])))
+        if not keys:
+            continue
+        hib = script == "throughput"
+        ok = (lambda r: r >= 1 / 0.9) if hib else (lambda r: r <= 0.9)
+        print("#### %s, like for like (%s; median ratio, paired in brackets; "
+              "+ = goal met)\n" % (script, "MiB/s, goal >= 1.11" if hib else "seconds, goal <= 0.90"))
+        print("| workload | target | rawdisk / nbdkit, qemu-nbd | rawdisk-direct / qemu-nbd-direct "
+              "| rawdisk-wb / nbdkit, qemu-nbd | some mode / every anchor |")
+        print("|---|---|---|---|---|---|")
+        met = [0, 0, 0, 0]
+        seen = [0, 0, 0, 0]
+        for k in keys:
+            row = cells[k]
+            out = [k[1], k[2]]
+            for i, (m, anchors) in enumerate(VERSUS):
+                v = versus(script, row, m, anchors)
+                if v is None:
+                    out.append("-")
+                    continue
+                seen[i] += 1
+                met[i] += ok(v[0])
+                out.append("%.2f (%s)%s" % (v[0], "%.2f" % v[1] if v[1] else "-",
+                                             " +" if ok(v[0]) else ""))
+            vs = [versus(script, row, m, ANCHORS) for m in MINE]
+            vs = [v for v in vs if v]
+            if vs:
+                best = (max if hib else min)(v[0] for v in vs)
+                seen[3] += 1
+                met[3] += ok(best)
+                out.append("%.2f%s" % (best, " +" if ok(best) else ""))
+            else:
+                out.append("-")
+            print("| " + " | ".join(out) + " |")
+        print("\nGoal met on: %s\n" % ", ".join(
+            "%s %d of %d" % (name, met[i], seen[i]) for i, name in enumerate(
+                ["rawdisk", "rawdisk-direct", "rawdisk-wb", "some mode"]) if seen[i]))
+
+
 def plots(cells, fails, outdir, cpu=None):
     import matplotlib
     matplotlib.use("Agg")
@@ -241,6 +301,9 @@ def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     cells, fails, res, cpu = load(sys.argv[1])
+    if sys.argv[2] == "--summary":
+        summary(cells)
+        return
     if sys.argv[2] == "--table":
         table(cells, fails, res)
     else:
