@@ -1185,8 +1185,8 @@ fn lane_bound(req: &Request) -> bool {
 type LaneJob = Box<dyn FnOnce() + Send>;
 
 /// Runs jobs in arrival order on at most `max` blocking threads at once:
-/// the big page-cache writes of a target, which serialize in the kernel
-/// anyway on a file's inode lock (`Target::write_concurrency`). A thread that finishes a job takes
+/// the page-cache writes of a target whose writes serialize in the kernel
+/// anyway (`Target::write_concurrency`). A thread that finishes a job takes
 /// the next one queued, so a stream of writes costs no thread wake-up per
 /// request, and no more threads wait on (or spin for) the inode lock than
 /// the lane admits. Shared by every connection to the target, like the
