@@ -129,14 +129,6 @@ const PIPE_BYTES: usize = 1 << 20;
 const PIPES_KEPT: usize = 32;
 /// Pipes in existence at once, kept or in flight (two descriptors each).
 const PIPES_MAX: usize = 128;
-/// Page-cache writes of at least this many bytes run in the target's write
-/// lane when it has one (see `Lane`); smaller ones hold the inode lock so
-/// briefly that running them side by side wins (fio 4 KiB writes at queue
-/// depth 64 lost a quarter of their rate in a lane of one).
-const LANE_MIN: u64 = 128 << 10;
-/// Writes admitted to the lane at once, running or queued: enough that the
-/// lane never waits for the next payload to be read.
-const LANE_QUEUE: usize = 4;
 /// Granularity of pooled buffer sizes.
 const POOL_ROUND: usize = 64 << 10;
 /// Context id handed out for base:allocation.
@@ -167,8 +159,6 @@ struct Shared {
     caps_logged: AtomicU64,
     next_conn: AtomicU64,
     sparse_skip: AtomicU64,
-    /// Where page-cache writes run when the target serializes them.
-    write_lane: Option<Arc<Lane>>,
 }
 
 impl Server {
@@ -191,7 +181,6 @@ impl Server {
                 caps_logged: AtomicU64::new(caps_gen),
                 next_conn: AtomicU64::new(1),
                 sparse_skip: AtomicU64::new(0),
-                write_lane: target.write_concurrency().map(Lane::new),
                 target,
                 cfg,
                 read_only,
@@ -976,28 +965,6 @@ where
                 _total_bytes: None,
             },
         };
-        // A write bound for the lane waits for a place in its queue before
-        // its payload is read: the lane writes one at a time, so payloads
-        // read further ahead would only sit in memory (fio 1 MiB writes at
-        // queue depth 16: sixteen buffers instead of four).
-        let mut lane_place = None;
-        if let Some(lane) = sh
-            .write_lane
-            .as_ref()
-            .filter(|_| check.is_ok() && lane_bound(&req))
-        {
-            let place = match lane.admit.clone().try_acquire_owned() {
-                Ok(p) => p,
-                Err(_) => {
-                    dispatch(&sh, &s, &tx, &mut batch);
-                    tokio::select! {
-                        p = lane.admit.clone().acquire_owned() => p.expect("semaphore never closed"),
-                        _ = shutdown.wait_for(|v| *v) => break,
-                    }
-                }
-            };
-            lane_place = Some(place);
-        }
 
         let mut data = None;
         if payload > 0 {
@@ -1043,7 +1010,6 @@ where
             to,
             data,
             permits,
-            lane_place,
         };
         // Small page-cache reads and writes cost less than handing one to a
         // blocking thread: while more requests are already buffered, gather
@@ -1081,7 +1047,6 @@ where
         let alone = idle && rd.buffered() == 0;
         if alone {
             let reply = execute(&sh, &s, &job.req, job.to, job.data);
-            drop(job.lane_place);
             sh.note_caps();
             let mut w = wr.lock().await;
             let sent = async {
@@ -1133,10 +1098,6 @@ struct Job {
     to: ReplyTo,
     data: Option<(Vec<u8>, usize, usize)>,
     permits: Permits,
-    /// A place in the write lane, given back as soon as the write is done:
-    /// held until the reply is sent, a client that never reads its replies
-    /// would keep every other connection's big writes waiting.
-    lane_place: Option<OwnedSemaphorePermit>,
 }
 
 /// Hands the gathered requests to one blocking thread, which runs them in
@@ -1151,121 +1112,17 @@ fn dispatch(
         return;
     }
     let jobs = std::mem::replace(batch, Vec::with_capacity(BATCH_MAX));
-    let lane = sh
-        .write_lane
-        .clone()
-        .filter(|_| matches!(&jobs[..], [j] if lane_bound(&j.req)));
     let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
-    let run = move || {
+    tokio::task::spawn_blocking(move || {
         for j in jobs {
             let reply = execute(&sh, &s, &j.req, j.to, j.data);
-            drop(j.lane_place);
             let _ = tx.send(Out {
                 reply,
                 _permits: j.permits,
             });
         }
         sh.note_caps();
-    };
-    match lane {
-        Some(lane) => lane.run(Box::new(run)),
-        None => {
-            tokio::task::spawn_blocking(run);
-        }
-    }
-}
-
-/// Whether a request runs in the target's write lane, where there is one:
-/// big page-cache writes. FUA writes, which wait for the disk after the
-/// copy, go to the pool and never hold the lane while they wait.
-fn lane_bound(req: &Request) -> bool {
-    req.typ == CMD_WRITE && req.flags & CMD_FLAG_FUA == 0 && req.length >= LANE_MIN
-}
-
-type LaneJob = Box<dyn FnOnce() + Send>;
-
-/// Runs jobs in arrival order on at most `max` blocking threads at once:
-/// the page-cache writes of a target whose writes serialize in the kernel
-/// anyway (`Target::write_concurrency`). A thread that finishes a job takes
-/// the next one queued, so a stream of writes costs no thread wake-up per
-/// request, and no more threads wait on (or spin for) the inode lock than
-/// the lane admits. Shared by every connection to the target, like the
-/// inode lock it stands in front of.
-struct Lane {
-    state: Mutex<LaneState>,
-    max: usize,
-    /// Places in the lane, running or queued: taken before the payload is
-    /// read, given back when the write is done.
-    admit: Arc<Semaphore>,
-}
-
-struct LaneState {
-    queue: std::collections::VecDeque<LaneJob>,
-    running: usize,
-}
-
-impl Lane {
-    fn new(max: usize) -> Arc<Lane> {
-        Arc::new(Lane {
-            state: Mutex::new(LaneState {
-                queue: std::collections::VecDeque::new(),
-                running: 0,
-            }),
-            max: max.max(1),
-            admit: Arc::new(Semaphore::new(LANE_QUEUE)),
-        })
-    }
-
-    fn run(self: &Arc<Self>, job: LaneJob) {
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        g.queue.push_back(job);
-        self.start_runner(g);
-    }
-
-    /// Starts one more runner if the lane has room and work. Decided under
-    /// the same lock as a runner's "queue empty, stop", so a job is never
-    /// left queued with no runner to take it.
-    fn start_runner(self: &Arc<Self>, mut g: std::sync::MutexGuard<'_, LaneState>) {
-        if g.running < self.max && !g.queue.is_empty() {
-            g.running += 1;
-            drop(g);
-            let lane = self.clone();
-            tokio::task::spawn_blocking(move || lane.drain());
-        }
-    }
-
-    fn drain(self: Arc<Self>) {
-        // A job that panicked must not take its runner's place with it:
-        // the guard gives the place back and starts a runner for what is
-        // still queued.
-        struct Place(Option<Arc<Lane>>);
-        impl Drop for Place {
-            fn drop(&mut self) {
-                if let Some(lane) = self.0.take() {
-                    let mut g = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-                    g.running -= 1;
-                    lane.start_runner(g);
-                }
-            }
-        }
-        let mut place = Place(Some(self));
-        loop {
-            let lane = place.0.as_ref().expect("place held while draining");
-            let job = {
-                let mut g = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-                match g.queue.pop_front() {
-                    Some(j) => j,
-                    None => {
-                        g.running -= 1;
-                        drop(g);
-                        place.0 = None;
-                        return;
-                    }
-                }
-            };
-            job();
-        }
-    }
+    });
 }
 
 fn send_small(tx: &mpsc::UnboundedSender<Out>, buf: Vec<u8>, slot: OwnedSemaphorePermit) {
@@ -2081,70 +1938,5 @@ impl BufPool {
                 g[i] = buf;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod lane_tests {
-    use super::Lane;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::{Arc, Mutex};
-    use std::time::Duration;
-
-    /// Queues `n` jobs that each note when they start and how many run
-    /// beside them; returns (most at once, start order).
-    async fn run_jobs(max: usize, n: usize, panic_at: Option<usize>) -> (usize, Vec<usize>) {
-        let lane = Lane::new(max);
-        let active = Arc::new(AtomicUsize::new(0));
-        let most = Arc::new(AtomicUsize::new(0));
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
-        for i in 0..n {
-            let (active, most, order, done) =
-                (active.clone(), most.clone(), order.clone(), done_tx.clone());
-            lane.run(Box::new(move || {
-                order.lock().unwrap().push(i);
-                let now = active.fetch_add(1, Ordering::SeqCst) + 1;
-                most.fetch_max(now, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(3));
-                active.fetch_sub(1, Ordering::SeqCst);
-                let _ = done.send(i);
-                if Some(i) == panic_at {
-                    panic!("job {i} fails on purpose");
-                }
-            }));
-        }
-        drop(done_tx);
-        let mut finished = 0;
-        while finished < n {
-            tokio::time::timeout(Duration::from_secs(10), done_rx.recv())
-                .await
-                .expect("a queued job never ran")
-                .expect("senders alive until every job ran");
-            finished += 1;
-        }
-        let order = order.lock().unwrap().clone();
-        (most.load(Ordering::SeqCst), order)
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn at_most_max_jobs_run_at_once_and_all_run() {
-        let (most, order) = run_jobs(2, 24, None).await;
-        assert_eq!(most, 2, "two runners, and both used");
-        assert_eq!(order.len(), 24);
-        let (most, order) = run_jobs(1, 12, None).await;
-        assert_eq!(most, 1);
-        assert_eq!(
-            order,
-            (0..12).collect::<Vec<_>>(),
-            "one runner keeps arrival order"
-        );
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_panicking_job_does_not_stall_the_jobs_behind_it() {
-        let (most, order) = run_jobs(1, 6, Some(1)).await;
-        assert_eq!(most, 1);
-        assert_eq!(order, (0..6).collect::<Vec<_>>());
     }
 }

@@ -640,20 +640,6 @@ impl Target {
         Ok(true)
     }
 
-    /// How many big writes it is worth having inside the kernel at once,
-    /// when there is a limit. A buffered write to a regular file holds the
-    /// file's inode lock exclusively while it copies into the page cache
-    /// (tmpfs, ramfs, ext4 and XFS alike), so a second writer only waits,
-    /// spinning on the lock's owner first: with 16 threads writing 256 KiB
-    /// pieces to one tmpfs file, 6.5 % of the server's CPU samples were that
-    /// spinning, on a machine whose other core runs the client. One at a
-    /// time, fed from a queue, does the same work without the spinning and
-    /// the wake-ups. Block devices take no such lock, and O_DIRECT
-    /// overwrites take it shared (ext4, XFS): no limit there.
-    pub fn write_concurrency(&self) -> Option<usize> {
-        (self.kind == Kind::File && self.direct.is_none()).then_some(1)
-    }
-
     /// `fua`: the data is durable when this returns.
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.check_writable("write", offset, buf.len() as u64)?;

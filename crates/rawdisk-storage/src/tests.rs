@@ -599,10 +599,6 @@ fn cache_and_geometry() {
     assert!(!g.read_only);
     assert_eq!(t.path(), tmp.path.as_path());
     assert_eq!(t.cache_mode(), CacheMode::Writeback);
-    // Buffered writes to a regular file serialize on its inode lock.
-    assert_eq!(t.write_concurrency(), Some(1));
-    let direct = Target::open(&tmp.path, &direct_opts()).unwrap();
-    assert_eq!(direct.write_concurrency(), None);
 }
 
 #[test]

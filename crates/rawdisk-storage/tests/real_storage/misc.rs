@@ -24,13 +24,10 @@ pub fn read_write_geometry(kind: StorageKind) {
     assert!(!g.read_only);
     if kind.is_block() {
         assert_eq!(t.kind(), Kind::Block);
-        // No inode lock around buffered block device writes: no limit.
-        assert_eq!(t.write_concurrency(), None);
         assert_eq!(g.logical_sector, kind.sector_size());
         assert!(g.physical_sector >= g.logical_sector, "{g:?}");
     } else {
         assert_eq!(t.kind(), Kind::File);
-        assert_eq!(t.write_concurrency(), Some(1), "{kind}");
     }
     // Unaligned writes of odd sizes, fua and not, read back through both paths.
     write_pattern(s.path(), 0, SIZE, 60);
