@@ -212,6 +212,8 @@ impl Conn {
     fn connect(path: &Path) -> Conn {
         let s = UnixStream::connect(path).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        // A server that stops reading fails the test instead of hanging it.
+        s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
         Conn {
             s,
             mode: ReplyMode::Simple,
@@ -1577,4 +1579,58 @@ fn gathered_small_requests_are_answered_whatever_follows() {
             c.disc();
         }
     }
+}
+
+#[test]
+fn a_client_that_reads_no_replies_does_not_hold_up_big_writes_of_others() {
+    // Whatever the connections share (the target, the blocking pool, the
+    // server-wide byte budget), a client that stops reading its replies
+    // must hold only its own requests: here A's replies back up behind
+    // 16 MiB of read data it never reads while its big writes complete,
+    // and B's big writes must still be served. (A write lane shared by all
+    // connections, tried and reverted, failed this while a lane place was
+    // held until the reply was sent.)
+    let mut h = Harness::start(Setup {
+        size: 32 * MIB,
+        ..Default::default()
+    });
+    let (mut a, _) = h.open(ReplyMode::Structured);
+    let (mut b, _) = h.open(ReplyMode::Structured);
+    let mut a_reads = Vec::new();
+    for i in 0..16 {
+        a_reads.push((a.send_req(CMD_READ, 0, i * MIB, MIB, &[]), i * MIB));
+    }
+    let mut a_writes = Vec::new();
+    for i in 0..8u64 {
+        let off = 16 * MIB + i * 256 * KIB;
+        let d = random(256 * KIB as usize, 500 + i);
+        a_writes.push((a.send_req(CMD_WRITE, 0, off, d.len() as u64, &d), off, d));
+    }
+    // The model still holds what A's reads must return: update it only
+    // after they are checked.
+    let model_before = h.model.clone();
+    for i in 0..8u64 {
+        let off = 24 * MIB + i * 256 * KIB;
+        let d = random(256 * KIB as usize, 600 + i);
+        b.write(off, &d);
+        h.model[off as usize..off as usize + d.len()].copy_from_slice(&d);
+    }
+    let mut replies = HashMap::new();
+    for _ in 0..a_reads.len() + a_writes.len() {
+        let r = a.recv();
+        assert_eq!(r.error, 0, "{}", r.message);
+        replies.insert(r.cookie, r);
+    }
+    for (cookie, off) in a_reads {
+        let want = &model_before[off as usize..(off + MIB) as usize];
+        assert!(replies[&cookie].data == want, "A's read at {off}");
+    }
+    for (cookie, off, d) in a_writes {
+        assert!(replies.contains_key(&cookie));
+        h.model[off as usize..off as usize + d.len()].copy_from_slice(&d);
+    }
+    a.disc();
+    b.disc();
+    h.stop().unwrap();
+    h.check_file();
 }
