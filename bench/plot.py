@@ -73,13 +73,20 @@ def tkey(t):
     return TARGETS.index(t) if t in TARGETS else 99
 
 
-def faster_anchor(script, row):
-    anchors = ANCHOR_TOOLS if script == "prealloc" else ANCHORS
+def faster_anchor(script, row, anchors=None):
+    """(median, name) of the best of `anchors` on this row (all of them by default)."""
+    if anchors is None:
+        anchors = ANCHOR_TOOLS if script == "prealloc" else ANCHORS
     cand = [(med(row[a]), a) for a in anchors if a in row and row[a]]
     if not cand:
         return None, None
     hib = script == "throughput"
     return (max if hib else min)(cand)
+
+
+def meets(script, ratio):
+    """The goal: times <= 0.9 x anchor, bandwidth >= anchor / 0.9."""
+    return ratio >= 1 / 0.9 if script == "throughput" else ratio <= 0.9
 
 
 def paired(row, a, b):
@@ -121,9 +128,8 @@ def table(cells, fails, res):
                 if m in row and row[m] and am:
                     mm = med(row[m])
                     p = paired(row, m, an)
-                    # goal: times <= 0.9 x anchor, bandwidth >= anchor / 0.9
                     r = mm / am
-                    good = r >= 1 / 0.9 if hib else r <= 0.9
+                    good = meets(script, r)
                     rss_m = statistics.median(x[0] for x in res[k][m]) if res[k][m] else None
                     rss_a = statistics.median(x[0] for x in res[k][an]) if res[k][an] else None
                     cpu_m = statistics.median(x[1] for x in res[k][m]) if res[k][m] else None
@@ -149,55 +155,50 @@ VERSUS = [("custom", PAGE_ANCHORS), ("custom:direct", DIRECT_ANCHORS), ("custom:
 
 
 def versus(script, row, mine, anchors):
-    """(median ratio, paired ratio, anchor) of `mine` against the faster of `anchors`."""
-    cand = [(med(row[a]), a) for a in anchors if row.get(a)]
-    if not cand or not row.get(mine):
+    """Median ratio and paired ratio of `mine` against the best of `anchors`."""
+    am, an = faster_anchor(script, row, anchors)
+    if an is None or not row.get(mine):
         return None
-    am, an = (max if script == "throughput" else min)(cand)
-    return med(row[mine]) / am, paired(row, mine, an), an
+    return med(row[mine]) / am, paired(row, mine, an)
 
 
 def summary(cells):
     """One line per row: each rawdisk mode against its like-for-like anchor,
-    and the rows where some mode meets the goal against every anchor."""
+    and the best rawdisk mode against every anchor; then how many rows meet
+    the goal in each column."""
+    columns = [(LABEL[m], m, anchors) for m, anchors in VERSUS] + [("some mode", None, ANCHORS)]
     for script in ["convert", "zero", "throughput"]:
         keys = sorted((k for k in cells if k[0] == script), key=lambda k: (k[1], tkey(k[2])))
         if not keys:
             continue
         hib = script == "throughput"
-        ok = (lambda r: r >= 1 / 0.9) if hib else (lambda r: r <= 0.9)
         print("#### %s, like for like (%s; median ratio, paired in brackets; "
               "+ = goal met)\n" % (script, "MiB/s, goal >= 1.11" if hib else "seconds, goal <= 0.90"))
         print("| workload | target | rawdisk / nbdkit, qemu-nbd | rawdisk-direct / qemu-nbd-direct "
               "| rawdisk-wb / nbdkit, qemu-nbd | some mode / every anchor |")
         print("|---|---|---|---|---|---|")
-        met = [0, 0, 0, 0]
-        seen = [0, 0, 0, 0]
+        seen = {name: 0 for name, _, _ in columns}
+        met = dict(seen)
         for k in keys:
             row = cells[k]
             out = [k[1], k[2]]
-            for i, (m, anchors) in enumerate(VERSUS):
-                v = versus(script, row, m, anchors)
+            for name, mine, anchors in columns:
+                if mine is None:
+                    vs = [v for v in (versus(script, row, m, anchors) for m in MINE) if v]
+                    v = ((max if hib else min)(v[0] for v in vs), None) if vs else None
+                else:
+                    v = versus(script, row, mine, anchors)
                 if v is None:
                     out.append("-")
                     continue
-                seen[i] += 1
-                met[i] += ok(v[0])
-                out.append("%.2f (%s)%s" % (v[0], "%.2f" % v[1] if v[1] else "-",
-                                             " +" if ok(v[0]) else ""))
-            vs = [versus(script, row, m, ANCHORS) for m in MINE]
-            vs = [v for v in vs if v]
-            if vs:
-                best = (max if hib else min)(v[0] for v in vs)
-                seen[3] += 1
-                met[3] += ok(best)
-                out.append("%.2f%s" % (best, " +" if ok(best) else ""))
-            else:
-                out.append("-")
+                good = meets(script, v[0])
+                seen[name] += 1
+                met[name] += good
+                out.append("%.2f%s%s" % (v[0], " (%.2f)" % v[1] if v[1] else "",
+                                          " +" if good else ""))
             print("| " + " | ".join(out) + " |")
         print("\nGoal met on: %s\n" % ", ".join(
-            "%s %d of %d" % (name, met[i], seen[i]) for i, name in enumerate(
-                ["rawdisk", "rawdisk-direct", "rawdisk-wb", "some mode"]) if seen[i]))
+            "%s %d of %d" % (name, met[name], seen[name]) for name in seen if seen[name]))
 
 
 def plots(cells, fails, outdir, cpu=None):
