@@ -57,7 +57,9 @@ mod target;
 mod tests;
 mod zero;
 
-pub use caps::{Capabilities, CapsSnapshot, Method, MethodStats, Tri};
+pub use caps::{
+    Capabilities, CapsSnapshot, KeepZero, KeepZeroTrial, Method, MethodStats, Tri, KEEP_ZERO_SAMPLE,
+};
 pub use direct::AlignedBuf;
 pub use error::{Error, Result};
 pub use fault::{FaultRule, FaultSys};

@@ -173,9 +173,11 @@ pub struct Target {
     pub(crate) direct: Option<Direct>,
     pub(crate) zero_chunk: usize,
     pub(crate) max_call: u64,
-    /// PUNCH_HOLE + fallocate(0) costs more than writing zeros here, so the
-    /// zero chain skips it and it does not count as fast (tmpfs).
-    pub(crate) punch_alloc_slower: bool,
+    /// PUNCH_HOLE + fallocate(0) and writing zeros cost about the same here
+    /// and which is cheaper differs from machine to machine (tmpfs), so a
+    /// no-trim zero times both before it settles on one (`Capabilities::
+    /// keep_zero`); until then punch-alloc does not count as fast.
+    pub(crate) punch_alloc_timed: bool,
     /// The data lives only in the page cache (tmpfs, ramfs): nothing to
     /// write back, so [`Target::start_writeback`] makes no call.
     memory_only: bool,
@@ -393,24 +395,26 @@ impl Target {
             caps.set(Method::SeekHole, Tri::Fails);
         }
         // tmpfs: punching frees the pages and fallocate(0) allocates and
-        // clears them again, while writing zeros into resident pages is one
-        // memset. 4 GiB of dirty data, quiet machine, kernel 6.18
-        // (bench/zero-methods.sh --kinds tmpfs): punch+fallocate 1.38 s,
-        // writing zeros 0.735 s (dd 0.59 s). So no-trim zero writes, and a
-        // fast zero without trim is honestly refused (NBD: fast means
-        // faster than writing the zeros).
+        // clears them again, against one copy into resident pages when
+        // writing zeros. Which costs less depends on the machine, not the
+        // kernel: 4 GiB of dirty data, kernel 6.18, both quiet 2-core VMs
+        // (bench/zero-methods.sh --kinds tmpfs), one machine: punch+fallocate
+        // 1.38 s, writing zeros 0.735 s; another: punch 0.24-0.28 s plus
+        // fallocate 0.39-0.45 s (util-linux fallocate, one call each),
+        // writing zeros 0.75-0.97 s. So the engine times both on the first
+        // big no-trim zeros (zero.rs) instead of trusting a constant.
         let magic = match kind {
             Kind::File => sys.fs_magic(fd.as_fd()).ok(),
             Kind::Block => None,
         };
-        let punch_alloc_slower = magic == Some(TMPFS_MAGIC);
+        let punch_alloc_timed = magic == Some(TMPFS_MAGIC);
         let memory_only = matches!(magic, Some(TMPFS_MAGIC | RAMFS_MAGIC));
         tracing::debug!(
             path = %path.display(),
             kind = kind.name(),
             ?geom,
             cache = ?opts.cache,
-            punch_alloc_slower,
+            punch_alloc_timed,
             memory_only,
             "opened target"
         );
@@ -431,7 +435,7 @@ impl Target {
                 .unwrap_or(WRITE_ZEROS_CHUNK)
                 .clamp(1, WRITE_ZEROS_CHUNK),
             max_call: opts.max_zero_call.unwrap_or(MAX_ZERO_CALL).max(1),
-            punch_alloc_slower,
+            punch_alloc_timed,
             memory_only,
             dsync: AtomicU8::new(0),
             sysfs_dev,

@@ -10,8 +10,13 @@
 //! 3. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
 //!    and the space stays allocated (file systems with holes but without
 //!    ZERO_RANGE: NFS 4.2, where the seed patch measured it far cheaper than
-//!    writing). Not on tmpfs, where it frees and re-clears every page and
-//!    costs twice what writing zeros does (see `punch_alloc_slower`).
+//!    writing). On tmpfs it frees and re-clears every page, which costs about
+//!    what writing zeros does, more on one machine and less on another (see
+//!    `punch_alloc_timed`): there the first no-trim zeros of at least
+//!    `KEEP_ZERO_SPLIT_MIN` are done half one way and half the other, timed,
+//!    until each way has zeroed `KEEP_ZERO_SAMPLE` bytes; then the cheaper one
+//!    is used for good by every handle on the target. Until then punch-alloc
+//!    does not count as fast on tmpfs.
 //! 4. pwrite from one shared zero buffer, `write_zeros_chunk` bytes a call,
 //!    the offset advancing every chunk (nbdkit and the reference nbd-server
 //!    shipped a fallback that rewrote the first chunk over and over).
@@ -46,8 +51,9 @@
 
 use std::io;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use crate::caps::{Method, Tri};
+use crate::caps::{KeepZero, Method, Tri};
 use crate::direct::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::sys::FallocMode;
@@ -76,12 +82,22 @@ pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
     }
 }
 
-fn punch_alloc_may_work(t: &Target) -> bool {
+/// No-trim zeros smaller than this on a timed target are written, without
+/// a sample: halves of 4 MiB and up keep the calls' fixed costs out of the
+/// timing.
+pub(crate) const KEEP_ZERO_SPLIT_MIN: u64 = 8 << 20;
+
+/// Not known to fail, as far as the calls it is made of go.
+fn punch_alloc_supported(t: &Target) -> bool {
     let c = &t.caps;
-    !t.punch_alloc_slower
-        && c.get(Method::PunchAlloc).may_work()
+    c.get(Method::PunchAlloc).may_work()
         && c.get(Method::PunchHole).may_work()
         && c.get(Method::Fallocate).may_work()
+}
+
+/// Supported and, where its cost is timed, timed cheaper than writing.
+fn punch_alloc_may_work(t: &Target) -> bool {
+    punch_alloc_supported(t) && (!t.punch_alloc_timed || t.caps.keep_zero() == KeepZero::PunchAlloc)
 }
 
 fn enotsup(offset: u64, len: u64) -> Error {
@@ -126,6 +142,11 @@ impl Target {
         let step = self.max_call_aligned();
         while pos < mid_e {
             let n = (mid_e - pos).min(step);
+            if self.keep_zero_trial_due(n, flags) {
+                self.keep_zero_trial(pos, n, &mut out)?;
+                pos += n;
+                continue;
+            }
             match self.offload_chunk(pos, n, flags)? {
                 Some(m) => push(&mut out, m),
                 None if flags.fast_only => return Err(enotsup(pos, n)),
@@ -145,6 +166,64 @@ impl Target {
             push(&mut out, Method::WriteZeros);
         }
         Ok(out)
+    }
+
+    /// Whether this chunk should be a timed sample: the chain would reach
+    /// punch-alloc (no trim, or no punching; ZERO_RANGE learned missing) on
+    /// a timed target whose choice is still open. Never for fast-only
+    /// requests: until the timing says so, punch-alloc is not fast here.
+    fn keep_zero_trial_due(&self, n: u64, flags: ZeroFlags) -> bool {
+        let c = &self.caps;
+        self.kind == Kind::File
+            && self.punch_alloc_timed
+            && !flags.fast_only
+            && n >= KEEP_ZERO_SPLIT_MIN
+            && c.keep_zero() == KeepZero::Unknown
+            && !(flags.may_trim && c.get(Method::PunchHole).may_work())
+            && c.get(Method::ZeroRange) == Tri::Fails
+            && punch_alloc_supported(self)
+    }
+
+    /// Zero the first half of [off, off+n) by punch-alloc and the rest by
+    /// writing, timing each, and add both to the target's trial.
+    fn keep_zero_trial(&self, off: u64, n: u64, out: &mut ZeroOutcome) -> Result<()> {
+        let half = n / 2 / 4096 * 4096;
+        let t0 = Instant::now();
+        let punched = {
+            let _lock = self.direct.as_ref().map(|d| d.lock_span(off, half));
+            matches!(self.try_punch_alloc(off, half)?, Try::Done)
+        };
+        if punched {
+            push(out, Method::PunchAlloc);
+            self.sample_keep_zero(Method::PunchAlloc, half, t0.elapsed());
+        } else {
+            // Learned unsupported just now: no trial from here on.
+            self.write_zeros(off, half, self.zero_chunk)?;
+            push(out, Method::WriteZeros);
+        }
+        let t1 = Instant::now();
+        self.write_zeros(off + half, n - half, self.zero_chunk)?;
+        push(out, Method::WriteZeros);
+        if punched {
+            self.sample_keep_zero(Method::WriteZeros, n - half, t1.elapsed());
+        }
+        Ok(())
+    }
+
+    fn sample_keep_zero(&self, m: Method, bytes: u64, took: Duration) {
+        let Some((trial, v)) = self.caps.sample_keep_zero(m, bytes, took) else {
+            return;
+        };
+        let rate =
+            |(t, b): (Duration, u64)| b as f64 / t.as_secs_f64().max(1e-9) / (1u64 << 30) as f64;
+        tracing::info!(
+            path = %self.path.display(),
+            keep_zero = v.name(),
+            "no-trim zeros timed: punch+fallocate {:.2} GiB/s, writing zeros {:.2} GiB/s: zeroing by {} from now on",
+            rate(trial.punch_alloc),
+            rate(trial.write_zeros),
+            v.name()
+        );
     }
 
     /// Run the offload chain on one chunk. Ok(None): no offload method is

@@ -431,3 +431,53 @@ fn fast_only_falls_through_to_next_fast() {
     assert_eq!(out.methods, vec![Method::ZeroRange]);
     assert_tri(&p.target, Method::PunchHole, Tri::Fails, "ext4");
 }
+
+/// The timed split on tmpfs goes through the same judging as the chain: EIO
+/// from the fallocate after the punch is reported with its operation and
+/// range and teaches nothing; "not supported" is learned, the whole range is
+/// written, no sample is taken and punch-alloc is never tried again. Bytes
+/// outside the requests never change.
+#[test]
+#[ignore = "needs root"]
+fn tmpfs_keep_zero_trial_faults() {
+    const SIZE: u64 = 64 * MIB;
+    let alloc = CallKind::Fallocate(FallocMode::Allocate);
+    let s = Scratch::new(StorageKind::Tmpfs, SIZE);
+    let path = s.path().to_owned();
+    let p = open_probe(&path);
+    let t = &p.target;
+    write_pattern(&path, 0, SIZE, 71);
+    let mut want = pattern_vec(71, 0, SIZE as usize);
+    // Learn that ZERO_RANGE is missing.
+    t.zero(0, MIB, NO_TRIM).unwrap();
+    want[..MIB as usize].fill(0);
+
+    let n_alloc = p.fault.calls(alloc);
+    p.fault.fail_once(alloc, n_alloc + 1, libc::EIO);
+    let (off, len) = (2 * MIB, 16 * MIB);
+    let e = t.zero(off, len, NO_TRIM).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::EIO), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("fallocate after punch"), "{msg}");
+    assert!(msg.contains(&off.to_string()), "{msg}");
+    assert_tri(t, Method::PunchAlloc, Tri::Unknown, "EIO teaches nothing");
+    // The punched half reads zeros, the rest of the request and everything
+    // outside it are untouched.
+    want[off as usize..(off + len / 2) as usize].fill(0);
+    assert_same("after EIO", 0, &read_all(&path), &want);
+
+    fail_always(&p.fault, &[alloc], libc::EOPNOTSUPP);
+    let (off, len) = (20 * MIB + 4096, 16 * MIB);
+    let out = t.zero(off, len, NO_TRIM).unwrap();
+    assert_eq!(out.methods, vec![Method::WriteZeros]);
+    assert_tri(t, Method::PunchAlloc, Tri::Fails, "tmpfs without fallocate");
+    assert_eq!(t.caps().keep_zero(), rawdisk_storage::KeepZero::Unknown);
+    want[off as usize..(off + len) as usize].fill(0);
+    assert_same("after EOPNOTSUPP", 0, &read_all(&path), &want);
+    let punches = p.fault.calls(PUNCH);
+    let out = t.zero(40 * MIB, 16 * MIB, NO_TRIM).unwrap();
+    assert_eq!(out.methods, vec![Method::WriteZeros]);
+    assert_eq!(p.fault.calls(PUNCH), punches, "punch-alloc tried again");
+    want[40 * MIB as usize..56 * MIB as usize].fill(0);
+    assert_same("after learning", 0, &read_all(&path), &want);
+}

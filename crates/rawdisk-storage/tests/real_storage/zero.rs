@@ -442,3 +442,80 @@ per_kind!(write_zeros_advances:
     ext4 => Ext4,
     loop4k => Loop4k,
 );
+
+/// tmpfs, no trim: the first zero only learns that ZERO_RANGE is missing and
+/// writes; the next big ones are split between punch-alloc and writing and
+/// timed until each has done KEEP_ZERO_SAMPLE bytes; from then on only the
+/// cheaper way is used, and a fast-only zero is served exactly when that way
+/// is punch-alloc. Every byte is checked after each step, and the allocation
+/// stays.
+#[test]
+#[ignore = "needs root"]
+fn tmpfs_no_trim_zero_times_both_ways() {
+    use rawdisk_storage::{KeepZero, KEEP_ZERO_SAMPLE};
+    const SIZE: u64 = 256 * MIB;
+    let s = Scratch::new(StorageKind::Tmpfs, SIZE);
+    let path = s.path().to_owned();
+    let p = open_probe(&path);
+    let t = &p.target;
+    write_pattern(&path, 0, SIZE, 61);
+    let mut want = pattern_vec(61, 0, SIZE as usize);
+    let zero = |off: u64, len: u64, flags: ZeroFlags, want: &mut Vec<u8>| {
+        let r = t.zero(off, len, flags);
+        if r.is_ok() {
+            want[off as usize..(off + len) as usize].fill(0);
+        }
+        assert_same(
+            &format!("zero {off}+{len} {flags:?}"),
+            0,
+            &read_all(&path),
+            want,
+        );
+        r
+    };
+
+    let out = zero(MIB, 16 * MIB, NO_TRIM, &mut want).unwrap();
+    assert_eq!(out.methods, vec![Method::WriteZeros]);
+    assert_tri(t, Method::ZeroRange, Tri::Fails, "tmpfs");
+    assert_eq!(t.caps().keep_zero(), KeepZero::Unknown);
+
+    // Below the split size: written, no sample.
+    let out = zero(20 * MIB, 4 * MIB, NO_TRIM, &mut want).unwrap();
+    assert_eq!(out.methods, vec![Method::WriteZeros]);
+    assert_eq!(t.caps().keep_zero(), KeepZero::Unknown);
+    // Not fast yet: refused, nothing changed.
+    let fast = ZeroFlags {
+        may_trim: false,
+        fast_only: true,
+    };
+    let e = zero(30 * MIB, 8 * MIB, fast, &mut want).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::ENOTSUP), "{e}");
+
+    // One 2 * KEEP_ZERO_SAMPLE zero is half of each: the trial decides.
+    let n = 2 * KEEP_ZERO_SAMPLE;
+    let out = zero(40 * MIB + 4096, n, NO_TRIM, &mut want).unwrap();
+    assert_eq!(out.methods, vec![Method::PunchAlloc, Method::WriteZeros]);
+    let v = t.caps().keep_zero();
+    assert_ne!(v, KeepZero::Unknown);
+    let chosen = match v {
+        KeepZero::PunchAlloc => Method::PunchAlloc,
+        _ => Method::WriteZeros,
+    };
+
+    // Decided: one way only, and fast-only follows the verdict.
+    let out = zero(180 * MIB + 333, 40 * MIB, NO_TRIM, &mut want).unwrap();
+    assert_eq!(out.methods, vec![chosen]);
+    let r = zero(230 * MIB, 8 * MIB, fast, &mut want);
+    match v {
+        KeepZero::PunchAlloc => assert_eq!(r.unwrap().methods, vec![Method::PunchAlloc]),
+        _ => assert_eq!(r.unwrap_err().errno(), Some(libc::ENOTSUP)),
+    }
+    assert!(t.can_fast_zero(), "punching with trim is still fast");
+    // Another handle on the same file shares the verdict.
+    assert_eq!(open(&path).caps().keep_zero(), v);
+    assert!(
+        s.allocated() + SLACK >= SIZE,
+        "no-trim zeros must keep the space allocated: {} of {SIZE}",
+        s.allocated()
+    );
+}
