@@ -4,6 +4,7 @@ byte, zeroing what the sparse source leaves out of a dirty export, and
 `compare` agrees (and notices a one-byte difference). Unix socket and TCP."""
 
 import json
+import os
 import re
 import subprocess
 
@@ -62,6 +63,36 @@ def test_convert_with_write_behind(workdir, serve):
     qemu_img("convert", "-n", "-W", "-m", "16", "-f", "raw", "-O", "raw", src, srv.uri)
     assert_export_is(srv.uri, model)
     assert_target_is(dst, model)
+
+
+@pytest.mark.rawdisk_only("rawdisk serve's --map-writes")
+@pytest.mark.parametrize("fs_dir", ["tmpfs_dir", "ramfs_dir", "ext4_dir", "xfs_dir"],
+                         indirect=True)
+def test_convert_with_map_writes(fs_dir, serve):
+    """--map-writes receives big write payloads straight into the page cache
+    of a dirty (cached) export; qemu-img convert -W (2 MiB writes in any
+    order, zeros for the holes) and qemu-io's unaligned writes must leave
+    exactly the source's bytes, on every file system that maps."""
+    src, model = make_image(fs_dir, "mw-src.img", SIZE, seed=8, sparse=True)
+    dst, _ = make_image(fs_dir, "mw-dst.img", SIZE, seed=9)
+    try:
+        srv = serve(dst, extra=("--map-writes", "-v"))
+        qemu_img("convert", "-n", "-W", "-m", "16", "-f", "raw", "-O", "raw", src, srv.uri)
+        assert_export_is(srv.uri, model)
+        off, n = 3 * MiB + 777, 300001
+        res = subprocess.run(["qemu-io", "-f", "raw", "-c", f"write -P 0x5a {off} {n}", srv.uri],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        model[off:off + n] = b"\x5a" * n
+        assert_export_is(srv.uri, model)
+        assert srv.terminate() == 0
+        assert "panicked" not in srv.stderr()
+        assert "capability learned: map-write works" in srv.stderr(), srv.stderr()[-2000:]
+        assert_target_is(dst, model)
+    finally:
+        for p in (src, dst):
+            if os.path.exists(p):
+                os.unlink(p)
 
 
 def test_convert_out_of_export(workdir, serve):

@@ -30,7 +30,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, trace, warn, Instrument};
 
 use crate::proto::*;
-use crate::sock::{Pipe, SpliceSink};
+use crate::sock::{Pipe, RawSock};
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -66,6 +66,11 @@ pub struct ServerConfig {
     /// a flush gains; a stream of writes that is never flushed pays for
     /// device writes it would otherwise not have made in that time.
     pub write_behind: bool,
+    /// Receive page-cache writes of MAP_WRITE_MIN or more straight into the
+    /// target's mapped page cache (`Target::map_write`). A client that
+    /// vanishes mid-payload then leaves the part that arrived written;
+    /// without it a write lands only once its whole payload is in.
+    pub map_writes: bool,
 }
 
 impl Default for ServerConfig {
@@ -84,6 +89,7 @@ impl Default for ServerConfig {
             max_payload: 32 << 20,
             shutdown_grace: Duration::from_secs(10),
             write_behind: false,
+            map_writes: false,
         }
     }
 }
@@ -110,6 +116,10 @@ const DATA_ALIGN: usize = 4096;
 const BATCH_MAX: usize = 16;
 /// ...and only reads and writes up to this length.
 const BATCH_MAX_LEN: u64 = 64 << 10;
+/// Page-cache writes of at least this many bytes are received straight into
+/// the target's mapped page cache (`Target::map_write`): one copy instead of
+/// two, and no trip through the blocking pool.
+const MAP_WRITE_MIN: u64 = 64 << 10;
 /// Read-ahead of the request reader.
 const READ_AHEAD: usize = 64 << 10;
 /// Largest read or write run on the connection's reader when it is alone
@@ -283,7 +293,7 @@ impl Server {
 type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
 type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
 
-async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, SpliceSink, String)> {
+async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, RawSock, String)> {
     match l {
         Listener::Unix(l) => {
             let (s, _) = l.accept().await?;
@@ -356,7 +366,7 @@ async fn connection<R, W>(
     sh: Arc<Shared>,
     rd: R,
     wr: W,
-    sink: Option<SpliceSink>,
+    sink: Option<RawSock>,
     peer: String,
     mut shutdown: watch::Receiver<bool>,
     _conn_permit: OwnedSemaphorePermit,
@@ -803,7 +813,7 @@ async fn transmission<R, W>(
     mut rd: Input<R>,
     wr: BufWriter<W>,
     s: Session,
-    sink: Option<SpliceSink>,
+    sink: Option<RawSock>,
     mut shutdown: watch::Receiver<bool>,
 ) -> io::Result<()>
 where
@@ -965,6 +975,94 @@ where
                 _total_bytes: None,
             },
         };
+
+        // A page-cache write of a good size goes straight from the socket
+        // into the page cache, here on the reader (not with FUA: that needs
+        // the RWF_DSYNC write). What the reader already read ahead of the
+        // payload (at most 64 KiB, after small requests) is written first.
+        let mut req = req;
+        let head = rd.buffered().min(payload as usize) as u64;
+        if sh.cfg.map_writes
+            && payload >= MAP_WRITE_MIN
+            && payload - head >= MAP_WRITE_MIN
+            && req.typ == CMD_WRITE
+            && check.is_ok()
+            && req.flags & CMD_FLAG_FUA == 0
+        {
+            if let Some((sock, mut mw)) = sink.as_ref().and_then(|sock| {
+                let mw = sh
+                    .target
+                    .map_write(req.offset + head, (payload - head) as usize)?;
+                Some((sock, mw))
+            }) {
+                let pre = match head {
+                    0 => Ok(()),
+                    _ => sh
+                        .target
+                        .write_at(rd.take(head as usize), req.offset, false),
+                };
+                // Waiting for the payload must not hold back a batch.
+                dispatch(&sh, &s, &tx, &mut batch);
+                let r = tokio::select! {
+                    r = sock.recv_mapped(&mut mw) => r,
+                    _ = shutdown.wait_for(|v| *v) => break,
+                };
+                let got = mw.received() as u64;
+                drop(mw);
+                match r {
+                    Ok(()) => {
+                        if pre.is_ok() && sh.cfg.write_behind && payload >= WRITE_BEHIND_MIN {
+                            sh.target.start_writeback(req.offset, payload);
+                        }
+                        let reply = match &pre {
+                            Ok(()) => whole(small_ok(&s, to)),
+                            Err(e) => storage_error(&s, &req, to, "write", e),
+                        };
+                        let _ = tx.send(Out {
+                            reply,
+                            _permits: permits,
+                        });
+                        continue;
+                    }
+                    // A page that could not be faulted in (no space, an I/O
+                    // error): the rest is written the ordinary way, which
+                    // reports the error.
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) && pre.is_ok() => {
+                        debug!("mapped write at {}: {e} after {got} bytes", req.offset);
+                        req.offset += head + got;
+                        req.length -= head + got;
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                        // The head failed already: read the rest off the
+                        // socket and answer with the head's error.
+                        let mut rest = vec![0u8; (payload - head - got) as usize];
+                        let r = tokio::select! {
+                            r = rd.read_exact(&mut rest, 0) => r,
+                            _ = shutdown.wait_for(|v| *v) => break,
+                        };
+                        if let Err(e) = r {
+                            if e.kind() != io::ErrorKind::UnexpectedEof {
+                                result = Err(e);
+                            }
+                            break;
+                        }
+                        let Err(e) = &pre else { unreachable!() };
+                        let _ = tx.send(Out {
+                            reply: storage_error(&s, &req, to, "write", e),
+                            _permits: permits,
+                        });
+                        continue;
+                    }
+                    Err(e) => {
+                        if e.kind() != io::ErrorKind::UnexpectedEof {
+                            result = Err(e);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        let payload = req.payload_len(ext);
 
         let mut data = None;
         if payload > 0 {
@@ -1140,7 +1238,7 @@ async fn writer<W: AsyncWrite + Unpin>(
     wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
     mut rx: mpsc::UnboundedReceiver<Out>,
     sh: Arc<Shared>,
-    sink: Option<SpliceSink>,
+    sink: Option<RawSock>,
 ) -> io::Result<()> {
     while let Some(out) = rx.recv().await {
         let mut wr = wr.lock().await;
@@ -1159,7 +1257,7 @@ async fn writer<W: AsyncWrite + Unpin>(
 async fn put_reply<W: AsyncWrite + Unpin>(
     sh: &Shared,
     wr: &mut BufWriter<W>,
-    sink: Option<&SpliceSink>,
+    sink: Option<&RawSock>,
     reply: Encoded,
 ) -> io::Result<()> {
     wr.write_all(&reply.buf[reply.start..reply.end]).await?;
@@ -1389,6 +1487,21 @@ fn whole(b: Vec<u8>) -> Encoded {
     Encoded::bytes(b, 0, n)
 }
 
+/// The reply to `req` that failed in the storage with `e`.
+fn storage_error(
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    op: &str,
+    e: &rawdisk_storage::Error,
+) -> Encoded {
+    let err = storage_errno(e);
+    debug!("{op}: {e} -> {}", error_name(err));
+    let off =
+        (e.offset >= req.offset && e.offset < req.offset + req.length.max(1)).then_some(e.offset);
+    whole(error_reply(s, to, err, &e.to_string(), off))
+}
+
 /// Runs one validated request on the blocking pool; returns the encoded reply.
 fn execute(
     sh: &Shared,
@@ -1399,13 +1512,7 @@ fn execute(
 ) -> Encoded {
     let t = &*sh.target;
     let fua = req.flags & CMD_FLAG_FUA != 0;
-    let fail = |op: &str, e: &rawdisk_storage::Error| -> Encoded {
-        let err = storage_errno(e);
-        debug!("{op}: {e} -> {}", error_name(err));
-        let off = (e.offset >= req.offset && e.offset < req.offset + req.length.max(1))
-            .then_some(e.offset);
-        whole(error_reply(s, to, err, &e.to_string(), off))
-    };
+    let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(s, req, to, op, e);
     match req.typ {
         CMD_READ => read(sh, s, req, to),
         CMD_WRITE => {
@@ -1829,6 +1936,13 @@ impl<R: AsyncRead + Unpin> Input<R> {
             None => {}
         }
         Ok(())
+    }
+
+    /// Consumes `n` of the buffered bytes (at most [`Input::buffered`]).
+    fn take(&mut self, n: usize) -> &[u8] {
+        let n = n.min(self.buffered());
+        self.pos += n;
+        &self.buf[self.pos - n..self.pos]
     }
 
     /// Fills `dst`, reading at most `ahead` bytes beyond it into the buffer.

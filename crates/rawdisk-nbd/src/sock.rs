@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
+use rawdisk_storage::MappedWrite;
 use rustix::net::{RecvFlags, SendFlags, Shutdown};
 use rustix::pipe::{PipeFlags, SpliceFlags};
 use tokio::io::unix::AsyncFd;
@@ -23,11 +24,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Both halves of one socket and a handle for splicing into it; the fd
 /// closes when all three are dropped.
-pub(crate) fn split(fd: OwnedFd) -> io::Result<(SockRead, SockWrite, SpliceSink)> {
+pub(crate) fn split(fd: OwnedFd) -> io::Result<(SockRead, SockWrite, RawSock)> {
     // SAFETY: the AsyncFd owns the OwnedFd, so the descriptor it registers
     // stays open and names the same socket until the AsyncFd is dropped.
     let fd = Arc::new(unsafe { AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)?);
-    Ok((SockRead(fd.clone()), SockWrite(fd.clone()), SpliceSink(fd)))
+    Ok((SockRead(fd.clone()), SockWrite(fd.clone()), RawSock(fd)))
 }
 
 pub(crate) struct SockRead(Arc<AsyncFd<OwnedFd>>);
@@ -94,14 +95,16 @@ impl AsyncWrite for SockWrite {
     }
 }
 
-/// The socket as a splice destination, for read replies whose data sits in a
-/// [`Pipe`]. It shares the write half's readiness; callers keep the two from
-/// interleaving (the server holds its reply lock and flushes the buffered
-/// half first).
+/// The socket itself, for the calls that move data without a user-space
+/// buffer: read replies spliced from a [`Pipe`], and write payloads received
+/// straight into the target's page cache. It shares the halves' readiness;
+/// callers keep the uses from interleaving (the server holds its reply lock
+/// and flushes the buffered write half before a splice, and receives only
+/// from the connection's one reader, with nothing read ahead).
 #[derive(Clone)]
-pub(crate) struct SpliceSink(Arc<AsyncFd<OwnedFd>>);
+pub(crate) struct RawSock(Arc<AsyncFd<OwnedFd>>);
 
-impl SpliceSink {
+impl RawSock {
     /// Sends exactly `len` bytes that are already in `pipe`.
     ///
     /// splice(2) to a socket sends without MSG_NOSIGNAL: a peer that hung up
@@ -135,6 +138,24 @@ impl SpliceSink {
                 Ok(Ok(n)) => left -= n,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Ok(Err(e)) => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RawSock {
+    /// Receives the rest of a write's payload into its mapped pages.
+    /// EFAULT: a page could not be faulted in; `w` tells how much arrived.
+    pub(crate) async fn recv_mapped(&self, w: &mut MappedWrite<'_>) -> io::Result<()> {
+        while w.remaining() > 0 {
+            let mut guard = self.0.readable().await?;
+            match guard.try_io(|fd| w.recv(fd.as_fd())) {
+                Ok(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(e),
+                // EAGAIN: readiness is cleared, wait for the next event.
                 Err(_) => {}
             }
         }

@@ -1633,3 +1633,142 @@ fn a_client_that_reads_no_replies_does_not_hold_up_big_writes_of_others() {
     h.stop().unwrap();
     h.check_file();
 }
+
+/// Page-cache writes of 64 KiB and more are received straight into the
+/// mapped page cache. Unaligned ones land exactly; a populate that fails
+/// (no space) leaves the write to pwrite; a recv that meets a page it cannot
+/// fault in (EFAULT, injected after two pieces) has the rest written by
+/// pwrite from where it stopped; a kernel without MADV_POPULATE_WRITE
+/// (EINVAL) is learned and not asked again. FUA writes never take the path.
+/// Every byte of the file is checked at the end.
+#[test]
+fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
+    use rawdisk_storage::Method;
+    let mut h = Harness::start(Setup {
+        fault: true,
+        cfg: ServerConfig {
+            map_writes: true,
+            ..Setup::default().cfg
+        },
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let caps = Target::open(&h.path, &OpenOptions::default())
+        .unwrap()
+        .caps()
+        .clone();
+    let mapped = || caps.stats(Method::MapWrite).bytes;
+    let put = |c: &mut Conn, h: &mut Harness, off: u64, data: &[u8]| {
+        c.write(off, data);
+        h.model[off as usize..off as usize + data.len()].copy_from_slice(data);
+    };
+
+    let a = random((MIB + 777) as usize, 31);
+    put(&mut c, &mut h, 3 * MIB + 5, &a);
+    // All but what the reader had read ahead with the header (< 64 KiB).
+    let m = mapped();
+    assert!(
+        m <= a.len() as u64 && m + 64 * KIB > a.len() as u64,
+        "1 MiB write: {m} bytes mapped; {:?}",
+        fault.counts()
+    );
+    let small = random(60 * KIB as usize, 32);
+    put(&mut c, &mut h, 100, &small);
+    assert_eq!(mapped(), m, "60 KiB write mapped");
+
+    let pw = fault.calls(CallKind::Pwrite);
+    fault.fail_once(
+        CallKind::PopulateWrite,
+        fault.calls(CallKind::PopulateWrite) + 1,
+        libc::EFAULT,
+    );
+    let b = random(256 * KIB as usize, 33);
+    put(&mut c, &mut h, 5 * MIB + 4095, &b);
+    assert_eq!(mapped(), m);
+    assert!(fault.calls(CallKind::Pwrite) > pw, "not written by pwrite");
+
+    fault.set_max_io(16 * KIB as usize);
+    fault.fail_once(
+        CallKind::RecvToMap,
+        fault.calls(CallKind::RecvToMap) + 3,
+        libc::EFAULT,
+    );
+    let before = mapped();
+    let d = random(MIB as usize, 34);
+    put(&mut c, &mut h, 6 * MIB + 1, &d);
+    let part = mapped() - before;
+    assert!(part <= 32 * KIB, "{part} bytes mapped before EFAULT");
+    fault.set_max_io(0);
+
+    let r = c.cmd(
+        CMD_WRITE,
+        CMD_FLAG_FUA,
+        2 * MIB,
+        128 * KIB,
+        &b[..128 * KIB as usize],
+    );
+    assert_eq!(r.error, 0);
+    h.model[2 * MIB as usize..(2 * MIB + 128 * KIB) as usize]
+        .copy_from_slice(&b[..128 * KIB as usize]);
+    assert_eq!(mapped(), before + part, "FUA write mapped");
+
+    fault.fail_from(CallKind::PopulateWrite, 1, libc::EINVAL);
+    let n = fault.calls(CallKind::PopulateWrite);
+    put(&mut c, &mut h, 7 * MIB, &d[..512 * KIB as usize]);
+    put(&mut c, &mut h, MIB, &d[..512 * KIB as usize]);
+    assert_eq!(fault.calls(CallKind::PopulateWrite), n + 1, "asked again");
+    fault.clear_rules();
+
+    assert!(c.read(0, 8 * MIB) == h.model, "data differs");
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
+/// The trade-off --map-writes makes, pinned: a client that vanishes in the
+/// middle of a write's payload may leave the part that arrived written (and
+/// only that part: every other byte of the file is unchanged), and the
+/// server goes on serving. The default path writes nothing of it (the
+/// hostile-client test).
+#[test]
+fn with_map_writes_a_vanishing_writer_changes_only_what_it_sent() {
+    let mut h = Harness::start(Setup {
+        cfg: ServerConfig {
+            map_writes: true,
+            ..Setup::default().cfg
+        },
+        ..Default::default()
+    });
+    let (off, len, sent) = (2 * MIB + 100, MIB, 200 * KIB);
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    c.send_req_cookie(9, CMD_WRITE, 0, off, len, &[]);
+    // Let the reader take the header alone and start on the payload.
+    std::thread::sleep(Duration::from_millis(100));
+    c.send(&vec![0x55; sent as usize]);
+    std::thread::sleep(Duration::from_millis(100));
+    drop(c);
+
+    let (mut g, _) = h.open(ReplyMode::Structured);
+    let now = g.read(0, 8 * MIB);
+    let (a, b) = (off as usize, (off + sent) as usize);
+    assert!(now[..a] == h.model[..a], "bytes before the write changed");
+    assert!(now[b..] == h.model[b..], "bytes past what was sent changed");
+    let torn = (a..b).filter(|&i| now[i] != h.model[i]).count();
+    assert!(
+        (a..b).all(|i| now[i] == h.model[i] || now[i] == 0x55),
+        "bytes that were never sent landed"
+    );
+    eprintln!("{torn} of {sent} sent bytes landed");
+    h.model[a..b].copy_from_slice(&now[a..b]);
+    let d = random(256 * KIB as usize, 41);
+    g.write(5 * MIB, &d);
+    h.model[5 * MIB as usize..5 * MIB as usize + d.len()].copy_from_slice(&d);
+    assert!(
+        g.read(0, 8 * MIB) == h.model,
+        "server broken after the vanishing writer"
+    );
+    g.disc();
+    h.stop().unwrap();
+    h.check_file();
+}

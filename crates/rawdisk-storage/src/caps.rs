@@ -30,10 +30,13 @@ pub enum Method {
     /// splice(file -> pipe): page-cache reads handed to a socket by page
     /// reference instead of copied through a buffer
     Splice,
+    /// mmap + MADV_POPULATE_WRITE: write payloads received from the socket
+    /// straight into the page cache
+    MapWrite,
 }
 
 impl Method {
-    pub const ALL: [Method; 9] = [
+    pub const ALL: [Method; 10] = [
         Method::PunchHole,
         Method::ZeroRange,
         Method::PunchAlloc,
@@ -43,6 +46,7 @@ impl Method {
         Method::SeekHole,
         Method::WriteZeros,
         Method::Splice,
+        Method::MapWrite,
     ];
 
     pub fn name(self) -> &'static str {
@@ -56,6 +60,7 @@ impl Method {
             Method::SeekHole => "seek-hole",
             Method::WriteZeros => "write-zeros",
             Method::Splice => "splice",
+            Method::MapWrite => "map-write",
         }
     }
 
@@ -88,6 +93,10 @@ impl Method {
             Method::Splice => {
                 "splice(file -> pipe): reads served from the page cache by page reference, \
                  without copying through a buffer"
+            }
+            Method::MapWrite => {
+                "mmap + MADV_POPULATE_WRITE: write payloads received from the socket straight \
+                 into the page cache, one copy instead of two"
             }
         }
     }

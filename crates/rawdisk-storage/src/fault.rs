@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::sys::{BlockGeometry, CallKind, DioAlign, FallocMode, FileStat, OpenHow, Sys};
+use crate::sys::{BlockGeometry, CallKind, DioAlign, FallocMode, FileStat, MapSpan, OpenHow, Sys};
 
 /// "The `nth` call (1-based, counted per [`CallKind`]) of `kind` fails with
 /// `errno`", once, or on every call from the `nth` on.
@@ -264,5 +264,34 @@ impl Sys for FaultSys {
         self.enter(CallKind::Splice)?;
         let n = self.cap(len);
         self.inner.splice_to_pipe(fd, offset, pipe, n)
+    }
+    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+        self.enter(CallKind::Mmap)?;
+        self.inner.map_shared(fd, len)
+    }
+    fn unmap(&self, addr: usize, len: usize) -> io::Result<()> {
+        self.inner.unmap(addr, len)
+    }
+    fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
+        self.enter(CallKind::Resident)?;
+        self.inner.resident(span)
+    }
+    fn populate_write(&self, span: &MapSpan<'_>) -> io::Result<()> {
+        self.enter(CallKind::PopulateWrite)?;
+        self.inner.populate_write(span)
+    }
+    fn unpopulate(&self, span: &MapSpan<'_>) -> io::Result<()> {
+        self.inner.unpopulate(span)
+    }
+    fn recv_to_map(
+        &self,
+        sock: BorrowedFd<'_>,
+        span: &MapSpan<'_>,
+        at: usize,
+        len: usize,
+    ) -> io::Result<usize> {
+        self.enter(CallKind::RecvToMap)?;
+        let n = self.cap(len);
+        self.inner.recv_to_map(sock, span, at, n)
     }
 }

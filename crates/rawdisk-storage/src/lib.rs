@@ -49,6 +49,7 @@ pub mod caps;
 mod direct;
 pub mod error;
 pub mod fault;
+mod map;
 mod probe;
 mod registry;
 pub mod sys;
@@ -63,6 +64,7 @@ pub use caps::{
 pub use direct::AlignedBuf;
 pub use error::{Error, Result};
 pub use fault::{FaultRule, FaultSys};
+pub use map::MappedWrite;
 pub use probe::Probe;
 pub use target::{
     CacheMode, Extent, ExtentKind, Geometry, Kind, OpenOptions, Prealloc, PreallocReport,

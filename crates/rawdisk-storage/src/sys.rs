@@ -60,6 +60,34 @@ pub enum CallKind {
     SyncRange,
     /// splice(file -> pipe) of a page-cache read.
     Splice,
+    /// mmap(MAP_SHARED) of the whole target, once per handle.
+    Mmap,
+    /// mincore(2) of the pages a write would land in.
+    Resident,
+    /// madvise(MADV_POPULATE_WRITE) of the pages a write will land in.
+    PopulateWrite,
+    /// recv(2) from a socket into mapped pages.
+    RecvToMap,
+}
+
+/// Pages of a shared mapping of the target, as [`Sys::map_shared`] made them
+/// and [`crate::Target::map_write`] hands them out: only storage code
+/// constructs one, for a range inside a mapping that outlives it, so the
+/// calls below that take a span need no `unsafe` from their callers.
+#[derive(Debug)]
+pub struct MapSpan<'a> {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    pub(crate) _map: std::marker::PhantomData<&'a ()>,
+}
+
+impl MapSpan<'_> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// Block device geometry read by ioctls.
@@ -189,6 +217,46 @@ pub trait Sys: Send + Sync + 'static {
         len: usize,
     ) -> io::Result<usize> {
         RealSys.splice_to_pipe(fd, offset, pipe, len)
+    }
+    /// mmap(PROT_READ | PROT_WRITE, MAP_SHARED) of `len` bytes of `fd` from
+    /// offset 0; returns the address. The mapping lives until
+    /// [`Sys::unmap`].
+    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+        RealSys.map_shared(fd, len)
+    }
+    /// munmap of what [`Sys::map_shared`] returned.
+    fn unmap(&self, addr: usize, len: usize) -> io::Result<()> {
+        RealSys.unmap(addr, len)
+    }
+    /// mincore(2): whether every page of the span is in the page cache.
+    fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
+        RealSys.resident(span)
+    }
+    /// madvise(MADV_POPULATE_WRITE, Linux 5.14): fault the span in writable
+    /// now, so that a failure (no space, an I/O error reading a partly
+    /// written page) is this errno instead of a fault later. EINVAL on older
+    /// kernels.
+    fn populate_write(&self, span: &MapSpan<'_>) -> io::Result<()> {
+        RealSys.populate_write(span)
+    }
+    /// madvise(MADV_DONTNEED): drop the span's page-table entries (the data
+    /// stays in the page cache, dirty bits moved to it), so mapped pages do
+    /// not pile up in the process's RSS.
+    fn unpopulate(&self, span: &MapSpan<'_>) -> io::Result<()> {
+        RealSys.unpopulate(span)
+    }
+    /// recv(2) on the socket `sock` into the first `len` bytes of `span`
+    /// from byte `at`, without waiting (MSG_DONTWAIT): EAGAIN when nothing
+    /// is queued. A page the kernel cannot fault in makes it EFAULT (never a
+    /// signal: the copy is the kernel's), with the bytes before it received.
+    fn recv_to_map(
+        &self,
+        sock: BorrowedFd<'_>,
+        span: &MapSpan<'_>,
+        at: usize,
+        len: usize,
+    ) -> io::Result<usize> {
+        RealSys.recv_to_map(sock, span, at, len)
     }
 }
 
@@ -489,6 +557,106 @@ impl Sys for RealSys {
             len,
             rustix::pipe::SpliceFlags::NONBLOCK,
         )?)
+    }
+
+    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+        // SAFETY: a fresh mapping at an address of the kernel's choosing
+        // overlaps nothing the program uses; `fd` is valid for the borrow
+        // and the mapping keeps its own reference to the file.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(p as usize)
+    }
+
+    fn unmap(&self, addr: usize, len: usize) -> io::Result<()> {
+        // SAFETY: called once, by the owner of a mapping made by map_shared
+        // with this address and length, after every span of it is gone.
+        let r = unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
+        let pages = span.len.div_ceil(page_size() as usize);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the span is page-aligned inside a live mapping; mincore
+        // writes one byte per page of it into `vec`, which has that many.
+        let r = unsafe {
+            libc::mincore(
+                span.addr as *mut libc::c_void,
+                span.len,
+                vec.as_mut_ptr() as *mut libc::c_uchar,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(vec.iter().all(|v| v & 1 == 1))
+    }
+
+    fn populate_write(&self, span: &MapSpan<'_>) -> io::Result<()> {
+        self.madvise(span, libc::MADV_POPULATE_WRITE)
+    }
+
+    fn unpopulate(&self, span: &MapSpan<'_>) -> io::Result<()> {
+        self.madvise(span, libc::MADV_DONTNEED)
+    }
+
+    fn recv_to_map(
+        &self,
+        sock: BorrowedFd<'_>,
+        span: &MapSpan<'_>,
+        at: usize,
+        len: usize,
+    ) -> io::Result<usize> {
+        if at.checked_add(len).is_none_or(|end| end > span.len) {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: [addr + at, addr + at + len) lies inside the span (checked
+        // above), hence inside a live shared mapping. Only the kernel writes
+        // it, from recv's own copy: a page it cannot fault in is EFAULT, not
+        // a SIGBUS, which a store from user space could be. Nothing in the
+        // program holds a reference to mapped memory.
+        let r = unsafe {
+            libc::recv(
+                sock.as_raw_fd(),
+                (span.addr + at) as *mut libc::c_void,
+                len,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(r as usize)
+    }
+}
+
+impl RealSys {
+    fn madvise(&self, span: &MapSpan<'_>, advice: libc::c_int) -> io::Result<()> {
+        // SAFETY: a MapSpan only ever names whole pages inside a live shared
+        // mapping of the target (Target::map_write); these advices change no
+        // memory the program holds references to: POPULATE_WRITE faults the
+        // pages in, DONTNEED drops page-table entries of a file mapping
+        // whose contents live on in the page cache.
+        let r = unsafe { libc::madvise(span.addr as *mut libc::c_void, span.len, advice) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }
 

@@ -17,7 +17,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::caps::{Capabilities, Method, Tri};
 use crate::direct::{AlignedBuf, Direct};
@@ -188,6 +188,8 @@ pub struct Target {
     sysfs_dev: Option<(u32, u32)>,
     /// The file size last seen, for O_DIRECT writes near the end.
     pub(crate) known_size: AtomicU64,
+    /// Made on the first [`Target::map_write`]; None if mapping failed.
+    pub(crate) write_map: OnceLock<Option<crate::map::WriteMap>>,
 }
 
 impl std::fmt::Debug for Target {
@@ -439,6 +441,7 @@ impl Target {
             memory_only,
             dsync: AtomicU8::new(0),
             sysfs_dev,
+            write_map: OnceLock::new(),
         })
     }
 

@@ -254,6 +254,7 @@ pub fn method_call_kinds(m: Method) -> Vec<CallKind> {
         ],
         Method::SeekHole => vec![CallKind::SeekHole, CallKind::SeekData],
         Method::Splice => vec![CallKind::Splice],
+        Method::MapWrite => vec![CallKind::PopulateWrite, CallKind::RecvToMap],
     }
 }
 
