@@ -339,6 +339,24 @@ impl Conn {
         &mut self,
         cookie: u64,
         typ: u16,
+        flags: u16,
+        offset: u64,
+        len: u64,
+        payload: &[u8],
+    ) {
+        let mut b = Vec::with_capacity(32 + payload.len());
+        self.encode_req(&mut b, cookie, typ, flags, offset, len, payload);
+        self.send(&b);
+    }
+
+    /// Appends the request to `b` and expects its reply, without sending:
+    /// for tests that send from another thread.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_req(
+        &mut self,
+        b: &mut Vec<u8>,
+        cookie: u64,
+        typ: u16,
         mut flags: u16,
         offset: u64,
         len: u64,
@@ -348,7 +366,6 @@ impl Conn {
         if ext && !payload.is_empty() {
             flags |= CMD_FLAG_PAYLOAD_LEN;
         }
-        let mut b = Vec::with_capacity(32 + payload.len());
         Request {
             flags,
             typ,
@@ -356,10 +373,24 @@ impl Conn {
             offset,
             length: len,
         }
-        .encode(&mut b, ext);
+        .encode(b, ext);
         b.extend_from_slice(payload);
-        self.send(&b);
         self.pending.insert(cookie, Pending { typ, offset, len });
+    }
+
+    /// Like `send_req`, into `b`.
+    fn queue_req(
+        &mut self,
+        b: &mut Vec<u8>,
+        typ: u16,
+        offset: u64,
+        len: u64,
+        payload: &[u8],
+    ) -> u64 {
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
+        self.encode_req(b, cookie, typ, 0, offset, len, payload);
+        cookie
     }
 
     /// Reads messages until one reply is complete.
@@ -1596,16 +1627,27 @@ fn a_client_that_reads_no_replies_does_not_hold_up_big_writes_of_others() {
     });
     let (mut a, _) = h.open(ReplyMode::Structured);
     let (mut b, _) = h.open(ReplyMode::Structured);
+    // A's requests go from their own thread: A may stall itself (a read run
+    // on its reader waits there for A to read the reply), and what is
+    // checked is that B is not stalled with it.
+    let mut a_out = Vec::new();
     let mut a_reads = Vec::new();
     for i in 0..16 {
-        a_reads.push((a.send_req(CMD_READ, 0, i * MIB, MIB, &[]), i * MIB));
+        a_reads.push((
+            a.queue_req(&mut a_out, CMD_READ, i * MIB, MIB, &[]),
+            i * MIB,
+        ));
     }
     let mut a_writes = Vec::new();
     for i in 0..8u64 {
         let off = 16 * MIB + i * 256 * KIB;
         let d = random(256 * KIB as usize, 500 + i);
-        a_writes.push((a.send_req(CMD_WRITE, 0, off, d.len() as u64, &d), off, d));
+        let cookie = a.queue_req(&mut a_out, CMD_WRITE, off, d.len() as u64, &d);
+        a_writes.push((cookie, off, d));
     }
+    let mut a_tx = a.s.try_clone().unwrap();
+    a_tx.set_write_timeout(None).unwrap();
+    let a_sender = std::thread::spawn(move || a_tx.write_all(&a_out));
     // A reads 0-16 MiB, A writes 16-18 MiB, B writes 24-26 MiB: disjoint,
     // so the model can take B's writes before A's reads are checked.
     for i in 0..8u64 {
@@ -1620,6 +1662,7 @@ fn a_client_that_reads_no_replies_does_not_hold_up_big_writes_of_others() {
         assert_eq!(r.error, 0, "{}", r.message);
         replies.insert(r.cookie, r);
     }
+    a_sender.join().unwrap().unwrap();
     for (cookie, off) in a_reads {
         let want = &h.model[off as usize..(off + MIB) as usize];
         assert!(replies[&cookie].data == want, "A's read at {off}");
