@@ -1026,33 +1026,34 @@ where
                     }
                     // A page that could not be faulted in (no space, an I/O
                     // error): the rest is written the ordinary way, which
-                    // reports the error.
-                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) && pre.is_ok() => {
-                        debug!("mapped write at {}: {e} after {got} bytes", req.offset);
-                        req.offset += head + got;
-                        req.length -= head + got;
-                    }
-                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
-                        // The head failed already: read the rest off the
-                        // socket and answer with the head's error.
-                        let mut rest = vec![0u8; (payload - head - got) as usize];
-                        let r = tokio::select! {
-                            r = rd.read_exact(&mut rest, 0) => r,
-                            _ = shutdown.wait_for(|v| *v) => break,
-                        };
-                        if let Err(e) = r {
-                            if e.kind() != io::ErrorKind::UnexpectedEof {
-                                result = Err(e);
-                            }
-                            break;
+                    // reports the error...
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => match &pre {
+                        Ok(()) => {
+                            debug!("mapped write at {}: {e} after {got} bytes", req.offset);
+                            req.offset += head + got;
+                            req.length -= head + got;
                         }
-                        let Err(e) = &pre else { unreachable!() };
-                        let _ = tx.send(Out {
-                            reply: storage_error(&s, &req, to, "write", e),
-                            _permits: permits,
-                        });
-                        continue;
-                    }
+                        // ...unless the head failed already: then the rest
+                        // is read off the socket and the head's error sent.
+                        Err(pe) => {
+                            let mut rest = vec![0u8; (payload - head - got) as usize];
+                            let r = tokio::select! {
+                                r = rd.read_exact(&mut rest, 0) => r,
+                                _ = shutdown.wait_for(|v| *v) => break,
+                            };
+                            if let Err(e) = r {
+                                if e.kind() != io::ErrorKind::UnexpectedEof {
+                                    result = Err(e);
+                                }
+                                break;
+                            }
+                            let _ = tx.send(Out {
+                                reply: storage_error(&s, &req, to, "write", pe),
+                                _permits: permits,
+                            });
+                            continue;
+                        }
+                    },
                     Err(e) => {
                         if e.kind() != io::ErrorKind::UnexpectedEof {
                             result = Err(e);

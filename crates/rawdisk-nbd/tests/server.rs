@@ -1756,6 +1756,28 @@ fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
         .copy_from_slice(&b[..128 * KIB as usize]);
     assert_eq!(mapped(), before + part, "FUA write mapped");
 
+    // A small request turns read-ahead back on, so the next write's header
+    // comes with a head of its payload, which is written by pwrite: when
+    // that fails, the write's answer is its error, though the rest was
+    // received into the mapping.
+    c.read(0, 4096);
+    let pw = fault.calls(CallKind::Pwrite);
+    fault.fail_once(CallKind::Pwrite, pw + 1, libc::ENOSPC);
+    let e = random(512 * KIB as usize, 35);
+    let r = c.cmd(CMD_WRITE, 0, 4 * MIB, e.len() as u64, &e);
+    let had_head = fault.calls(CallKind::Pwrite) > pw;
+    eprintln!("write with a read-ahead head: {had_head}");
+    if had_head {
+        assert_eq!(r.error, NBD_ENOSPC, "failed head: {}", r.message);
+    } else {
+        assert_eq!(r.error, 0, "no head, all mapped: {}", r.message);
+    }
+    fault.clear_rules();
+    // What a failed write leaves in its range is unspecified: take it, and
+    // let check_file hold every other byte.
+    let now = c.read(4 * MIB, e.len() as u64);
+    h.model[4 * MIB as usize..4 * MIB as usize + e.len()].copy_from_slice(&now);
+
     fault.fail_from(CallKind::PopulateWrite, 1, libc::EINVAL);
     let n = fault.calls(CallKind::PopulateWrite);
     put(&mut c, &mut h, 7 * MIB, &d[..512 * KIB as usize]);
