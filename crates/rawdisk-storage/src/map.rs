@@ -18,9 +18,10 @@
 //! 1,232 MiB/s, `qemu-img convert` 0.67-0.87 -> 0.83-0.95 s) while 1 MiB
 //! writes gained; the cause was not found.
 //!
-//! Measured (fio 16 writes in flight, 5 reps, docs/benchmarks.md fifth
-//! session) on XFS: 256 KiB 2,333 -> 3,141 MiB/s, 1 MiB 2,090 -> 3,075;
-//! ext4 2,251 -> 2,626 and 2,036 -> 2,951; peak RSS 17-20 -> 9.5 MiB.
+//! Measured (fio, 16 writes in flight, 5 reps, `serve --map-writes` against
+//! the same server without it; docs/benchmarks.md, fifth session): XFS
+//! 256 KiB 2,236 -> 2,852 MiB/s, 1 MiB 2,221 -> 3,160; ext4 2,120 -> 2,409
+//! and 2,024 -> 2,821; tmpfs level; session peak RSS 17-21 -> 6-7 MiB.
 
 use std::io;
 use std::marker::PhantomData;
