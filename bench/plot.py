@@ -17,14 +17,16 @@ import statistics
 import sys
 from collections import defaultdict
 
-LABEL = {"custom": "rawdisk", "custom:direct": "rawdisk-direct", "custom:wb": "rawdisk-wb"}
-MINE = ["custom", "custom:direct", "custom:wb"]
+LABEL = {"custom": "rawdisk", "custom:direct": "rawdisk-direct", "custom:wb": "rawdisk-wb",
+         "custom:mw": "rawdisk-mw"}
+MINE = ["custom", "custom:direct", "custom:wb", "custom:mw"]
 ANCHORS = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "qemu-nbd-unmap", "nbd-server"]
 ANCHOR_TOOLS = ["qemu-img"]
 ORDER = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "custom", "custom:direct", "custom:wb",
-         "qemu-img", "shell"]
+         "custom:mw", "qemu-img", "shell"]
 COLOR = {"nbdkit": "#7f7f7f", "qemu-nbd": "#1f77b4", "qemu-nbd-direct": "#aec7e8",
          "custom": "#d62728", "custom:direct": "#ff9896", "custom:wb": "#9467bd",
+         "custom:mw": "#2ca02c",
          "qemu-img": "#1f77b4",
          "shell": "#7f7f7f"}
 TARGETS = ["tmpfs", "ramfs", "ext4", "xfs", "blk", "blk4k", "blk-nowz", "hostfs"]
@@ -151,7 +153,8 @@ def table(cells, fails, res):
 # it too, rawdisk --cache none against qemu-nbd --cache=none.
 PAGE_ANCHORS = ["nbdkit", "qemu-nbd"]
 DIRECT_ANCHORS = ["qemu-nbd-direct"]
-VERSUS = [("custom", PAGE_ANCHORS), ("custom:direct", DIRECT_ANCHORS), ("custom:wb", PAGE_ANCHORS)]
+VERSUS = [("custom", PAGE_ANCHORS), ("custom:direct", DIRECT_ANCHORS), ("custom:wb", PAGE_ANCHORS),
+          ("custom:mw", PAGE_ANCHORS)]
 
 
 def versus(script, row, mine, anchors):
@@ -174,9 +177,10 @@ def summary(cells):
         hib = script == "throughput"
         print("#### %s, like for like (%s; median ratio, paired in brackets; "
               "+ = goal met)\n" % (script, "MiB/s, goal >= 1.11" if hib else "seconds, goal <= 0.90"))
-        print("| workload | target | rawdisk / nbdkit, qemu-nbd | rawdisk-direct / qemu-nbd-direct "
-              "| rawdisk-wb / nbdkit, qemu-nbd | some mode / every anchor |")
-        print("|---|---|---|---|---|---|")
+        print("| workload | target | " + " | ".join(
+            "%s / %s" % (name, ", ".join(anchors) if mine else "every anchor")
+            for name, mine, anchors in columns) + " |")
+        print("|---|---|" + "---|" * len(columns))
         seen = {name: 0 for name, _, _ in columns}
         met = dict(seen)
         for k in keys:

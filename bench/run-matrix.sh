@@ -49,9 +49,12 @@ export SERVER_CMD_direct="$R serve --cache none --socket {socket} {file}"
 # custom:wb = page cache with write-behind (convert and zero only: fio's
 # writes are never flushed, so write-behind can only cost there).
 export SERVER_CMD_wb="$R serve --cache writeback --write-behind --socket {socket} {file}"
+# custom:mw = page cache with --map-writes (payloads received straight into
+# the page cache; opt-in, see docs/architecture.md).
+export SERVER_CMD_mw="$R serve --cache writeback --map-writes --socket {socket} {file}"
 export TOOL_CMD="$R create --preallocation {mode} {file} {size}"
-: "${BENCH_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:wb}"
-: "${TP_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct}"
+: "${BENCH_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:wb,custom:mw}"
+: "${TP_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:mw}"
 : "${BENCH_TOOLS:=qemu-img,shell,custom}"
 export BENCH_SERVERS TP_SERVERS BENCH_TOOLS
 
