@@ -590,21 +590,34 @@ impl Sys for RealSys {
     }
 
     fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
-        let pages = span.len.div_ceil(page_size() as usize);
-        let mut vec = vec![0u8; pages];
-        // SAFETY: the span is page-aligned inside a live mapping; mincore
-        // writes one byte per page of it into `vec`, which has that many.
-        let r = unsafe {
-            libc::mincore(
-                span.addr as *mut libc::c_void,
-                span.len,
-                vec.as_mut_ptr() as *mut libc::c_uchar,
-            )
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
+        // Called per mapped write: a fixed buffer, 1 MiB of pages per call,
+        // instead of an allocation sized to the write.
+        let mut vec = [0u8; 256];
+        let page = page_size() as usize;
+        let step = vec.len() * page;
+        let mut at = 0;
+        while at < span.len {
+            let n = (span.len - at).min(step);
+            // SAFETY: [addr + at, addr + at + n) is page-aligned (spans are
+            // whole pages, `step` a multiple of the page) and inside a live
+            // mapping; mincore writes one byte per page of it, at most
+            // vec.len() bytes, into `vec`.
+            let r = unsafe {
+                libc::mincore(
+                    (span.addr + at) as *mut libc::c_void,
+                    n,
+                    vec.as_mut_ptr() as *mut libc::c_uchar,
+                )
+            };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if !vec[..n.div_ceil(page)].iter().all(|v| v & 1 == 1) {
+                return Ok(false);
+            }
+            at += n;
         }
-        Ok(vec.iter().all(|v| v & 1 == 1))
+        Ok(true)
     }
 
     fn populate_write(&self, span: &MapSpan<'_>) -> io::Result<()> {

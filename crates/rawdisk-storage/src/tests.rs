@@ -1263,6 +1263,25 @@ fn map_write_only_over_cached_pages() {
     assert_eq!(t.caps().get(Method::MapWrite), Tri::Works);
 }
 
+/// mincore is asked 1 MiB of pages at a time: a write whose uncached pages
+/// lie only past the first MiB is still not mapped, a fully cached one of
+/// several MiB is.
+#[test]
+fn map_write_checks_every_page_of_a_long_write() {
+    let tmp = tmp_file(8 << 20);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    t.write_at(&pattern(0, 3 << 20), 0, false).unwrap();
+    assert!(t.map_write(4096, (3 << 20) - 4096).is_some());
+    let n = f.calls(CallKind::PopulateWrite);
+    assert!(t.map_write(4096, 3 << 20).is_none(), "last page uncached");
+    assert!(t.map_write(1 << 20, 3 << 20).is_none(), "last MiB uncached");
+    assert_eq!(
+        f.calls(CallKind::PopulateWrite),
+        n,
+        "populated uncached pages"
+    );
+}
+
 /// Receive `data` from the other end of a socket pair into `w`, in as many
 /// recv calls as it takes.
 fn recv_all(w: &mut crate::MappedWrite<'_>, data: &[u8]) -> std::io::Result<()> {
