@@ -265,9 +265,14 @@ impl Capabilities {
 
     /// Record what a call taught us. Returns true when the state changed.
     pub fn set(&self, m: Method, t: Tri) -> bool {
-        let old = self.slots[m.index()]
-            .state
-            .swap(t.to_u8(), Ordering::AcqRel);
+        let state = &self.slots[m.index()].state;
+        // Every successful spliced read and mapped write confirms `works`:
+        // a read keeps the slot's cache line shared between the connections'
+        // threads, where a swap would take it exclusive each time.
+        if state.load(Ordering::Acquire) == t.to_u8() {
+            return false;
+        }
+        let old = state.swap(t.to_u8(), Ordering::AcqRel);
         let changed = old != t.to_u8();
         if changed {
             self.generation.fetch_add(1, Ordering::AcqRel);
@@ -407,6 +412,21 @@ mod tests {
         assert_eq!(t((12, 3 * s), (5, s)).verdict(), Some(KeepZero::PunchAlloc));
         // A tie writes: the way that needs no fallocate support.
         assert_eq!(t((5, s), (5, s)).verdict(), Some(KeepZero::WriteZeros));
+    }
+
+    #[test]
+    fn set_reports_and_counts_only_changes() {
+        let c = Capabilities::new();
+        assert!(c.set(Method::Splice, Tri::Works));
+        let g = c.generation();
+        assert!(
+            !c.set(Method::Splice, Tri::Works),
+            "same state reported as a change"
+        );
+        assert_eq!(c.generation(), g);
+        assert!(c.set(Method::Splice, Tri::Fails));
+        assert_eq!(c.get(Method::Splice), Tri::Fails);
+        assert_eq!(c.generation(), g + 1);
     }
 
     #[test]
