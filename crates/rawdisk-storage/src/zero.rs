@@ -174,8 +174,8 @@ impl Target {
     /// requests: until the timing says so, punch-alloc is not fast here.
     fn keep_zero_trial_due(&self, n: u64, flags: ZeroFlags) -> bool {
         let c = &self.caps;
-        self.kind == Kind::File
-            && self.punch_alloc_timed
+        // (Only files are ever timed: the magic is read for files only.)
+        self.punch_alloc_timed
             && !flags.fast_only
             && n >= KEEP_ZERO_SPLIT_MIN
             && c.keep_zero() == KeepZero::Unknown
@@ -187,7 +187,8 @@ impl Target {
     /// Zero the first half of [off, off+n) by punch-alloc and the rest by
     /// writing, timing each, and add both to the target's trial.
     fn keep_zero_trial(&self, off: u64, n: u64, out: &mut ZeroOutcome) -> Result<()> {
-        let half = n / 2 / 4096 * 4096;
+        let page = crate::sys::page_size();
+        let half = n / 2 / page * page;
         let t0 = Instant::now();
         let punched = {
             let _lock = self.direct.as_ref().map(|d| d.lock_span(off, half));
