@@ -1825,6 +1825,16 @@ fn with_map_writes_a_vanishing_writer_changes_only_what_it_sent() {
         "bytes that were never sent landed"
     );
     eprintln!("{torn} of {sent} sent bytes landed");
+    // Without this the test would pass on a server that never mapped.
+    let mapped = Target::open(&h.path, &OpenOptions::default())
+        .unwrap()
+        .caps()
+        .stats(rawdisk_storage::Method::MapWrite)
+        .bytes;
+    assert!(
+        mapped > 0,
+        "the half-sent write did not take the mapped path"
+    );
     h.model[a..b].copy_from_slice(&now[a..b]);
     let d = random(256 * KIB as usize, 41);
     g.write(5 * MIB, &d);
