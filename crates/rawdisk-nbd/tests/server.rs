@@ -1778,6 +1778,27 @@ fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
     let now = c.read(4 * MIB, e.len() as u64);
     h.model[4 * MIB as usize..4 * MIB as usize + e.len()].copy_from_slice(&now);
 
+    // Both at once: the head fails and the mapped receive meets EFAULT. The
+    // rest of the payload must be read off the socket (not parsed as
+    // requests) and the head's error answered; the connection goes on.
+    c.read(0, 4096);
+    let pw = fault.calls(CallKind::Pwrite);
+    fault.fail_once(CallKind::Pwrite, pw + 1, libc::ENOSPC);
+    fault.fail_once(
+        CallKind::RecvToMap,
+        fault.calls(CallKind::RecvToMap) + 1,
+        libc::EFAULT,
+    );
+    let r = c.cmd(CMD_WRITE, 0, 4 * MIB, e.len() as u64, &e);
+    if fault.calls(CallKind::Pwrite) > pw {
+        assert_eq!(r.error, NBD_ENOSPC, "failed head and EFAULT: {}", r.message);
+    } else {
+        assert_eq!(r.error, 0, "no head: {}", r.message);
+    }
+    fault.clear_rules();
+    let now = c.read(4 * MIB, e.len() as u64);
+    h.model[4 * MIB as usize..4 * MIB as usize + e.len()].copy_from_slice(&now);
+
     fault.fail_from(CallKind::PopulateWrite, 1, libc::EINVAL);
     let n = fault.calls(CallKind::PopulateWrite);
     put(&mut c, &mut h, 7 * MIB, &d[..512 * KIB as usize]);
