@@ -100,11 +100,27 @@ impl AsyncWrite for SockWrite {
 /// straight into the target's page cache. It shares the halves' readiness;
 /// callers keep the uses from interleaving (the server holds its reply lock
 /// and flushes the buffered write half before a splice, and receives only
-/// from the connection's one reader, with nothing read ahead).
+/// from the connection's one reader, once it has taken what it read ahead).
 #[derive(Clone)]
 pub(crate) struct RawSock(Arc<AsyncFd<OwnedFd>>);
 
 impl RawSock {
+    /// Receives the rest of a write's payload into its mapped pages.
+    /// EFAULT: a page could not be faulted in; `w` tells how much arrived.
+    pub(crate) async fn recv_mapped(&self, w: &mut MappedWrite<'_>) -> io::Result<()> {
+        while w.remaining() > 0 {
+            let mut guard = self.0.readable().await?;
+            match guard.try_io(|fd| w.recv(fd.as_fd())) {
+                Ok(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(e),
+                // EAGAIN: readiness is cleared, wait for the next event.
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Sends exactly `len` bytes that are already in `pipe`.
     ///
     /// splice(2) to a socket sends without MSG_NOSIGNAL: a peer that hung up
@@ -138,24 +154,6 @@ impl RawSock {
                 Ok(Ok(n)) => left -= n,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Ok(Err(e)) => return Err(e),
-                Err(_) => {}
-            }
-        }
-        Ok(())
-    }
-}
-
-impl RawSock {
-    /// Receives the rest of a write's payload into its mapped pages.
-    /// EFAULT: a page could not be faulted in; `w` tells how much arrived.
-    pub(crate) async fn recv_mapped(&self, w: &mut MappedWrite<'_>) -> io::Result<()> {
-        while w.remaining() > 0 {
-            let mut guard = self.0.readable().await?;
-            match guard.try_io(|fd| w.recv(fd.as_fd())) {
-                Ok(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(e),
-                // EAGAIN: readiness is cleared, wait for the next event.
                 Err(_) => {}
             }
         }
