@@ -299,13 +299,17 @@ compile_error!("BLK* ioctl numbers are only encoded for the generic _IOC layout"
 
 /// The kernel's page size (sysconf(_SC_PAGESIZE)); 4096 if it cannot say.
 pub fn page_size() -> u64 {
-    // SAFETY: sysconf only reads its integer argument and has no preconditions.
-    let r = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if r > 0 {
-        r as u64
-    } else {
-        4096
-    }
+    // Asked once: mapped writes need it per request.
+    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf only reads its integer argument and has no preconditions.
+        let r = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if r > 0 {
+            r as u64
+        } else {
+            4096
+        }
+    })
 }
 
 /// Caps glibc's malloc arenas for this process (mallopt M_ARENA_MAX). By
