@@ -979,8 +979,11 @@ where
         // A page-cache write of a good size goes straight from the socket
         // into the page cache, here on the reader (not with FUA: that needs
         // the RWF_DSYNC write). What the reader already read ahead of the
-        // payload (at most 64 KiB, after small requests) is written first.
+        // payload (at most 64 KiB, after small requests) is written first;
+        // if that fails, the rest is read the ordinary way and the head's
+        // error is the answer.
         let mut req = req;
+        let mut failed = None;
         let head = rd.buffered().min(payload as usize) as u64;
         if sh.cfg.map_writes
             && payload >= MAP_WRITE_MIN
@@ -995,70 +998,50 @@ where
                     .map_write(req.offset + head, (payload - head) as usize)?;
                 Some((sock, mw))
             }) {
-                let pre = match head {
-                    0 => Ok(()),
-                    _ => sh
+                if head > 0 {
+                    let r = sh
                         .target
-                        .write_at(rd.take(head as usize), req.offset, false),
-                };
-                // Waiting for the payload must not hold back a batch.
-                dispatch(&sh, &s, &tx, &mut batch);
-                let r = tokio::select! {
-                    r = sock.recv_mapped(&mut mw) => r,
-                    _ = shutdown.wait_for(|v| *v) => break,
-                };
-                let got = mw.received() as u64;
-                drop(mw);
-                match r {
-                    Ok(()) => {
-                        if pre.is_ok() && sh.cfg.write_behind && payload >= WRITE_BEHIND_MIN {
-                            sh.target.start_writeback(req.offset, payload);
-                        }
-                        let reply = match &pre {
-                            Ok(()) => whole(small_ok(&s, to)),
-                            Err(e) => storage_error(&s, &req, to, "write", e),
-                        };
-                        let _ = tx.send(Out {
-                            reply,
-                            _permits: permits,
-                        });
-                        continue;
+                        .write_at(rd.take(head as usize), req.offset, false);
+                    if let Err(e) = r {
+                        failed = Some(storage_error(&s, &req, to, "write", &e));
                     }
-                    // A page that could not be faulted in (no space, an I/O
-                    // error): the rest is written the ordinary way, which
-                    // reports the error...
-                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => match &pre {
+                    req.offset += head;
+                    req.length -= head;
+                }
+                if failed.is_none() {
+                    // Waiting for the payload must not hold back a batch.
+                    dispatch(&sh, &s, &tx, &mut batch);
+                    let r = tokio::select! {
+                        r = sock.recv_mapped(&mut mw) => r,
+                        _ = shutdown.wait_for(|v| *v) => break,
+                    };
+                    let got = mw.received() as u64;
+                    drop(mw);
+                    match r {
                         Ok(()) => {
-                            debug!("mapped write at {}: {e} after {got} bytes", req.offset);
-                            req.offset += head + got;
-                            req.length -= head + got;
-                        }
-                        // ...unless the head failed already: then the rest
-                        // is read off the socket and the head's error sent.
-                        Err(pe) => {
-                            let mut rest = vec![0u8; (payload - head - got) as usize];
-                            let r = tokio::select! {
-                                r = rd.read_exact(&mut rest, 0) => r,
-                                _ = shutdown.wait_for(|v| *v) => break,
-                            };
-                            if let Err(e) = r {
-                                if e.kind() != io::ErrorKind::UnexpectedEof {
-                                    result = Err(e);
-                                }
-                                break;
+                            if sh.cfg.write_behind && payload >= WRITE_BEHIND_MIN {
+                                sh.target.start_writeback(to.offset, payload);
                             }
                             let _ = tx.send(Out {
-                                reply: storage_error(&s, &req, to, "write", pe),
+                                reply: whole(small_ok(&s, to)),
                                 _permits: permits,
                             });
                             continue;
                         }
-                    },
-                    Err(e) => {
-                        if e.kind() != io::ErrorKind::UnexpectedEof {
-                            result = Err(e);
+                        // A page that could not be faulted in (no space, an
+                        // I/O error): the rest is written the ordinary way,
+                        // which reports the error.
+                        Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                            debug!("mapped write at {}: {e} after {got} bytes", req.offset);
+                            req.offset += got;
+                            req.length -= got;
                         }
-                        break;
+                        Err(e) => {
+                            if e.kind() != io::ErrorKind::UnexpectedEof {
+                                result = Err(e);
+                            }
+                            break;
+                        }
                     }
                 }
             }
@@ -1086,6 +1069,16 @@ where
             data = Some((buf, start, n));
         }
 
+        if let Some(reply) = failed {
+            if let Some((buf, _, _)) = data {
+                sh.pool.put(buf);
+            }
+            let _ = tx.send(Out {
+                reply,
+                _permits: permits,
+            });
+            continue;
+        }
         if let Err((err, msg)) = check {
             debug!(
                 "{} offset {} length {}: {}: {msg}",

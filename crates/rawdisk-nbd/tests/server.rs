@@ -1778,7 +1778,7 @@ fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
     let now = c.read(4 * MIB, e.len() as u64);
     h.model[4 * MIB as usize..4 * MIB as usize + e.len()].copy_from_slice(&now);
 
-    // Both at once: the head fails and the mapped receive meets EFAULT. The
+    // The head fails with an EFAULT armed for the mapped receive too: the
     // rest of the payload must be read off the socket (not parsed as
     // requests) and the head's error answered; the connection goes on.
     c.read(0, 4096);
