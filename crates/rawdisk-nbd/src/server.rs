@@ -125,6 +125,13 @@ const READ_AHEAD: usize = 64 << 10;
 /// Largest read or write run on the connection's reader when it is alone
 /// (qemu-img convert writes 2 MiB at a time).
 const INLINE_MAX_LEN: u64 = 4 << 20;
+/// Largest page-cache write run on the reader while others are in flight
+/// (see `transmission`). Measured at 256 KiB and 1 MiB only: a 256 KiB
+/// payload is still in the CPU's 2 MiB L2 when it is written, and fio gained
+/// 17-28 % on ext4 and XFS; at 1 MiB (and qemu-img convert's 2 MiB) the
+/// overlap of receiving one payload while the pool writes another was worth
+/// more: ext4 1 MiB 2,276 -> 1,793 MiB/s.
+const OWN_WRITE_MAX: u64 = 256 << 10;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
 const PEEK_AHEAD: usize = 4 << 10;
@@ -167,6 +174,9 @@ struct Shared {
     pool: BufPool,
     pipes: PipePool,
     caps_logged: AtomicU64,
+    /// Big page-cache writes run on the connection's reader (see
+    /// `transmission`): a regular file without O_DIRECT.
+    inline_writes: bool,
     next_conn: AtomicU64,
     sparse_skip: AtomicU64,
 }
@@ -189,6 +199,12 @@ impl Server {
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
                 caps_logged: AtomicU64::new(caps_gen),
+                // Not under O_DIRECT, where a write waits on the device and
+                // the pool's threads are its queue depth; not on block
+                // devices, whose buffered writes take no inode lock and
+                // where this was not measured.
+                inline_writes: target.cache_mode() == CacheMode::Writeback
+                    && target.kind() == Kind::File,
                 next_conn: AtomicU64::new(1),
                 sparse_skip: AtomicU64::new(0),
                 target,
@@ -1136,7 +1152,24 @@ where
                 break;
             }
         }
-        let alone = idle && rd.buffered() == 0;
+        // A mid-sized page-cache write to a file also runs here, whatever
+        // else is in flight: its payload was just copied in by this thread
+        // and is still in this CPU's cache, and the file systems take the
+        // inode lock for every buffered write (ext4, XFS and tmpfs alike),
+        // so pwrites from several threads only queue on it. Handed to the
+        // pool, a payload waited behind up to 15 others and was copied out
+        // by another CPU: fio 256 KiB writes to XFS cost 0.46-0.52 s of
+        // server CPU per GiB with 20k context switches, against 0.33-0.36 s
+        // and 3.5k here, with one payload buffer in memory instead of 16.
+        let own_write = sh.inline_writes
+            && req.typ == CMD_WRITE
+            && req.flags & CMD_FLAG_FUA == 0
+            && req.length > BATCH_MAX_LEN
+            && req.length <= OWN_WRITE_MAX;
+        if own_write {
+            dispatch(&sh, &s, &tx, &mut batch);
+        }
+        let alone = own_write || (idle && rd.buffered() == 0);
         if alone {
             let reply = execute(&sh, &s, &job.req, job.to, job.data);
             sh.note_caps();

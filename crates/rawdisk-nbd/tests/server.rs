@@ -1076,6 +1076,68 @@ fn sixty_four_requests_in_flight() {
     h.check_file();
 }
 
+/// 64-256 KiB page-cache writes run on the connection's reader, in the
+/// order they arrive, while others are in flight: FUA writes and small
+/// reads beside them go to the pool. A failing pwrite answers only its own
+/// request, with nothing of it written, and every other byte lands. (The
+/// pool mostly keeps arrival order too, so this pins the errors and the
+/// bytes of the reader's writes, not where they run: that shows only in
+/// CPU time and context switches, docs/architecture.md.)
+#[test]
+fn mid_sized_writes_in_flight_run_in_order_and_fail_on_their_own() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    fault.reset_counts();
+    // FUA writes use RWF_DSYNC, reads pread: the 6th plain pwrite is the
+    // 6th mid-sized write sent, i = 7 (i % 6 == 4 reads, == 5 FUA).
+    fault.fail_once(CallKind::Pwrite, 6, libc::EIO);
+    let mut writes = HashMap::new();
+    let mut reads = HashMap::new();
+    for i in 0..24u64 {
+        let off = i * 300 * KIB + 7;
+        if i % 6 == 4 {
+            // Past everything written (24 * 300 KiB < 7.1 MiB).
+            let r = 7 * MIB + 512 * i;
+            reads.insert(c.send_req(CMD_READ, 0, r, 4 * KIB, &[]), r);
+            continue;
+        }
+        let (len, flags) = if i % 6 == 5 {
+            (270 * KIB + 3, CMD_FLAG_FUA)
+        } else {
+            (200 * KIB + 1000 + i, 0)
+        };
+        let d = random(len as usize, 500 + i);
+        let cookie = c.send_req(CMD_WRITE, flags, off, len, &d);
+        writes.insert(cookie, (i, off, d));
+    }
+    let mut failed = Vec::new();
+    for _ in 0..24 {
+        let r = c.recv();
+        if let Some(at) = reads.remove(&r.cookie) {
+            assert_eq!(r.error, 0, "{}", r.message);
+            assert!(r.data == h.model[at as usize..(at + 4 * KIB) as usize]);
+            continue;
+        }
+        let (i, off, d) = writes.remove(&r.cookie).expect("one reply per cookie");
+        if r.error == NBD_EIO {
+            failed.push(i);
+        } else {
+            assert_eq!(r.error, 0, "{}", r.message);
+            h.model[off as usize..off as usize + d.len()].copy_from_slice(&d);
+        }
+    }
+    assert_eq!(failed, [7], "only the 6th pwrite fails, and it is write 7");
+    fault.clear_rules();
+    assert_eq!(c.read(0, 8 * MIB), h.model);
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
 #[test]
 fn bounds_and_bad_requests_keep_the_connection() {
     for mode in [
