@@ -127,8 +127,9 @@ const READ_AHEAD: usize = 64 << 10;
 const INLINE_MAX_LEN: u64 = 4 << 20;
 /// Largest page-cache write run on the reader while others are in flight
 /// (see `transmission`). Measured at 256 KiB and 1 MiB only: a 256 KiB
-/// payload is still in the CPU's 2 MiB L2 when it is written, and fio gained
-/// 17-28 % on ext4 and XFS; at 1 MiB (and qemu-img convert's 2 MiB) the
+/// payload is still in the CPU's 2 MiB L2 when it is written (fio 256 KiB
+/// writes: ext4 +9 %, XFS +30 %, a loop device +27 %); at 1 MiB (and
+/// qemu-img convert's 2 MiB) the
 /// overlap of receiving one payload while the pool writes another was worth
 /// more: ext4 1 MiB 2,276 -> 1,793 MiB/s.
 const OWN_WRITE_MAX: u64 = 256 << 10;
@@ -174,9 +175,6 @@ struct Shared {
     pool: BufPool,
     pipes: PipePool,
     caps_logged: AtomicU64,
-    /// Page-cache writes of 64-256 KiB run on the connection's reader (see
-    /// `transmission`): any target without O_DIRECT.
-    inline_writes: bool,
     next_conn: AtomicU64,
     sparse_skip: AtomicU64,
 }
@@ -199,9 +197,6 @@ impl Server {
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
                 caps_logged: AtomicU64::new(caps_gen),
-                // Not under O_DIRECT, where a write waits on the device and
-                // the pool's threads are its queue depth.
-                inline_writes: target.cache_mode() == CacheMode::Writeback,
                 next_conn: AtomicU64::new(1),
                 sparse_skip: AtomicU64::new(0),
                 target,
@@ -1142,13 +1137,6 @@ where
             && slots.available_permits() + 1 == sh.cfg.max_requests_per_conn
             && matches!(req.typ, CMD_READ | CMD_WRITE)
             && req.length <= INLINE_MAX_LEN;
-        // (Any byte buffered, even part of a header, is a next request.)
-        if idle && rd.buffered() == 0 {
-            if let Err(e) = rd.top_up(read_ahead.max(PEEK_AHEAD)).await {
-                result = Err(e);
-                break;
-            }
-        }
         // A mid-sized page-cache write also runs here, whatever else is in
         // flight: its payload was just copied in by this thread and is
         // still in this CPU's cache, and file systems take the inode lock
@@ -1159,14 +1147,23 @@ where
         // CPU per GiB with 20k context switches, against 0.33-0.36 s and
         // 3.5k here, with one payload buffer in memory instead of 16. A
         // loop device's page cache (no inode lock) gained as much: fio
-        // 256 KiB 1,985 -> 2,528 MiB/s.
-        let own_write = sh.inline_writes
+        // 256 KiB 1,985 -> 2,528 MiB/s. Not under O_DIRECT, where a write
+        // waits on the device and the pool's threads are its queue depth.
+        let own_write = sh.target.cache_mode() == CacheMode::Writeback
             && req.typ == CMD_WRITE
             && req.flags & CMD_FLAG_FUA == 0
             && req.length > BATCH_MAX_LEN
             && req.length <= OWN_WRITE_MAX;
         if own_write {
             dispatch(&sh, &s, &tx, &mut batch);
+        }
+        // (Any byte buffered, even part of a header, is a next request.) An
+        // own write runs here whatever is queued: no need to look.
+        if idle && !own_write && rd.buffered() == 0 {
+            if let Err(e) = rd.top_up(read_ahead.max(PEEK_AHEAD)).await {
+                result = Err(e);
+                break;
+            }
         }
         let alone = own_write || (idle && rd.buffered() == 0);
         if alone {
