@@ -9,7 +9,7 @@
 #
 # Environment:
 #   BENCH          harness directory (required)
-#   BENCH_WORK     private work dir (default target/bench/work) so that another
+#   BENCH_WORK     private work dir (default target/bench-work) so that another
 #                  run of the harness in its default dir cannot collide
 #   BENCH_OUT      results dir (default $BENCH_WORK/results/matrix); phases run
 #                  in several invocations append to the same results.tsv
@@ -24,7 +24,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 [[ -n "${BENCH:-}" ]] || { echo "run-matrix.sh: set BENCH to the directory of the NBD benchmark harness (nbdkit/qemu-nbd/rawdisk side by side)" >&2; exit 2; }
 BENCH=$(cd "$BENCH" && pwd)
-: "${BENCH_WORK:=$REPO/target/bench/work}"
+: "${BENCH_WORK:=$REPO/target/bench-work}"
 : "${BENCH_OUT:=$BENCH_WORK/results/matrix}"
 : "${RAWDISK_STABLE:=$REPO/target/bench/rawdisk}"
 : "${BENCH_REPS:=3}"
