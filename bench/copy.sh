@@ -1,7 +1,7 @@
 #!/bin/bash
 # bench/copy.sh -- `rawdisk copy` beside `qemu-img convert -n -W -m 16` and
-# `nbdcopy`: the seed workload (the sparse image from
-# ../shared/bench/make-image.sh) into each target kind, the destination dirty
+# `nbdcopy`: the seed workload (the sparse image from the harness's
+# make-image.sh) into each target kind, the destination dirty
 # (every byte previously written), to the local target and through an NBD
 # server exporting it. Not a test: prints medians and ratios.
 #
@@ -12,7 +12,9 @@
 #                 or rawdisk (rawdisk serve)
 #   COPY_MODES    "local nbd" (default)
 #   BENCH_REPS    repetitions (default 3); tools rotate order every rep
-#   SRC_IMG, IMG_SIZE (default 2G), BENCH_WORK: see ../shared/bench/README.md
+#   BENCH         the NBD benchmark harness directory (required: its
+#                 targets.sh and make-image.sh build the targets and the image)
+#   SRC_IMG, IMG_SIZE (default 2G), BENCH_WORK: see the harness's README
 #
 # Each run: target dirtied (untimed), [server started], copy timed, [server
 # stopped], destination compared with the source (cmp): a run that fails or
@@ -24,7 +26,7 @@
 
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-SHARED=${SHARED_BENCH:-$HERE/../../shared/bench}
+[[ -n "${BENCH:-}" ]] || { echo "copy.sh: set BENCH to the directory of the NBD benchmark harness (nbdkit/qemu-nbd/rawdisk side by side)" >&2; exit 2; }
 : "${RAWDISK_BIN:=$HERE/../target/release/rawdisk}"
 RAWDISK_BIN=$(realpath "$RAWDISK_BIN")
 : "${IMG_SIZE:=2G}"
@@ -32,8 +34,8 @@ export IMG_SIZE
 : "${COPY_SERVER:=qemu-nbd}"
 : "${COPY_MODES:=local nbd}"
 
-# shellcheck source=../../shared/bench/targets.sh
-source "$SHARED/targets.sh"
+# shellcheck source=/dev/null
+source "$BENCH/targets.sh"
 
 [[ $(id -u) == 0 ]] || die "needs root (mounts, loop devices)"
 [[ -x "$RAWDISK_BIN" ]] || die "no rawdisk binary at $RAWDISK_BIN (cargo build --release)"
@@ -46,7 +48,7 @@ fi
 TARGETS=("$@")
 [[ ${#TARGETS[@]} -gt 0 ]] || TARGETS=(tmpfs ext4 xfs blk)
 
-bash "$SHARED/make-image.sh" "$SRC_IMG"
+bash "$BENCH/make-image.sh" "$SRC_IMG"
 size=$(stat -c %s "$SRC_IMG")
 cat "$SRC_IMG" > /dev/null   # page cache: measure the copy, not the source disk
 OUT="$BENCH_WORK/copy-bench.$$.tsv"

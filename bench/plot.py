@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Plots and ratio tables from the shared harness's results.tsv.
+"""Plots and ratio tables from the NBD benchmark harness's results.tsv.
 
 Usage: /usr/bin/python3 bench/plot.py RESULTS_TSV OUTDIR   -> OUTDIR/*.png
        /usr/bin/python3 bench/plot.py RESULTS_TSV --table  -> markdown on stdout

@@ -1,18 +1,19 @@
 #!/bin/bash
 # bench/qd1.sh -- latency per request at queue depth 1 (what bounds
 # `qemu-img convert` without -W): a libnbd client issues one request, waits
-# for its reply, issues the next (bench/qd1.py). Servers as in the shared
-# harness (nbdkit, qemu-nbd, qemu-nbd-direct, custom[:NAME] with
+# for its reply, issues the next (bench/qd1.py). Servers as in the NBD
+# benchmark harness (nbdkit, qemu-nbd, qemu-nbd-direct, custom[:NAME] with
 # SERVER_CMD[_NAME]); their order rotates every repetition.
 #
 # Usage (root): bench/qd1.sh [SERVERS [TARGET]]
 #   default SERVERS nbdkit,qemu-nbd-direct,custom; TARGET tmpfs
 # Environment: QD1_JOBS (default "w:4096:5000 r:4096:5000 w:2097152:300
-#   r:2097152:300", op:size:count), BENCH_REPS (default 5), RAWDISK_BIN.
+#   r:2097152:300", op:size:count), BENCH_REPS (default 5), RAWDISK_BIN,
+#   BENCH (required): the harness directory, whose targets.sh builds TARGET.
 # Prints the median microseconds per request for every job and server.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-SHARED=${SHARED_BENCH:-$HERE/../../shared/bench}
+[[ -n "${BENCH:-}" ]] || { echo "qd1.sh: set BENCH to the directory of the NBD benchmark harness (nbdkit/qemu-nbd/rawdisk side by side)" >&2; exit 2; }
 : "${RAWDISK_BIN:=$HERE/../target/release/rawdisk}"
 # (Not ${SERVER_CMD:=...}: the "}" of {socket} would end that expansion.)
 if [[ -z "${SERVER_CMD:-}" ]]; then
@@ -22,8 +23,8 @@ export SERVER_CMD
 : "${BENCH_REPS:=5}"
 export BENCH_REPS
 : "${QD1_JOBS:=w:4096:5000 r:4096:5000 w:2097152:300 r:2097152:300}"
-# shellcheck source=../../shared/bench/targets.sh
-source "$SHARED/targets.sh"
+# shellcheck source=/dev/null
+source "$BENCH/targets.sh"
 [[ $(id -u) == 0 ]] || die "needs root (mounts)"
 IFS=, read -ra SERVERS <<<"${1:-nbdkit,qemu-nbd-direct,custom}"
 TGT=${2:-tmpfs}

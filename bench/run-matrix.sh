@@ -1,30 +1,32 @@
 #!/bin/bash
 # bench/run-matrix.sh -- reproduce the runs behind docs/benchmarks.md:
 # rawdisk serve (page cache and O_DIRECT) and rawdisk create beside nbdkit,
-# qemu-nbd and qemu-img, with the shared harness in ../shared/bench.
+# qemu-nbd and qemu-img, through the NBD benchmark harness (nbdkit/qemu-nbd/
+# rawdisk side by side; not part of this repository: BENCH names its directory).
 #
 # Usage (as root, from anywhere):
 #   bench/run-matrix.sh [PHASE...]      default: image convert zero throughput prealloc
 #
 # Environment:
-#   BENCH          harness directory (default: ../shared/bench next to the repo)
-#   BENCH_WORK     private work dir (default /tmp/rawdisk-bench/work) so that a
-#                  teammate's run of the harness in its default dir cannot collide
+#   BENCH          harness directory (required)
+#   BENCH_WORK     private work dir (default target/bench-work) so that another
+#                  run of the harness in its default dir cannot collide
 #   BENCH_OUT      results dir (default $BENCH_WORK/results/matrix); phases run
 #                  in several invocations append to the same results.tsv
 #   RAWDISK_STABLE where the release binary is copied (default
-#                  /tmp/rawdisk-bench/rawdisk): teammates rebuilding
-#                  target/release mid-run cannot change what is measured
+#                  target/bench/rawdisk): a rebuild of target/release
+#                  mid-run cannot change what is measured
 #   SKIP_BUILD=1   reuse the binary already at RAWDISK_STABLE
 #   BENCH_REPS, BENCH_PROFILE, *_TARGETS, sizes: passed to run-all.sh
 # Afterwards: $BENCH_OUT/report.md (report.sh) and docs/plots/*.png (plot.py).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-: "${BENCH:=$(cd "$REPO/../shared/bench" && pwd)}"
-: "${BENCH_WORK:=/tmp/rawdisk-bench/work}"
+[[ -n "${BENCH:-}" ]] || { echo "run-matrix.sh: set BENCH to the directory of the NBD benchmark harness (nbdkit/qemu-nbd/rawdisk side by side)" >&2; exit 2; }
+BENCH=$(cd "$BENCH" && pwd)
+: "${BENCH_WORK:=$REPO/target/bench-work}"
 : "${BENCH_OUT:=$BENCH_WORK/results/matrix}"
-: "${RAWDISK_STABLE:=/tmp/rawdisk-bench/rawdisk}"
+: "${RAWDISK_STABLE:=$REPO/target/bench/rawdisk}"
 : "${BENCH_REPS:=3}"
 export BENCH_WORK BENCH_OUT BENCH_REPS
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench/zero-methods.sh -- zeroing benchmark of the storage engine (issue #2):
+# bench/zero-methods.sh -- zeroing benchmark of the storage engine:
 # zero a fully written target on each storage kind (tmpfs, ramfs, ext4, xfs,
 # loop 512, loop 4096, loop on tmpfs), per method through the engine (may_trim
 # on/off, fast_only, and each later method of the chain forced by failing the
@@ -14,8 +14,8 @@
 #
 # Needs about SIZE * 1.25 + 1 GiB of free RAM (checked before each kind).
 # All storage is built in RAM by rawdisk-testkit (tmpfs-backed loop devices
-# for ext4/xfs/loop), torn down when the run ends, also on failure. The
-# machine has 2 cores: do not run it while builds are running.
+# for ext4/xfs/loop), torn down when the run ends, also on failure. Run it on
+# an otherwise idle machine: the rows are CPU-bound kernel paths.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PATH="/usr/sbin:/usr/bin:/sbin:/bin:$HOME/.cargo/bin:$PATH"

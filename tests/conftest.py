@@ -22,7 +22,7 @@ def _interrupt(signum, frame):
 
 
 def pytest_configure(config):
-    # A CI timeout or a teammate's kill sends SIGTERM: turn it into the
+    # A CI timeout or a plain `kill` sends SIGTERM: turn it into the
     # KeyboardInterrupt pytest handles by running every fixture's teardown,
     # so no mount, loop device or server outlives the run.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -150,7 +150,7 @@ def loop4096():
 @pytest.fixture
 def loop_on_ext4(ext4_dir):
     """A loop device whose backing file is on ext4, so its write-zeroes and
-    discard become fallocate on that file (the baseline's "blk" target)."""
+    discard become fallocate on that file (docs/capabilities.md, Loop devices)."""
     with storage.loop_on_dir(ext4_dir, 512, 32) as dev:
         yield dev
 

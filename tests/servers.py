@@ -16,7 +16,9 @@ import time
 import urllib.parse
 
 SERVER_KIND = os.environ.get("TEST_SERVER", "rawdisk")
-RAWDISK_BIN = os.environ.get("RAWDISK_BIN", "/work/main/target/release/rawdisk")
+RAWDISK_BIN = os.environ.get(
+    "RAWDISK_BIN",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "rawdisk"))
 
 # A test that hangs on a stuck server would hang CI; killing the server makes
 # every client (libnbd, qemu, raw sockets) see EOF, so the test fails loudly

@@ -3,7 +3,7 @@ loop device, and bare loop block devices.
 
 Every stack is a context manager that undoes what it did in reverse order,
 also when setting up a later layer failed. Backing files of loop devices live
-on a private tmpfs so nothing touches the VM disk and teammates' runs
+on a private tmpfs so nothing touches the disk and concurrent runs
 (which use their own mkdtemp directories) never collide.
 """
 
@@ -123,8 +123,9 @@ def filesystem_on_loop(fstype, size_mib):
 def loop_on_tmpfs(sector_size, size_mib):
     """A bare loop block device whose backing file lives on a private tmpfs.
 
-    Per the baseline capability matrix this device has no working
-    PUNCH_HOLE, and ZERO_RANGE/BLKZEROOUT make the kernel write zero pages.
+    Its write-zeroes is dropped at first use, after which PUNCH_HOLE fails
+    and ZERO_RANGE/BLKZEROOUT make the kernel write zero pages
+    (docs/capabilities.md, tmpfs-backed loop devices).
     """
     with tmpfs(size_mib + 16) as backing_dir, \
             sparse_file(backing_dir, f"loop{sector_size}.img", size_mib * MiB) as backing, \

@@ -1,5 +1,4 @@
-"""A hostile client on a raw socket (no libnbd) sends what the issue's "Bad
-input" list names: garbage magic, truncated handshakes, unknown and
+"""A hostile client on a raw socket (no libnbd) sends bad input: garbage magic, truncated handshakes, unknown and
 oversized options, floods of options, unknown commands and flags, writes
 declaring more than the maximum payload, offsets that overflow, clients that
 vanish mid-payload or with requests in flight, and clients that never finish
@@ -146,7 +145,7 @@ HUGE_OPTIONS = {"unknown": 0x7777, "export_name": wire.OPT_EXPORT_NAME, "go": wi
 
 @pytest.mark.parametrize("option", HUGE_OPTIONS.values(), ids=HUGE_OPTIONS.keys())
 def test_option_declaring_one_gib_is_not_allocated(export, option):
-    """Option data is capped (the issue suggests 64 KiB): a declared 1 GiB
+    """Option data is capped (at 64 KiB): a declared 1 GiB
     must get an error or a disconnect, never a 1 GiB buffer."""
     path, model, srv = export
     warm_up(srv)
@@ -430,7 +429,7 @@ def test_stalled_handshakes_do_not_block_other_clients(export):
 
 @pytest.mark.rawdisk_only("nbdkit 1.32 has no handshake timeout")
 def test_handshake_timeout_closes_a_stalled_client(export):
-    """The issue: a client that never finishes the handshake is dropped
+    """A client that never finishes the handshake is dropped
     after a timeout of at most 30 s."""
     path, model, srv = export
     s = srv.connect_unix_or_tcp()

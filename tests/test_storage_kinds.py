@@ -1,4 +1,4 @@
-"""The server on every kind of storage the baseline measured: tmpfs, ramfs,
+"""The server on every kind of storage docs/capabilities.md covers: tmpfs, ramfs,
 ext4 and XFS (on loop devices), and bare loop devices with 512 and 4096-byte
 sectors. Ordinary I/O works everywhere; FAST_ZERO is honest everywhere:
 it succeeds quickly where the storage can zero without writing (punching on

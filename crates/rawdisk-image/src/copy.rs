@@ -433,9 +433,8 @@ pub fn copy_endpoints(
         0 if src.is_nbd() || dst.is_nbd() => 16,
         // Through the page cache a local copy is memcpy and page
         // allocation: one worker per CPU is fastest, more only fight over
-        // the destination inode's lock (tmpfs 2.3 GiB/s with 2 workers on 2
-        // CPUs, 1.5 GiB/s with 16). O_DIRECT waits on the device: keep a
-        // queue.
+        // the destination inode's lock (docs/benchmarks.md, Copy). O_DIRECT
+        // waits on the device: keep a queue.
         0 if opts.cache == CacheMode::None => 16,
         0 => std::thread::available_parallelism()
             .map(|n| n.get())
@@ -535,12 +534,9 @@ fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
     let align = src.min_block().max(dst.min_block());
     let max_io = src.max_io().min(dst.max_io());
     let wanted = match opts.request_size {
-        // The issue proposed 256 KiB x 64 for NBD (nbdcopy's default), but
-        // a copy through NBD is bound by the server's cost per request:
-        // the seed image into a tmpfs export (median of 5, --no-flush)
-        // took 1.20 s with 256 KiB and 1.02 s with 2 MiB through qemu-nbd,
-        // 0.60 vs 0.54 s through rawdisk serve; reading from an NBD
-        // source 0.50 vs 0.47 s. The server's maximum still caps it.
+        // Not nbdcopy's 256 KiB: a copy through NBD is bound by the
+        // server's cost per request, so fewer, bigger requests win
+        // (docs/benchmarks.md, Copy). The server's maximum still caps it.
         0 => 2 << 20,
         n => n,
     };

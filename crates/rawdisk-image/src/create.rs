@@ -5,9 +5,9 @@
 //! * `off`: ftruncate; the image is sparse.
 //! * `falloc`: fallocate(0). Where the file system has no fallocate (ramfs;
 //!   NFS v3 in the field) it falls back to `full`, never to glibc's
-//!   posix_fallocate emulation, which writes one byte per 4 KiB block and
-//!   was measured 2.7 times slower than writing zeros on NFS (the qemu
-//!   change this follows: 42 s → 15.6 s for 6 GiB).
+//!   posix_fallocate emulation, which writes one byte per 4 KiB block and is
+//!   far slower than writing zeros (docs/capabilities.md, glibc
+//!   posix_fallocate emulation).
 //! * `full`: ftruncate to the final size first (so the file system can
 //!   allocate in large pieces), then write zeros in large chunks, then one
 //!   flush.
@@ -270,11 +270,11 @@ fn create_file(
 /// engine's own fallback writes only this much without progress; the rest
 /// is written here, with progress.
 const FALLOC_TRIAL: u64 = 16 << 20;
-/// `falloc` steps after the trial: tmpfs clears every page it allocates
-/// (about 0.25 s per GiB here), so show progress.
+/// `falloc` steps after the trial: tmpfs clears every page it allocates,
+/// which takes seconds at these sizes, so show progress.
 const FALLOC_STEP: u64 = 1 << 30;
 /// Zeros per write: large enough that syscalls cost nothing, small enough to
-/// stay in cache (measured on tmpfs: 64 KiB writes are ~30 % slower).
+/// stay in cache (docs/benchmarks.md, Preallocation).
 const WRITE_CHUNK: usize = 4 << 20;
 /// Zero requests on a block device: the engine caps a syscall at ~1 GiB, and
 /// this is also the progress granularity.

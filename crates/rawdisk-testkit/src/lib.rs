@@ -5,7 +5,7 @@
 //! device backed by a sparse file on a tmpfs the guard mounts itself, so a
 //! "4 GiB" ext4 costs only the memory of the blocks actually written. Only the
 //! empty mount points are created under the system temp dir (one unique
-//! directory per guard, so tests of several teammates run side by side).
+//! directory per guard, so several test runs can share a machine).
 //!
 //! # Guards
 //!
@@ -188,8 +188,8 @@ impl Stack {
                 OsStr::new("--show"),
                 OsStr::new("--sector-size"),
                 OsStr::new(&ss),
-                // As the baseline's loop targets: no double caching of the
-                // backing file, and the sector size must be honoured by O_DIRECT.
+                // No double caching of the backing file, and the sector size
+                // must be honoured by O_DIRECT (docs/capabilities.md, Loop devices).
                 OsStr::new("--direct-io=on"),
                 file.as_os_str(),
             ],
@@ -274,7 +274,7 @@ fn stale_guard_dir(path: &str) -> Option<PathBuf> {
 /// (SIGKILL, a CI timeout) left behind: unmounts (lazily) every mount under a
 /// `rawdisk-tk-*` directory whose creating process is gone, detaches loop
 /// devices backed by files there, removes the empty directories. Guards of
-/// live processes (teammates' tests running now) are never touched. Called
+/// live processes (other test runs going on now) are never touched. Called
 /// once per process by the first guard.
 pub fn sweep_stale() {
     if !is_root() {
@@ -570,14 +570,14 @@ impl LoopDev {
     /// A loop device of `size` bytes with `sector_size` (512 or 4096) logical
     /// sectors, backed by a sparse file on ext4 (on a loop device on tmpfs), so
     /// the device's write-zeroes and discard map to ext4's ZERO_RANGE and
-    /// PUNCH_HOLE: the baseline's `blk` / `blk4k` targets.
+    /// PUNCH_HOLE (docs/capabilities.md, Loop devices).
     pub fn new(size: u64, sector_size: u32) -> LoopDev {
         LoopDev::build(size, sector_size, false)
     }
 
-    /// A loop device backed directly by a tmpfs file: the baseline's `blk-nowz`.
-    /// Its write-zeroes offload disappears after the first use (tmpfs has no
-    /// ZERO_RANGE); discard still works (tmpfs punches holes).
+    /// A loop device backed directly by a tmpfs file. Its write-zeroes offload
+    /// disappears after the first use (tmpfs has no ZERO_RANGE); discard still
+    /// works (docs/capabilities.md, tmpfs-backed loop devices).
     pub fn on_tmpfs(size: u64, sector_size: u32) -> LoopDev {
         LoopDev::build(size, sector_size, true)
     }

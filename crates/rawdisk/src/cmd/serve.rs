@@ -10,6 +10,7 @@
 use super::{CacheArg, PreallocArg};
 use std::fs;
 use std::io::{self, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -78,6 +79,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    // First, while the process has one thread: it unsets the variables, and
+    // setenv/unsetenv race with any other thread's getenv.
+    let activated = take_activation_fd();
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
@@ -121,28 +125,36 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ..Default::default()
     };
 
-    // Two async workers for the sockets; storage calls block on the
-    // blocking pool. Through the page cache more threads than this only add
-    // wake-ups and lock contention; O_DIRECT reads and writes wait on the
-    // device, so there the pool is the device queue depth.
+    // Storage calls block on the blocking pool. Through the page cache more
+    // threads than this only add wake-ups and lock contention; O_DIRECT reads
+    // and writes wait on the device, so there the pool is the device queue
+    // depth (docs/architecture.md, Threads).
     let threads = args.threads.unwrap_or(match cache {
         CacheMode::Writeback => 16,
         CacheMode::None => 64,
     });
-    // Two arenas: the payload buffers mostly come from the server's pool,
-    // and with an arena per blocking thread a fio session of 1 MiB, 256 KiB
-    // and 4 KiB jobs peaked at 28 MiB instead of 23 MiB (nbdkit: 21 MiB).
+    // Two arenas whatever the thread counts: the hot buffers come from the
+    // server's pool, and an arena per blocking thread only keeps freed
+    // buffers resident (docs/benchmarks.md, Memory).
     if !rawdisk_storage::sys::limit_malloc_arenas(2) {
         tracing::debug!("mallopt(M_ARENA_MAX) refused; default malloc arenas");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(async_workers())
         .max_blocking_threads(threads.max(1))
         .thread_name("rawdisk-serve")
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(serve(args, target, cfg))
+    rt.block_on(serve(args, target, cfg, activated))
+}
+
+/// Async workers for the sockets: one per CPU the process may use. At least
+/// two, so a request run on its connection's reader never holds up the other
+/// connections; at most 16, as they only move bytes between sockets and
+/// buffers while the storage calls run on the blocking pool.
+fn async_workers() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 16))
 }
 
 /// --create: make the file if it does not exist. Returns whether it did.
@@ -208,10 +220,17 @@ impl Drop for Cleanup {
     }
 }
 
-async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Result<ExitCode> {
+async fn serve(
+    args: Args,
+    target: Arc<Target>,
+    cfg: ServerConfig,
+    activated: Option<OwnedFd>,
+) -> anyhow::Result<ExitCode> {
     let mut cleanup = Cleanup { files: Vec::new() };
     let export = escape(&cfg.export_name, false);
-    let activated = activated_listener(&export)?;
+    let activated = activated
+        .map(|fd| activated_listener(fd, &export))
+        .transpose()?;
     let (listener, uri) = match (activated, &args.socket) {
         (Some(pair), _) => pair,
         (None, Some(path)) => {
@@ -310,9 +329,9 @@ async fn serve(args: Args, target: Arc<Target>, cfg: ServerConfig) -> anyhow::Re
 
 /// systemd socket activation (sd_listen_fds(3)): when LISTEN_PID names this
 /// process, the listening socket is fd 3 and --socket/--bind are ignored.
-/// The socket file, if any, belongs to systemd: it is not removed at exit.
-fn activated_listener(export: &str) -> anyhow::Result<Option<(Listener, String)>> {
-    use std::os::fd::{FromRawFd, OwnedFd};
+/// The variables are then unset, so children (none today) do not think the
+/// sockets are theirs. Must run before any other thread exists.
+fn take_activation_fd() -> Option<OwnedFd> {
     const SD_LISTEN_FDS_START: i32 = 3;
     let ours = std::env::var("LISTEN_PID")
         .ok()
@@ -323,19 +342,23 @@ fn activated_listener(export: &str) -> anyhow::Result<Option<(Listener, String)>
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
     if !ours || n == 0 {
-        return Ok(None);
+        return None;
     }
     if n > 1 {
         tracing::warn!("LISTEN_FDS={n}: serving on the first socket only");
     }
-    // Children (none today) must not think the sockets are theirs.
     std::env::remove_var("LISTEN_PID");
     std::env::remove_var("LISTEN_FDS");
     std::env::remove_var("LISTEN_FDNAMES");
     // SAFETY: LISTEN_PID names this process, so the service manager passed
     // fd 3 to us as a listening socket and nothing else in the process has
     // taken it; ownership is taken exactly once, here.
-    let fd = unsafe { OwnedFd::from_raw_fd(SD_LISTEN_FDS_START) };
+    Some(unsafe { OwnedFd::from_raw_fd(SD_LISTEN_FDS_START) })
+}
+
+/// The activated socket as a listener, with the URI that reaches it. The
+/// socket file, if any, belongs to systemd: it is not removed at exit.
+fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<(Listener, String)> {
     let unix = std::os::unix::net::UnixListener::from(fd);
     match unix.local_addr() {
         Ok(addr) => {
@@ -347,7 +370,7 @@ fn activated_listener(export: &str) -> anyhow::Result<Option<(Listener, String)>
                 .map(|p| p.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let uri = format!("nbd+unix:///{export}?socket={}", escape(&path, true));
-            Ok(Some((Listener::Unix(l), uri)))
+            Ok((Listener::Unix(l), uri))
         }
         Err(_) => {
             // Not AF_UNIX: take it as TCP (getsockname tells us which).
@@ -358,7 +381,7 @@ fn activated_listener(export: &str) -> anyhow::Result<Option<(Listener, String)>
             tcp.set_nonblocking(true)
                 .context("socket activation: fd 3")?;
             let l = tokio::net::TcpListener::from_std(tcp).context("socket activation: fd 3")?;
-            Ok(Some((Listener::Tcp(l), format!("nbd://{addr}/{export}"))))
+            Ok((Listener::Tcp(l), format!("nbd://{addr}/{export}")))
         }
     }
 }
