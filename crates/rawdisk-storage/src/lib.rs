@@ -48,6 +48,7 @@
 pub mod caps;
 mod direct;
 pub mod error;
+#[cfg(any(test, feature = "fault-injection"))]
 pub mod fault;
 mod map;
 mod probe;
@@ -63,6 +64,7 @@ pub use caps::{
 };
 pub use direct::AlignedBuf;
 pub use error::{Error, Result};
+#[cfg(any(test, feature = "fault-injection"))]
 pub use fault::{FaultRule, FaultSys};
 pub use map::MappedWrite;
 pub use probe::Probe;

@@ -24,29 +24,19 @@
 //! and 2,024 -> 2,821; tmpfs level; session peak RSS 17-21 -> 6-7 MiB.
 
 use std::io;
-use std::marker::PhantomData;
 use std::os::fd::BorrowedFd;
-use std::sync::Arc;
 
 use crate::caps::{Method, Tri};
-use crate::sys::{page_size, MapSpan, Sys};
+use crate::sys::{page_size, MapSpan, Mapping};
 use crate::target::{is_unsupported, Kind, Target};
 
 /// A shared mapping of the whole target, made on the first mapped write and
 /// unmapped with the handle.
 pub(crate) struct WriteMap {
-    sys: Arc<dyn Sys>,
-    addr: usize,
-    map_len: usize,
+    map: Mapping,
     /// Writes may not end past the size at open: the rest of the last page
     /// of a file is mapped, but not part of the file.
     len: usize,
-}
-
-impl Drop for WriteMap {
-    fn drop(&mut self) {
-        let _ = self.sys.unmap(self.addr, self.map_len);
-    }
 }
 
 /// The pages one write lands in, populated; receive the payload with
@@ -126,14 +116,7 @@ impl Target {
         if end > map.len {
             return None;
         }
-        let page = page_size() as usize;
-        let start = offset as usize / page * page;
-        let stop = end.div_ceil(page) * page;
-        let span = MapSpan {
-            addr: map.addr + start,
-            len: stop - start,
-            _map: PhantomData,
-        };
+        let span = map.map.span(offset as usize, len)?;
         match self.sys.resident(&span) {
             Ok(true) => {}
             Ok(false) => return None,
@@ -151,8 +134,8 @@ impl Target {
                 self.learn(Method::MapWrite, Tri::Works, None);
                 Some(MappedWrite {
                     t: self,
+                    head: offset as usize - span.offset(),
                     span,
-                    head: offset as usize - start,
                     len,
                     done: 0,
                 })
@@ -184,12 +167,7 @@ impl Target {
         let page = page_size() as usize;
         let len = size.div_ceil(page) * page;
         match self.sys.map_shared(self.fd(), len) {
-            Ok(addr) => Some(WriteMap {
-                sys: self.sys.clone(),
-                addr,
-                map_len: len,
-                len: size,
-            }),
+            Ok(map) => Some(WriteMap { map, len: size }),
             Err(e) => {
                 // ENODEV: a file system without mmap. Others (ENOMEM under
                 // a ulimit -v) are this handle's, not the storage's.

@@ -1069,59 +1069,13 @@ fn target_is_send_and_sync() {
 #[test]
 #[ignore = "needs root"]
 fn blksszget_failure_assumes_4096() {
-    use crate::sys::BlockGeometry;
-    use std::os::fd::BorrowedFd;
-    struct NoSsz;
-    impl Sys for NoSsz {
-        fn pread(&self, fd: BorrowedFd<'_>, b: &mut [u8], o: u64) -> std::io::Result<usize> {
-            RealSys.pread(fd, b, o)
-        }
-        fn pwrite(&self, fd: BorrowedFd<'_>, b: &[u8], o: u64) -> std::io::Result<usize> {
-            RealSys.pwrite(fd, b, o)
-        }
-        fn fallocate(
-            &self,
-            fd: BorrowedFd<'_>,
-            m: FallocMode,
-            o: u64,
-            l: u64,
-        ) -> std::io::Result<()> {
-            RealSys.fallocate(fd, m, o, l)
-        }
-        fn blkzeroout(&self, fd: BorrowedFd<'_>, o: u64, l: u64) -> std::io::Result<()> {
-            RealSys.blkzeroout(fd, o, l)
-        }
-        fn blkdiscard(&self, fd: BorrowedFd<'_>, o: u64, l: u64) -> std::io::Result<()> {
-            RealSys.blkdiscard(fd, o, l)
-        }
-        fn seek_data(&self, fd: BorrowedFd<'_>, o: u64) -> std::io::Result<Option<u64>> {
-            RealSys.seek_data(fd, o)
-        }
-        fn seek_hole(&self, fd: BorrowedFd<'_>, o: u64) -> std::io::Result<Option<u64>> {
-            RealSys.seek_hole(fd, o)
-        }
-        fn fsync(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
-            RealSys.fsync(fd)
-        }
-        fn fdatasync(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
-            RealSys.fdatasync(fd)
-        }
-        fn ftruncate(&self, fd: BorrowedFd<'_>, s: u64) -> std::io::Result<()> {
-            RealSys.ftruncate(fd, s)
-        }
-        fn fadvise_willneed(&self, fd: BorrowedFd<'_>, o: u64, l: u64) -> std::io::Result<()> {
-            RealSys.fadvise_willneed(fd, o, l)
-        }
-        fn block_geometry(&self, fd: BorrowedFd<'_>) -> std::io::Result<BlockGeometry> {
-            let g = RealSys.block_geometry(fd)?;
-            Ok(BlockGeometry {
-                logical_sector: None,
-                ..g
-            })
-        }
-    }
+    let sys = FaultSys::real();
+    sys.set_geometry_edit(|g| crate::sys::BlockGeometry {
+        logical_sector: None,
+        ..g
+    });
     let dev = rawdisk_testkit::LoopDev::new(8 << 20, 512);
-    let t = Target::open_with_sys(dev.path(), &OpenOptions::default(), Arc::new(NoSsz)).unwrap();
+    let t = Target::open_with_sys(dev.path(), &OpenOptions::default(), sys).unwrap();
     assert_eq!(t.kind(), Kind::Block);
     assert_eq!(t.geometry().logical_sector, 4096);
     fill(&t, 8 << 20);
@@ -1212,10 +1166,10 @@ fn start_writeback_is_advisory_and_skipped_under_o_direct() {
     let data = pattern(0, 64 << 10);
     t.write_at(&data, 0, false).unwrap();
     // An error here is not the caller's: the final flush reports real ones.
-    f.fail_once(CallKind::SyncRange, 1, libc::EIO);
+    f.fail_once(CallKind::StartWriteback, 1, libc::EIO);
     t.start_writeback(0, 64 << 10);
     t.start_writeback(0, 64 << 10);
-    assert_eq!(f.calls(CallKind::SyncRange), 2);
+    assert_eq!(f.calls(CallKind::StartWriteback), 2);
     t.flush().unwrap();
     let mut back = vec![0u8; data.len()];
     t.read_at(&mut back, 0).unwrap();
@@ -1228,7 +1182,7 @@ fn start_writeback_is_advisory_and_skipped_under_o_direct() {
     };
     let d = Target::open_with_sys(&tmp.path, &opts, f.clone()).unwrap();
     d.start_writeback(0, 64 << 10);
-    assert_eq!(f.calls(CallKind::SyncRange), 2);
+    assert_eq!(f.calls(CallKind::StartWriteback), 2);
 }
 
 /// A file of `size` bytes just written, so its pages are in the page cache.
