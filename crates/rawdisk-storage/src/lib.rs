@@ -46,29 +46,24 @@
 //!   read-modify-write under a range lock for unaligned requests.
 
 pub mod caps;
-mod direct;
+mod errno;
 pub mod error;
 #[cfg(any(test, feature = "fault-injection"))]
 pub mod fault;
-mod map;
-mod probe;
 mod registry;
 pub mod sys;
 mod target;
 #[cfg(test)]
 mod tests;
-mod zero;
 
 pub use caps::{
     Capabilities, CapsSnapshot, KeepZero, KeepZeroTrial, Method, MethodStats, Tri, KEEP_ZERO_SAMPLE,
 };
-pub use direct::AlignedBuf;
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "fault-injection"))]
 pub use fault::{FaultRule, FaultSys};
-pub use map::MappedWrite;
-pub use probe::Probe;
 pub use target::{
-    CacheMode, Extent, ExtentKind, Geometry, Kind, OpenOptions, Prealloc, PreallocReport,
-    QueueLimits, Target, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
+    AlignedBuf, CacheMode, Extent, ExtentKind, Geometry, Kind, MappedWrite, OpenOptions, Prealloc,
+    PreallocReport, Probe, QueueLimits, Target, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL,
+    WRITE_ZEROS_CHUNK,
 };

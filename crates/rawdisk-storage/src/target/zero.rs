@@ -53,24 +53,23 @@ use std::io;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use super::direct::AlignedBuf;
+use super::{Kind, Target, ZeroFlags, ZeroOutcome, WRITE_ZEROS_CHUNK};
 use crate::caps::{KeepZero, Method, Tri};
-use crate::direct::AlignedBuf;
+use crate::errno::{is_unsupported, retry};
 use crate::error::{Error, Result};
 use crate::sys::FallocMode;
-use crate::target::{
-    is_unsupported, retry, Kind, Target, ZeroFlags, ZeroOutcome, WRITE_ZEROS_CHUNK,
-};
 
 /// The one shared zero buffer: page aligned (usable under O_DIRECT) and
 /// allocated zeroed, so its pages are the kernel's shared zero page until
 /// written (never): no RSS cost.
-pub(crate) fn zero_buf() -> &'static [u8] {
+pub(super) fn zero_buf() -> &'static [u8] {
     static Z: OnceLock<AlignedBuf> = OnceLock::new();
     Z.get_or_init(|| AlignedBuf::zeroed(WRITE_ZEROS_CHUNK, 4096))
 }
 
 /// Whether a method that cannot fall back to writing may still work.
-pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
+pub(super) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
     let c = &t.caps;
     match t.kind {
         Kind::File => {
@@ -85,7 +84,7 @@ pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
 /// No-trim zeros smaller than this on a timed target are written, without
 /// a sample: halves of 4 MiB and up keep the calls' fixed costs out of the
 /// timing.
-pub(crate) const KEEP_ZERO_SPLIT_MIN: u64 = 8 << 20;
+pub(super) const KEEP_ZERO_SPLIT_MIN: u64 = 8 << 20;
 
 /// Not known to fail, as far as the calls it is made of go.
 fn punch_alloc_supported(t: &Target) -> bool {
@@ -110,7 +109,7 @@ fn enotsup(offset: u64, len: u64) -> Error {
 }
 
 /// Result of one offloaded attempt.
-pub(crate) enum Try {
+pub(super) enum Try {
     Done,
     Unsupported,
 }
@@ -287,7 +286,7 @@ impl Target {
         Ok(None)
     }
 
-    pub(crate) fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
+    pub(super) fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
         let mode = match m {
             Method::PunchHole => FallocMode::PunchHole,
             Method::ZeroRange => FallocMode::ZeroRange { keep_size: true },
@@ -299,7 +298,7 @@ impl Target {
 
     /// Count the call; learn from success or a "not supported" errno; return
     /// any other error.
-    pub(crate) fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
+    pub(super) fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
         match r {
             Ok(()) => {
                 self.caps.count(m, Some(n));
@@ -308,7 +307,7 @@ impl Target {
             }
             Err(e) => {
                 self.caps.count(m, None);
-                if is_unsupported(&e, m) {
+                if is_unsupported(&e, m.einval()) {
                     self.learn(m, Tri::Fails, Some(&e));
                     Ok(Try::Unsupported)
                 } else {
@@ -318,7 +317,7 @@ impl Target {
         }
     }
 
-    pub(crate) fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
+    pub(super) fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
         let r = retry(|| self.sys.fallocate(self.fd(), FallocMode::PunchHole, off, n));
         match r {
             Ok(()) => {
@@ -326,7 +325,7 @@ impl Target {
             }
             Err(e) => {
                 self.caps.count(Method::PunchAlloc, None);
-                if is_unsupported(&e, Method::PunchHole) {
+                if is_unsupported(&e, Method::PunchHole.einval()) {
                     self.learn(Method::PunchHole, Tri::Fails, Some(&e));
                     self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
                     return Ok(Try::Unsupported);
@@ -344,7 +343,7 @@ impl Target {
             }
             Err(e) => {
                 self.caps.count(Method::PunchAlloc, None);
-                if is_unsupported(&e, Method::Fallocate) {
+                if is_unsupported(&e, Method::Fallocate.einval()) {
                     // The range is a hole now (zeros); the next step
                     // allocates it again by writing.
                     self.learn(Method::Fallocate, Tri::Fails, Some(&e));
@@ -358,7 +357,7 @@ impl Target {
 
     /// Write zeros over [offset, offset+len) from the shared zero buffer,
     /// `chunk` bytes per write, advancing the offset every chunk.
-    pub(crate) fn write_zeros(&self, offset: u64, len: u64, chunk: usize) -> Result<()> {
+    pub(super) fn write_zeros(&self, offset: u64, len: u64, chunk: usize) -> Result<()> {
         let z = zero_buf();
         let chunk = chunk.clamp(1, z.len()) as u64;
         let end = offset + len;

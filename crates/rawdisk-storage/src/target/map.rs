@@ -26,13 +26,14 @@
 use std::io;
 use std::os::fd::BorrowedFd;
 
+use super::{Kind, Target};
 use crate::caps::{Method, Tri};
+use crate::errno::{is_unsupported, retry, Einval};
 use crate::sys::{page_size, MapSpan, Mapping};
-use crate::target::{is_unsupported, Kind, Target};
 
 /// A shared mapping of the whole target, made on the first mapped write and
 /// unmapped with the handle.
-pub(crate) struct WriteMap {
+pub(super) struct WriteMap {
     map: Mapping,
     /// Writes may not end past the size at open: the rest of the last page
     /// of a file is mapped, but not part of the file.
@@ -129,7 +130,7 @@ impl Target {
                 return None;
             }
         }
-        match crate::target::retry(|| self.sys.populate_write(&span)) {
+        match retry(|| self.sys.populate_write(&span)) {
             Ok(()) => {
                 self.learn(Method::MapWrite, Tri::Works, None);
                 Some(MappedWrite {
@@ -141,10 +142,7 @@ impl Target {
                 })
             }
             // MADV_POPULATE_WRITE is Linux 5.14; before, EINVAL.
-            Err(e)
-                if e.raw_os_error() == Some(libc::EINVAL)
-                    || is_unsupported(&e, Method::MapWrite) =>
-            {
+            Err(e) if is_unsupported(&e, Einval::Unsupported) => {
                 self.learn(Method::MapWrite, Tri::Fails, Some(&e));
                 None
             }
@@ -171,7 +169,7 @@ impl Target {
             Err(e) => {
                 // ENODEV: a file system without mmap. Others (ENOMEM under
                 // a ulimit -v) are this handle's, not the storage's.
-                if is_unsupported(&e, Method::MapWrite) {
+                if is_unsupported(&e, Method::MapWrite.einval()) {
                     self.learn(Method::MapWrite, Tri::Fails, Some(&e));
                 } else {
                     tracing::info!(path = %self.path.display(), "mmap of the target: {e}; writes are copied");

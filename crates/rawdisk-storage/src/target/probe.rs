@@ -11,11 +11,12 @@
 
 use std::io;
 
+use super::zero::Try;
+use super::{Kind, Target};
 use crate::caps::{Method, Tri};
+use crate::errno::{is_unsupported, retry};
 use crate::error::{Error, Result};
 use crate::sys::FallocMode;
-use crate::target::{is_unsupported, retry, Kind, Target};
-use crate::zero::Try;
 
 /// What probing one method found.
 #[derive(Debug)]
@@ -167,7 +168,7 @@ impl Target {
                 self.learn(Method::SeekHole, Tri::Works, None);
                 Ok(Tri::Works)
             }
-            Err(e) if is_unsupported(&e, Method::SeekHole) => {
+            Err(e) if is_unsupported(&e, Method::SeekHole.einval()) => {
                 self.learn(Method::SeekHole, Tri::Fails, Some(&e));
                 Ok(Tri::Fails)
             }
