@@ -1,13 +1,19 @@
 //! `rawdisk probe`: what the storage under a target supports, method by
 //! method, and which method `rawdisk`'s zero would use.
 //!
+//! A report over the storage engine's own probing
+//! ([`rawdisk_storage::Target::try_method`] and friends): the engine tries
+//! each method with the very call its zero chain makes and judges the
+//! answer by its own rules, so the report cannot disagree with what serving
+//! or copying will do. This module only chooses where to try (never on the
+//! target's own data unless `--destructive`) and words the answers.
+//!
 //! * Regular file: every method is tried on a scratch file created beside the
 //!   target (same directory, so same file system and mount options) and
-//!   removed afterwards; the target itself is only stat'ed. Each method is
-//!   called directly through the engine's syscall layer on its own 1 MiB of
-//!   written data and checked (reads back zeros; allocation freed or kept),
-//!   then the engine's own zero chain runs on the scratch file to show which
-//!   method it picks.
+//!   removed afterwards; the target itself is only stat'ed. Each method runs
+//!   on its own 1 MiB of written data, checked (reads back zeros; allocation
+//!   freed or kept), then the engine's zero chain runs on the scratch file to
+//!   show which method it picks.
 //! * Block device, default: nothing is written. The device is opened
 //!   read-only and its queue limits in sysfs say what the kernel will do:
 //!   `write_zeroes_max_bytes` = 0 means PUNCH_HOLE fails and ZERO_RANGE /
@@ -15,17 +21,15 @@
 //!   advertisement (a loop device over tmpfs drops it on first use), so it
 //!   stays "unknown". `discard_max_bytes` = 0 means BLKDISCARD fails.
 //! * Block device, `--destructive`: the device is opened O_EXCL (refused
-//!   while mounted), the first 1 MiB is saved, every method is tried on it,
-//!   and the saved bytes are written back.
+//!   while mounted), the first 6 MiB are saved, every method is tried on
+//!   them, and the saved bytes are written back.
 
 use std::fs::{self, File};
 use std::io;
-use std::os::fd::AsFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use rawdisk_storage::sys::{FallocMode, RealSys, Sys};
-use rawdisk_storage::{Kind, Method, OpenOptions, Target, ZeroFlags};
+use rawdisk_storage::{Kind, Method, OpenOptions, Prealloc, Seen, Target, Trial, ZeroFlags};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -216,7 +220,7 @@ fn unknown_choice() -> Choice {
 }
 
 // ---------------------------------------------------------------------------
-// Errors and data helpers
+// Wording the engine's answers
 
 /// The errno name for the report ("EOPNOTSUPP"), or the io::Error text.
 fn errno_name(e: &io::Error) -> String {
@@ -245,94 +249,28 @@ fn errno_name(e: &io::Error) -> String {
     }
 }
 
-/// "Not supported" as the storage engine counts it: these errnos mean the
-/// method does not exist here; anything else (EIO, ENOSPC, EPERM) says
-/// nothing about support.
-fn is_unsupported(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::ENOTTY | libc::ENODEV)
-    )
-}
-
-fn state_of_error(e: &io::Error) -> (State, String) {
-    if is_unsupported(e) {
-        (State::Fails, errno_name(e))
-    } else {
-        (State::Unknown, format!("error {}", errno_name(e)))
-    }
-}
-
-/// Non-zero bytes that depend on the offset, so a method that zeroed or
-/// moved the wrong range is caught.
-fn pattern(off: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            let x = (off + i).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56;
-            (x as u8) | 1
-        })
-        .collect()
-}
-
-fn write_all_at(sys: &RealSys, f: &File, buf: &[u8], off: u64) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match sys.pwrite(f.as_fd(), &buf[done..], off + done as u64) {
-            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn read_all_at(sys: &RealSys, f: &File, buf: &mut [u8], off: u64) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match sys.pread(f.as_fd(), &mut buf[done..], off + done as u64) {
-            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn reads_zero(sys: &RealSys, f: &File, off: u64, len: u64) -> io::Result<bool> {
-    let mut buf = vec![0u8; len as usize];
-    read_all_at(sys, f, &mut buf, off)?;
-    Ok(buf.iter().all(|&b| b == 0))
-}
-
-fn blocks(f: &File) -> u64 {
-    f.metadata().map(|m| m.blocks()).unwrap_or(0)
-}
-
-/// Tries one zeroing call on [off, off+len) holding written data; returns the
-/// state and what the data and allocation looked like after.
-fn try_zeroing(
-    sys: &RealSys,
-    f: &File,
-    off: u64,
-    len: u64,
-    check_alloc: bool,
-    call: impl FnOnce() -> io::Result<()>,
-) -> (State, String) {
-    if let Err(e) = write_all_at(sys, f, &pattern(off, len as usize), off)
-        .and_then(|_| sys.fdatasync(f.as_fd()))
-    {
-        return (
+/// A try that did not work: "known to fail" when the engine learned the
+/// method is missing, else unknown (a real error says nothing about support).
+fn not_working<T>(t: Trial<T>) -> (State, String) {
+    match t {
+        Trial::Works(_) => (State::Works, String::new()),
+        Trial::Unsupported(e) => (State::Fails, errno_name(&e)),
+        Trial::Failed(e) => (State::Unknown, format!("error {}", errno_name(&e))),
+        Trial::NotTried(e) => (
             State::Unknown,
             format!("could not write test data: {}", errno_name(&e)),
-        );
+        ),
     }
-    let before = blocks(f);
-    if let Err(e) = call() {
-        return state_of_error(&e);
-    }
-    match reads_zero(sys, f, off, len) {
+}
+
+/// A zeroing try: whether the range read back as zeros and, with
+/// `check_alloc`, whether the allocation was freed or kept.
+fn zeroing(t: Trial, check_alloc: bool) -> (State, String) {
+    let seen = match t {
+        Trial::Works(s) => s,
+        t => return not_working(t),
+    };
+    match seen.reads_zero {
         Ok(true) => {}
         Ok(false) => {
             return (
@@ -342,16 +280,116 @@ fn try_zeroing(
         }
         Err(e) => return (State::Unknown, format!("read back: {}", errno_name(&e))),
     }
-    let after = blocks(f);
     if !check_alloc {
         return (State::Works, "reads back zeros".into());
     }
+    let (before, after) = seen.allocated;
     let detail = if after < before {
         "reads back zeros, frees allocation"
     } else {
         "reads back zeros, keeps allocation"
     };
     (State::Works, detail.into())
+}
+
+/// A discard: it works when the call does; whether the range then reads
+/// zeros is the device's business.
+fn discard(t: Trial) -> (State, String) {
+    match t {
+        Trial::Works(Seen {
+            reads_zero: Ok(true),
+            ..
+        }) => (State::Works, "discarded range reads back zeros".into()),
+        Trial::Works(Seen {
+            reads_zero: Ok(false),
+            ..
+        }) => (
+            State::Works,
+            "works, but the discarded range still reads data".into(),
+        ),
+        Trial::Works(Seen {
+            reads_zero: Err(e), ..
+        }) => (State::Works, format!("read back: {}", errno_name(&e))),
+        Trial::NotTried(e) => (State::Unknown, format!("error {}", errno_name(&e))),
+        t => not_working(t),
+    }
+}
+
+/// The call behind a method, as the report names it.
+fn call_of(m: Method, kind: Kind) -> &'static str {
+    match (m, kind) {
+        (Method::PunchHole, Kind::Block) => {
+            "fallocate(PUNCH_HOLE|KEEP_SIZE) = write-zeroes with unmap, no fallback"
+        }
+        (Method::PunchHole, Kind::File) => "fallocate(PUNCH_HOLE|KEEP_SIZE)",
+        (Method::ZeroRange, Kind::Block) => "fallocate(ZERO_RANGE) = write-zeroes, kernel fallback",
+        (Method::ZeroRange, Kind::File) => "fallocate(ZERO_RANGE)",
+        (Method::PunchAlloc, _) => "fallocate(PUNCH_HOLE) + fallocate(0)",
+        (Method::Fallocate, _) => "fallocate(0)",
+        (Method::BlkZeroout, _) => "ioctl(BLKZEROOUT)",
+        (Method::BlkDiscard, _) => "ioctl(BLKDISCARD)",
+        (Method::SeekHole, _) => "lseek(SEEK_DATA/SEEK_HOLE)",
+        (Method::WriteZeros, _) => "pwrite of zeros",
+        (Method::Splice, _) => "splice(2)",
+        (Method::MapWrite, _) => "mmap + MADV_POPULATE_WRITE",
+    }
+}
+
+fn mr(m: Method, kind: Kind, (state, detail): (State, String)) -> MethodReport {
+    MethodReport {
+        method: m.name(),
+        call: call_of(m, kind),
+        state,
+        detail,
+    }
+}
+
+/// The rows whose answer is fixed by the kind of target: the other kind's
+/// methods, no allocation or holes on a block device, and writing zeros,
+/// which always works.
+fn fixed_rows(kind: Kind) -> Vec<MethodReport> {
+    let na = |why: &str| (State::NotApplicable, why.to_string());
+    let mut v = match kind {
+        Kind::File => vec![
+            mr(Method::BlkZeroout, kind, na("block devices only")),
+            mr(Method::BlkDiscard, kind, na("block devices only")),
+        ],
+        Kind::Block => vec![
+            mr(Method::PunchAlloc, kind, na("regular files only")),
+            mr(
+                Method::Fallocate,
+                kind,
+                na("a block device is allocated already"),
+            ),
+            mr(
+                Method::SeekHole,
+                kind,
+                na("a block device maps as all data"),
+            ),
+        ],
+    };
+    v.push(mr(
+        Method::WriteZeros,
+        kind,
+        (State::Works, "always (the last resort)".into()),
+    ));
+    v
+}
+
+/// The file rows when no scratch file could be used.
+fn file_methods_unknown(why: &str) -> Vec<MethodReport> {
+    let mut v: Vec<MethodReport> = [
+        Method::PunchHole,
+        Method::ZeroRange,
+        Method::PunchAlloc,
+        Method::SeekHole,
+        Method::Fallocate,
+    ]
+    .into_iter()
+    .map(|m| mr(m, Kind::File, (State::Unknown, why.to_string())))
+    .collect();
+    v.extend(fixed_rows(Kind::File));
+    v
 }
 
 // ---------------------------------------------------------------------------
@@ -402,9 +440,9 @@ fn create_scratch(target: &Path) -> io::Result<(ScratchFile, File)> {
     Err(io::Error::from(io::ErrorKind::AlreadyExists))
 }
 
-/// Scratch layout, 1 MiB regions: 0 punch-hole, 1 zero-range, 2 punch-alloc,
-/// 3..6 the engine's zero chain, 6 data, 7 a hole (never written), then
-/// fallocate(0) extends the file from 8 to 9 MiB.
+/// Scratch layout, 1 MiB regions: 0..3 one per tried method (punch-hole,
+/// zero-range, punch-alloc), 3..6 the engine's zero chain, 6 data, 7 a hole
+/// (never written), then fallocate(0) extends the file from 8 to 9 MiB.
 fn probe_file(path: &Path, r: &mut ProbeReport) {
     r.filesystem = sysinfo::mount_of(path);
     r.tested_on = "scratch-file";
@@ -419,73 +457,53 @@ fn probe_file(path: &Path, r: &mut ProbeReport) {
             return;
         }
     };
+    drop(f);
     r.scratch_file = Some(scratch.path.display().to_string());
-    let sys = RealSys;
-    let fd = f.as_fd();
-    let mut methods = Vec::new();
-    let setup = write_all_at(&sys, &f, &pattern(0, (7 * MIB) as usize), 0)
-        .and_then(|_| f.set_len(8 * MIB))
-        .and_then(|_| sys.fdatasync(fd));
-    if let Err(e) = setup {
-        r.scratch_error = Some(format!(
-            "cannot write the scratch file '{}': {}",
-            scratch.path.display(),
-            errno_name(&e)
-        ));
-        r.methods = file_methods_unknown(&r.scratch_error.clone().unwrap_or_default());
-        return;
-    }
+    let setup = Target::open(&scratch.path, &OpenOptions::default()).and_then(|t| {
+        t.write_at(&fill_data(), 6 * MIB, false)?;
+        t.preallocate(8 * MIB, Prealloc::Off)?;
+        t.flush()?;
+        Ok(t)
+    });
+    let t = match setup {
+        Ok(t) => t,
+        Err(e) => {
+            r.scratch_error = Some(format!(
+                "cannot write the scratch file '{}': {}",
+                scratch.path.display(),
+                errno_name(&e.source)
+            ));
+            r.methods = file_methods_unknown(&r.scratch_error.clone().unwrap_or_default());
+            return;
+        }
+    };
 
-    let (s, d) = try_zeroing(&sys, &f, 0, MIB, true, || {
-        sys.fallocate(fd, FallocMode::PunchHole, 0, MIB)
-    });
-    methods.push(mr(
-        Method::PunchHole,
-        "fallocate(PUNCH_HOLE|KEEP_SIZE)",
-        s,
-        d,
-    ));
-    let (s, d) = try_zeroing(&sys, &f, MIB, MIB, true, || {
-        sys.fallocate(fd, FallocMode::ZeroRange { keep_size: true }, MIB, MIB)
-    });
-    methods.push(mr(Method::ZeroRange, "fallocate(ZERO_RANGE)", s, d));
-    let (s, d) = try_zeroing(&sys, &f, 2 * MIB, MIB, true, || {
-        sys.fallocate(fd, FallocMode::PunchHole, 2 * MIB, MIB)?;
-        sys.fallocate(fd, FallocMode::Allocate, 2 * MIB, MIB)
-    });
-    methods.push(mr(
-        Method::PunchAlloc,
-        "fallocate(PUNCH_HOLE) + fallocate(0)",
-        s,
-        d,
-    ));
+    let mut methods = Vec::new();
+    for (i, &m) in t.trial_methods().iter().enumerate() {
+        let tried = t.try_method(m, i as u64 * MIB, MIB);
+        methods.push(mr(m, Kind::File, zeroing(tried, true)));
+    }
 
     // SEEK_HOLE before fallocate(0) fills the tail: [6, 7) MiB is data and
     // [7, 8) MiB was never written.
-    let seek = match sys.seek_hole(fd, 6 * MIB) {
-        Ok(Some(h)) if h == 7 * MIB => (State::Works, "reports holes".to_string()),
-        Ok(Some(h)) if h == 8 * MIB => (
+    let seek = match t.try_seek_hole(6 * MIB) {
+        Trial::Works(Some(h)) if h == 7 * MIB => (State::Works, "reports holes".to_string()),
+        Trial::Works(Some(h)) if h == 8 * MIB => (
             State::Works,
             "reports everything as data (no holes: map shows all data)".to_string(),
         ),
-        Ok(other) => (
+        Trial::Works(other) => (
             State::Unknown,
             format!("unexpected answer {other:?} for a hole at 7 MiB"),
         ),
-        Err(e) => state_of_error(&e),
+        t => not_working(t),
     };
-    methods.push(mr(
-        Method::SeekHole,
-        "lseek(SEEK_DATA/SEEK_HOLE)",
-        seek.0,
-        seek.1,
-    ));
+    methods.push(mr(Method::SeekHole, Kind::File, seek));
 
-    let before = blocks(&f);
-    let falloc = match sys.fallocate(fd, FallocMode::Allocate, 8 * MIB, MIB) {
-        Ok(()) => {
-            let grew = f.metadata().map(|m| m.len()).unwrap_or(0) == 9 * MIB;
-            let alloc = blocks(&f) > before;
+    let falloc = match t.try_allocate(8 * MIB, MIB) {
+        Trial::Works(seen) => {
+            let grew = seen.size == 9 * MIB;
+            let alloc = seen.allocated.1 > seen.allocated.0;
             match (grew, alloc) {
                 (true, true) => (
                     State::Works,
@@ -498,155 +516,47 @@ fn probe_file(path: &Path, r: &mut ProbeReport) {
                 _ => (State::Unknown, "succeeded but the file did not grow".into()),
             }
         }
-        Err(e) => {
-            let (s, d) = state_of_error(&e);
-            if s == State::Fails {
-                (
-                    s,
-                    format!("{d} (preallocation=falloc falls back to writing zeros)"),
-                )
-            } else {
-                (s, d)
-            }
-        }
+        Trial::Unsupported(e) => (
+            State::Fails,
+            format!(
+                "{} (preallocation=falloc falls back to writing zeros)",
+                errno_name(&e)
+            ),
+        ),
+        t => not_working(t),
     };
-    methods.push(mr(Method::Fallocate, "fallocate(0)", falloc.0, falloc.1));
-    methods.push(mr(
-        Method::BlkZeroout,
-        "ioctl(BLKZEROOUT)",
-        State::NotApplicable,
-        "block devices only".into(),
-    ));
-    methods.push(mr(
-        Method::BlkDiscard,
-        "ioctl(BLKDISCARD)",
-        State::NotApplicable,
-        "block devices only".into(),
-    ));
-    methods.push(mr(
-        Method::WriteZeros,
-        "pwrite of zeros",
-        State::Works,
-        "always (the last resort)".into(),
-    ));
+    methods.push(mr(Method::Fallocate, Kind::File, falloc));
+    methods.extend(fixed_rows(Kind::File));
 
     // O_DIRECT (--cache none): ramfs refuses it with EINVAL.
-    let dio = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&scratch.path);
-    match dio {
-        Ok(df) => {
+    match Target::try_direct_io(&scratch.path) {
+        Trial::Works(align) => {
             r.direct_io = State::Works;
-            r.direct_io_alignment = sys.dio_align(df.as_fd()).ok().flatten().map(|a| a.offset);
+            r.direct_io_alignment = align;
         }
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => r.direct_io = State::Fails,
-        Err(_) => r.direct_io = State::Unknown,
+        Trial::Unsupported(_) => r.direct_io = State::Fails,
+        _ => r.direct_io = State::Unknown,
     }
 
     r.methods = methods;
-    engine_zero_chain(&scratch.path, 3 * MIB, Some(&f), r);
-    drop(f);
+    engine_zero_chain(&t, 3 * MIB, r);
+    drop(t);
     drop(scratch);
 }
 
-/// Rows whose answer is fixed on any block device, whether probed through
-/// sysfs or by trying: there is no file allocation to manage...
-fn block_allocation_rows() -> [MethodReport; 2] {
-    [
-        mr(
-            Method::PunchAlloc,
-            "fallocate(PUNCH_HOLE) + fallocate(0)",
-            State::NotApplicable,
-            "regular files only".into(),
-        ),
-        mr(
-            Method::Fallocate,
-            "fallocate(0)",
-            State::NotApplicable,
-            "a block device is allocated already".into(),
-        ),
-    ]
-}
-
-/// ...no holes to map, and writing zeros always works.
-fn block_map_and_write_rows() -> [MethodReport; 2] {
-    [
-        mr(
-            Method::SeekHole,
-            "lseek(SEEK_DATA/SEEK_HOLE)",
-            State::NotApplicable,
-            "a block device maps as all data".into(),
-        ),
-        mr(
-            Method::WriteZeros,
-            "pwrite of zeros",
-            State::Works,
-            "always (the last resort)".into(),
-        ),
-    ]
-}
-
-fn mr(m: Method, call: &'static str, state: State, detail: String) -> MethodReport {
-    MethodReport {
-        method: m.name(),
-        call,
-        state,
-        detail,
-    }
-}
-
-fn file_methods_unknown(why: &str) -> Vec<MethodReport> {
-    let mut v = Vec::new();
-    for (m, call) in [
-        (Method::PunchHole, "fallocate(PUNCH_HOLE|KEEP_SIZE)"),
-        (Method::ZeroRange, "fallocate(ZERO_RANGE)"),
-        (Method::PunchAlloc, "fallocate(PUNCH_HOLE) + fallocate(0)"),
-        (Method::SeekHole, "lseek(SEEK_DATA/SEEK_HOLE)"),
-        (Method::Fallocate, "fallocate(0)"),
-    ] {
-        v.push(mr(m, call, State::Unknown, why.to_string()));
-    }
-    v.push(mr(
-        Method::BlkZeroout,
-        "ioctl(BLKZEROOUT)",
-        State::NotApplicable,
-        "block devices only".into(),
-    ));
-    v.push(mr(
-        Method::BlkDiscard,
-        "ioctl(BLKDISCARD)",
-        State::NotApplicable,
-        "block devices only".into(),
-    ));
-    v.push(mr(
-        Method::WriteZeros,
-        "pwrite of zeros",
-        State::Works,
-        "always (the last resort)".into(),
-    ));
-    v
+/// Non-zero data the zero chain is run over.
+fn fill_data() -> Vec<u8> {
+    vec![0x5a; MIB as usize]
 }
 
 /// Runs the engine's zero chain on three 1 MiB ranges from `base` of a file
-/// or device that may be written, and records which methods it used. The
-/// ranges are filled with data first (through `raw` when given).
-fn engine_zero_chain(path: &Path, base: u64, raw: Option<&File>, r: &mut ProbeReport) {
-    let sys = RealSys;
-    let t = match Target::open(path, &OpenOptions::default()) {
-        Ok(t) => t,
-        Err(e) => {
-            let why = format!("engine: {e}");
-            r.zero.with_trim.method = why.clone();
-            r.zero.without_trim.method = why;
-            return;
-        }
-    };
+/// or device that may be written, filled with data first, and records which
+/// methods it used.
+fn engine_zero_chain(t: &Target, base: u64, r: &mut ProbeReport) {
     let fill = |off: u64| {
-        if let Some(f) = raw {
-            let _ = write_all_at(&sys, f, &pattern(off, MIB as usize), off);
-            let _ = sys.fdatasync(f.as_fd());
-        }
+        let _ = t
+            .write_at(&fill_data(), off, false)
+            .and_then(|()| t.flush());
     };
     let names = |ms: &[Method]| {
         if ms.is_empty() {
@@ -655,46 +565,27 @@ fn engine_zero_chain(path: &Path, base: u64, raw: Option<&File>, r: &mut ProbeRe
             ms.iter().map(|m| m.name()).collect::<Vec<_>>().join(" + ")
         }
     };
-    fill(base);
-    r.zero.with_trim = match t.zero(
-        base,
-        MIB,
-        ZeroFlags {
-            may_trim: true,
+    let chosen = |off: u64, may_trim: bool| {
+        fill(off);
+        let flags = ZeroFlags {
+            may_trim,
             fast_only: false,
-        },
-    ) {
-        Ok(o) => Choice {
-            method: names(&o.methods),
-            certain: true,
-            otherwise: None,
-        },
-        Err(e) => Choice {
-            method: format!("error: {e}"),
-            certain: false,
-            otherwise: None,
-        },
+        };
+        match t.zero(off, MIB, flags) {
+            Ok(o) => Choice {
+                method: names(&o.methods),
+                certain: true,
+                otherwise: None,
+            },
+            Err(e) => Choice {
+                method: format!("error: {e}"),
+                certain: false,
+                otherwise: None,
+            },
+        }
     };
-    fill(base + MIB);
-    r.zero.without_trim = match t.zero(
-        base + MIB,
-        MIB,
-        ZeroFlags {
-            may_trim: false,
-            fast_only: false,
-        },
-    ) {
-        Ok(o) => Choice {
-            method: names(&o.methods),
-            certain: true,
-            otherwise: None,
-        },
-        Err(e) => Choice {
-            method: format!("error: {e}"),
-            certain: false,
-            otherwise: None,
-        },
-    };
+    r.zero.with_trim = chosen(base, true);
+    r.zero.without_trim = chosen(base + MIB, false);
     fill(base + 2 * MIB);
     let fast = t.zero(
         base + 2 * MIB,
@@ -746,53 +637,21 @@ fn probe_device_sysfs(path: &Path, r: &mut ProbeReport) {
             "the kernel falls back to writing zero pages".to_string(),
         ),
     };
-    methods.push(mr(
-        Method::PunchHole,
-        "fallocate(PUNCH_HOLE|KEEP_SIZE) = write-zeroes with unmap, no fallback",
-        punch.0,
-        punch.1,
-    ));
-    methods.push(mr(
-        Method::ZeroRange,
-        "fallocate(ZERO_RANGE) = write-zeroes, kernel fallback",
-        State::Works,
-        zr_detail.clone(),
-    ));
-    methods.extend(block_allocation_rows());
-    methods.push(mr(
-        Method::BlkZeroout,
-        "ioctl(BLKZEROOUT)",
-        State::Works,
-        zr_detail,
-    ));
+    let k = Kind::Block;
+    methods.push(mr(Method::PunchHole, k, punch));
+    methods.push(mr(Method::ZeroRange, k, (State::Works, zr_detail.clone())));
+    methods.push(mr(Method::BlkZeroout, k, (State::Works, zr_detail)));
     let discard = match dmax {
         Some(0) => (State::Fails, "discard_max_bytes=0: no discard".to_string()),
         Some(n) => (State::Works, format!("advertised (discard_max_bytes={n}); whether the device then reads zeros is not promised")),
         None => (State::Unknown, "discard_max_bytes not readable".to_string()),
     };
-    methods.push(mr(
-        Method::BlkDiscard,
-        "ioctl(BLKDISCARD)",
-        discard.0,
-        discard.1,
-    ));
-    methods.extend(block_map_and_write_rows());
+    methods.push(mr(Method::BlkDiscard, k, discard));
+    methods.extend(fixed_rows(k));
     r.methods = methods;
 
+    predict_block_chain(r);
     let st = |m: Method| state_in(&r.methods, m);
-    r.zero.with_trim = predict(
-        &[
-            Method::PunchHole,
-            Method::ZeroRange,
-            Method::BlkZeroout,
-            Method::WriteZeros,
-        ],
-        &st,
-    );
-    r.zero.without_trim = predict(
-        &[Method::ZeroRange, Method::BlkZeroout, Method::WriteZeros],
-        &st,
-    );
     // On a block device only PUNCH_HOLE cannot fall back to writing.
     r.zero.fast_zero = match st(Method::PunchHole) {
         State::Works => "yes",
@@ -840,6 +699,25 @@ fn predict(chain: &[Method], st: &dyn Fn(Method) -> State) -> Choice {
     }
 }
 
+/// The engine's zero chain on a block device as far as its learned states
+/// tell, without running it.
+fn predict_block_chain(r: &mut ProbeReport) {
+    let st = |m: Method| state_in(&r.methods, m);
+    r.zero.with_trim = predict(
+        &[
+            Method::PunchHole,
+            Method::ZeroRange,
+            Method::BlkZeroout,
+            Method::WriteZeros,
+        ],
+        &st,
+    );
+    r.zero.without_trim = predict(
+        &[Method::ZeroRange, Method::BlkZeroout, Method::WriteZeros],
+        &st,
+    );
+}
+
 fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
     let shown = path.display();
     r.tested_on = "device";
@@ -853,20 +731,19 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
     // O_EXCL on a block device: refused (EBUSY) while it is mounted or held
     // by another exclusive user, so the probe never writes under a mounted
     // file system.
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_EXCL)
-        .open(path)
-        .map_err(|e| {
-            Error::with(
-                format!("cannot open '{shown}' exclusively (is it mounted or in use?)"),
-                e,
-            )
-        })?;
+    let opts = OpenOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    let t = Target::open(path, &opts).map_err(|e| {
+        Error::with(
+            format!("cannot open '{shown}' exclusively (is it mounted or in use?)"),
+            e.source,
+        )
+    })?;
     r.queue_limits = sysinfo::queue_limits(path);
     let sector = u64::from(r.logical_sector_size.max(512));
-    // Three ranges for direct tries, three for the engine's chain.
+    // One range per tried method, three for the engine's chain.
     let len = (MIB.min(r.size / 8) / sector) * sector;
     if len == 0 {
         return Err(Error::msg(format!(
@@ -875,64 +752,24 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
         )));
     }
     let area = 6 * len;
-    let sys = RealSys;
     let mut saved = vec![0u8; area as usize];
-    read_all_at(&sys, &f, &mut saved, 0).map_err(|e| {
+    t.read_at(&mut saved, 0).map_err(|e| {
         Error::with(
             format!("cannot save the first {area} bytes of '{shown}'"),
-            e,
+            e.source,
         )
     })?;
 
-    let fd = f.as_fd();
     let mut methods = Vec::new();
-    // PUNCH_HOLE first: on a loop device whose backing file system has no
-    // ZERO_RANGE, the first write-zeroes fails and the driver turns the
-    // offload off; trying it first shows the device as it will behave.
-    let (s, d) = try_zeroing(&sys, &f, 0, len, false, || {
-        sys.fallocate(fd, FallocMode::PunchHole, 0, len)
-    });
-    methods.push(mr(
-        Method::PunchHole,
-        "fallocate(PUNCH_HOLE|KEEP_SIZE) = write-zeroes with unmap, no fallback",
-        s,
-        d,
-    ));
-    let (s, d) = try_zeroing(&sys, &f, len, len, false, || {
-        sys.fallocate(fd, FallocMode::ZeroRange { keep_size: true }, len, len)
-    });
-    methods.push(mr(
-        Method::ZeroRange,
-        "fallocate(ZERO_RANGE) = write-zeroes, kernel fallback",
-        s,
-        d,
-    ));
-    methods.extend(block_allocation_rows());
-    let (s, d) = try_zeroing(&sys, &f, 2 * len, len, false, || {
-        sys.blkzeroout(fd, 2 * len, len)
-    });
-    methods.push(mr(Method::BlkZeroout, "ioctl(BLKZEROOUT)", s, d));
-    let discard = match write_all_at(&sys, &f, &pattern(3 * len, len as usize), 3 * len)
-        .and_then(|_| sys.fdatasync(fd))
-        .and_then(|_| sys.blkdiscard(fd, 3 * len, len))
-    {
-        Ok(()) => match reads_zero(&sys, &f, 3 * len, len) {
-            Ok(true) => (State::Works, "discarded range reads back zeros".to_string()),
-            Ok(false) => (
-                State::Works,
-                "works, but the discarded range still reads data".to_string(),
-            ),
-            Err(e) => (State::Works, format!("read back: {}", errno_name(&e))),
-        },
-        Err(e) => state_of_error(&e),
-    };
-    methods.push(mr(
-        Method::BlkDiscard,
-        "ioctl(BLKDISCARD)",
-        discard.0,
-        discard.1,
-    ));
-    methods.extend(block_map_and_write_rows());
+    for (i, &m) in t.trial_methods().iter().enumerate() {
+        let tried = t.try_method(m, i as u64 * len, len);
+        let row = match m {
+            Method::BlkDiscard => discard(tried),
+            _ => zeroing(tried, false),
+        };
+        methods.push(mr(m, Kind::Block, row));
+    }
+    methods.extend(fixed_rows(Kind::Block));
     // A loop device over a file system without ZERO_RANGE (tmpfs) serves
     // PUNCH_HOLE (the driver punches the backing file) until a write-zeroes
     // without unmap fails underneath; then it turns write-zeroes off for
@@ -944,9 +781,7 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
     let wz_now = sysinfo::queue_limits(path).and_then(|q| q.write_zeroes_max_bytes);
     let kernel_writes = match (wz_before, wz_now) {
         (Some(b), Some(0)) if b > 0 => {
-            let (s, d) = try_zeroing(&sys, &f, 0, len, false, || {
-                sys.fallocate(fd, FallocMode::PunchHole, 0, len)
-            });
+            let (s, d) = zeroing(t.try_method(Method::PunchHole, 0, len), false);
             if let Some(m) = methods
                 .iter_mut()
                 .find(|m| m.method == Method::PunchHole.name())
@@ -977,34 +812,21 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
 
     // The engine's chain on ranges 3..6 (1 MiB each, or `len` when smaller).
     if len == MIB {
-        engine_zero_chain(path, 3 * MIB, Some(&f), r);
+        engine_zero_chain(&t, 3 * MIB, r);
     } else {
-        let st = |m: Method| state_in(&r.methods, m);
-        r.zero.with_trim = predict(
-            &[
-                Method::PunchHole,
-                Method::ZeroRange,
-                Method::BlkZeroout,
-                Method::WriteZeros,
-            ],
-            &st,
-        );
-        r.zero.without_trim = predict(
-            &[Method::ZeroRange, Method::BlkZeroout, Method::WriteZeros],
-            &st,
-        );
+        predict_block_chain(r);
     }
     let after = sysinfo::queue_limits(path);
     if after != r.queue_limits {
         r.queue_limits_after = after;
     }
 
-    write_all_at(&sys, &f, &saved, 0)
-        .and_then(|_| sys.fsync(fd))
+    t.write_at(&saved, 0, false)
+        .and_then(|()| t.flush())
         .map_err(|e| {
             Error::with(
                 format!("could not restore the first {area} bytes of '{shown}' after probing"),
-                e,
+                e.source,
             )
         })?;
     Ok(())

@@ -64,6 +64,6 @@ pub use error::{Error, Result};
 pub use fault::{FaultRule, FaultSys};
 pub use target::{
     AlignedBuf, CacheMode, Extent, ExtentKind, Geometry, Kind, MappedWrite, OpenOptions, Prealloc,
-    PreallocReport, Probe, QueueLimits, Target, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL,
+    PreallocReport, Probe, QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL,
     WRITE_ZEROS_CHUNK,
 };

@@ -105,6 +105,9 @@ pub struct OpenHow {
     pub create_new: bool,
     /// O_TRUNC
     pub truncate: bool,
+    /// O_EXCL without O_CREAT: on a block device, refused (EBUSY) while it
+    /// is mounted or held by another exclusive user.
+    pub exclusive: bool,
 }
 
 /// The fields of fstat(2) the engine uses.
@@ -548,6 +551,9 @@ impl Sys for RealSys {
         }
         if how.truncate {
             flags |= OFlags::TRUNC;
+        }
+        if how.exclusive {
+            flags |= OFlags::EXCL;
         }
         Ok(rustix::fs::open(path, flags, Mode::from_raw_mode(0o644))?)
     }

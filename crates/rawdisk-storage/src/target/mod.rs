@@ -44,7 +44,7 @@ mod zero;
 pub use direct::AlignedBuf;
 use direct::Direct;
 pub use map::MappedWrite;
-pub use probe::Probe;
+pub use probe::{Probe, Seen, Trial};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -81,6 +81,10 @@ pub struct OpenOptions {
     pub create_new: bool,
     /// Truncate an existing file to 0 (O_TRUNC).
     pub truncate: bool,
+    /// A block device only: fail (EBUSY) while it is mounted or open
+    /// exclusively elsewhere (O_EXCL), so nothing writes under a mounted
+    /// file system.
+    pub exclusive: bool,
     /// Bytes per pwrite when zeroing by writing (default [`WRITE_ZEROS_CHUNK`]),
     /// capped at that default (the size of the shared zero buffer). Small
     /// values let tests drive the multi-chunk fallback path.
@@ -238,6 +242,7 @@ impl Target {
             create: opts.create,
             create_new: opts.create_new,
             truncate: opts.truncate,
+            exclusive: opts.exclusive,
         };
         let fd = match sys.open(path, how) {
             Ok(fd) => fd,

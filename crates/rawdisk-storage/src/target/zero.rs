@@ -111,7 +111,8 @@ fn enotsup(offset: u64, len: u64) -> Error {
 /// Result of one offloaded attempt.
 pub(super) enum Try {
     Done,
-    Unsupported,
+    /// The storage does not support it (learned), and the errno that said so.
+    Unsupported(io::Error),
 }
 
 impl Target {
@@ -309,7 +310,7 @@ impl Target {
                 self.caps.count(m, None);
                 if is_unsupported(&e, m.einval()) {
                     self.learn(m, Tri::Fails, Some(&e));
-                    Ok(Try::Unsupported)
+                    Ok(Try::Unsupported(e))
                 } else {
                     Err(Error::new(op_name(m), off, n, e))
                 }
@@ -328,7 +329,7 @@ impl Target {
                 if is_unsupported(&e, Method::PunchHole.einval()) {
                     self.learn(Method::PunchHole, Tri::Fails, Some(&e));
                     self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
-                    return Ok(Try::Unsupported);
+                    return Ok(Try::Unsupported(e));
                 }
                 return Err(Error::new("zero (punch hole)", off, n, e));
             }
@@ -348,7 +349,7 @@ impl Target {
                     // allocates it again by writing.
                     self.learn(Method::Fallocate, Tri::Fails, Some(&e));
                     self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
-                    return Ok(Try::Unsupported);
+                    return Ok(Try::Unsupported(e));
                 }
                 Err(Error::new("zero (fallocate after punch)", off, n, e))
             }
