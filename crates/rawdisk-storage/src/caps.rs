@@ -215,10 +215,9 @@ impl KeepZero {
     }
 }
 
-/// Bytes each way must have zeroed before the timings are compared: 15 ms
-/// each at the 4-5 GiB/s both reach alone on tmpfs, 30-70 ms beside three
-/// other requests on the same file (a server's 64 MiB zeros, 4 in flight),
-/// so that one preempted call on a 2-core machine does not decide it.
+/// Bytes each way must have zeroed before the timings are compared: enough
+/// milliseconds of each on tmpfs, also beside other requests on the same
+/// file, that one preempted call on a 2-core machine does not decide it.
 pub const KEEP_ZERO_SAMPLE: u64 = 64 << 20;
 
 /// Time and bytes spent so far on each way, while the choice is open.

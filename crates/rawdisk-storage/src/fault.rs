@@ -6,7 +6,7 @@
 //!
 //! Built only with the `fault-injection` feature (and for this crate's unit
 //! tests): tests enable it, the shipped binary does not contain it. Its
-//! `impl Sys` is generated from the syscall table ([`crate::sys::syscalls!`]),
+//! `impl Sys` is generated from the syscall table (`syscalls!` in sys.rs),
 //! so every syscall is forwarded, counted under its own [`CallKind`] and can
 //! be failed.
 

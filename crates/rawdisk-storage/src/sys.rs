@@ -1,6 +1,6 @@
 //! The one narrow layer every syscall of the storage engine goes through.
 //!
-//! [`syscalls!`] is the table of them; [`Sys`] is declared from it and
+//! `syscalls!` is the table of them; [`Sys`] is declared from it and
 //! [`RealSys`] calls the kernel. The fault injector (`FaultSys` in fault.rs,
 //! behind the `fault-injection` feature that only tests enable) is generated
 //! from the same table, so it forwards, counts and can fail every call.
@@ -247,7 +247,7 @@ macro_rules! declare_sys {
     ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty [$($how:tt)*]; )*) => {
         /// The syscalls of the storage engine, one method per syscall (or
         /// ioctl group). No method has a default: a layer over another `Sys`
-        /// forwards each one explicitly (generated from [`syscalls!`]), so it
+        /// forwards each one explicitly (generated from `syscalls!`), so it
         /// can never reach the kernel behind the layer's back.
         pub trait Sys: Send + Sync + 'static {
             $( $(#[$doc])* fn $name(&self, $($arg: $ty),*) -> io::Result<$ret>; )*

@@ -737,8 +737,8 @@ fn probe_check(t: &Target, s: &rawdisk_testkit::Scratch, kind: rawdisk_testkit::
     }
 }
 
-/// Real storage, every kind: the chain picks the method the capability
-/// matrix in RESULTS-baseline.md says the storage has, unaligned ranges on
+/// Real storage, every kind: the chain picks the method the storage has
+/// (see docs/capabilities.md, the capability matrix), unaligned ranges on
 /// block devices work, data around the range is untouched.
 #[test]
 #[ignore = "needs root"]

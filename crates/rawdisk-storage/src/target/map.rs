@@ -14,14 +14,9 @@
 //! that the whole page is about to be overwritten, so on a page that is not
 //! cached it reads it from the disk first (or clears a new one for a hole),
 //! which pwrite of a whole page never does. And only on regular files: on a
-//! loop device the mapped path measured slower (fio 256 KiB writes 1,848 ->
-//! 1,232 MiB/s, `qemu-img convert` 0.67-0.87 -> 0.83-0.95 s) while 1 MiB
-//! writes gained; the cause was not found.
-//!
-//! Measured (fio, 16 writes in flight, 5 reps, `serve --map-writes` against
-//! the same server without it; docs/benchmarks.md, fifth session): XFS
-//! 256 KiB 2,236 -> 2,852 MiB/s, 1 MiB 2,221 -> 3,160; ext4 2,120 -> 2,409
-//! and 2,024 -> 2,821; tmpfs level; session peak RSS 17-21 -> 6-7 MiB.
+//! loop device the mapped path is slower for mid-sized writes, for a cause
+//! not found (docs/benchmarks.md, `serve --map-writes`, where the gains on
+//! XFS and ext4 and the lower RSS are measured too).
 
 use std::io;
 use std::os::fd::BorrowedFd;

@@ -248,7 +248,7 @@ impl Target {
             Ok(fd) => fd,
             // ramfs (no direct_IO address-space op) and tmpfs before 6.6
             // refuse O_DIRECT at open with EINVAL. Say so instead of failing
-            // obscurely, and never fall back silently (issue #3).
+            // obscurely, and never fall back silently to the page cache.
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                 return Err(no_direct(path, &format!("the kernel refused it: {e}")));
             }
@@ -360,8 +360,8 @@ impl Target {
         };
         let caps = registry::capabilities_for(key);
         if kind == Kind::Block {
-            // Block devices have neither fallocate(0) nor SEEK_HOLE (see the
-            // capability matrix in RESULTS-baseline.md); record it without a
+            // Block devices have neither fallocate(0) nor SEEK_HOLE (see
+            // docs/capabilities.md, block devices); record it without a
             // wasted call per handle.
             caps.set(Method::Fallocate, Tri::Fails);
             caps.set(Method::PunchAlloc, Tri::Fails);
@@ -370,12 +370,9 @@ impl Target {
         // tmpfs: punching frees the pages and fallocate(0) allocates and
         // clears them again, against one copy into resident pages when
         // writing zeros. Which costs less depends on the machine, not the
-        // kernel: 4 GiB of dirty data, kernel 6.18, both quiet 2-core VMs
-        // (bench/zero-methods.sh --kinds tmpfs), one machine: punch+fallocate
-        // 1.38 s, writing zeros 0.735 s; another: punch 0.24-0.28 s plus
-        // fallocate 0.39-0.45 s (util-linux fallocate, one call each),
-        // writing zeros 0.75-0.97 s. So the engine times both on the first
-        // big no-trim zeros (zero.rs) instead of trusting a constant.
+        // kernel (see docs/capabilities.md, tmpfs), so the engine times both
+        // on the first big no-trim zeros (zero.rs) instead of trusting a
+        // constant.
         let magic = match kind {
             Kind::File => sys.fs_magic(fd.as_fd()).ok(),
             Kind::Block => None,
@@ -474,7 +471,8 @@ impl Target {
     /// The request queue limits of the block device, or of the device under
     /// a regular file's file system; None when sysfs has no queue for it
     /// (tmpfs, ramfs, overlay...). Read fresh on every call: a loop device's
-    /// write_zeroes_max_bytes drops to 0 at run time (RESULTS-baseline.md).
+    /// write_zeroes_max_bytes drops to 0 at run time (see
+    /// docs/capabilities.md, tmpfs-backed loop devices).
     pub fn block_queue_limits(&self) -> Option<QueueLimits> {
         let (maj, min) = self.sysfs_dev?;
         let a = |n: &str| read_queue_attr(&*self.sys, maj, min, n);

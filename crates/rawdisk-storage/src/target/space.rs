@@ -240,7 +240,7 @@ impl Target {
     /// fallocate(0) from the old end. Ok(false): unsupported here (learned),
     /// the caller falls back to writing. Never posix_fallocate: glibc's
     /// emulation writes one byte per 4 KiB block, slower than writing zeros
-    /// (5.0 s vs 3.7 s for 6 GiB on ramfs in RESULTS-baseline.md).
+    /// (see docs/capabilities.md, ramfs).
     fn prealloc_falloc(&self, old: u64, size: u64) -> Result<bool> {
         if size == old {
             return Ok(true);

@@ -9,9 +9,9 @@
 //!    and every kernel before 3.15.
 //! 3. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
 //!    and the space stays allocated (file systems with holes but without
-//!    ZERO_RANGE: NFS 4.2, where the seed patch measured it far cheaper than
-//!    writing). On tmpfs it frees and re-clears every page, which costs about
-//!    what writing zeros does, more on one machine and less on another (see
+//!    ZERO_RANGE: NFS 4.2, where it is far cheaper than writing). On tmpfs
+//!    it frees and re-clears every page, which costs about what writing
+//!    zeros does, more on one machine and less on another (see
 //!    `punch_alloc_timed`): there the first no-trim zeros of at least
 //!    `KEEP_ZERO_SPLIT_MIN` are done half one way and half the other, timed,
 //!    until each way has zeroed `KEEP_ZERO_SAMPLE` bytes; then the cheaper one
@@ -23,7 +23,7 @@
 //!
 //! Block devices: the kernel rejects ranges not aligned to the logical
 //! sector with EINVAL (and a failing fallocate corrupts the cached copy of a
-//! partially covered page, see `offload_align` in target.rs), so the request
+//! partially covered page, see `offload_align` in target/mod.rs), so the request
 //! is aligned to max(sector, page) and split into an unaligned head and
 //! tail (written by hand, under O_DIRECT through the read-modify-write path)
 //! and an aligned middle (offloaded), the middle first so a fast-only request
@@ -42,9 +42,10 @@
 //!
 //! Steps 2 and 3 may silently write in the kernel: a loop device backed by
 //! tmpfs advertises write-zeroes until the first use, then drops it for good
-//! (RESULTS-baseline.md, "Surprises" 2). So on block devices only step 1
-//! counts as fast, and each chunk re-reads the learned state: a method that
-//! starts failing at run time is learned and the chain goes on from there.
+//! (see docs/capabilities.md, tmpfs-backed loop devices). So on block
+//! devices only step 1 counts as fast, and each chunk re-reads the learned
+//! state: a method that starts failing at run time is learned and the chain
+//! goes on from there.
 //!
 //! `fast_only`: when no fast method is left (learned), fail at once with
 //! ENOTSUP, before touching anything.
