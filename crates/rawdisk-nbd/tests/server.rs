@@ -1360,7 +1360,7 @@ fn write_behind_starts_write_back_of_big_writes_only() {
         let fault = h.fault.clone().unwrap();
         let (mut c, _) = h.open(ReplyMode::Structured);
         let big = random(256 * KIB as usize, 7);
-        let calls = |f: &FaultSys| f.calls(CallKind::SyncRange);
+        let calls = |f: &FaultSys| f.calls(CallKind::StartWriteback);
         let n0 = calls(&fault);
         c.write(MIB + 1, &big);
         h.model[(MIB + 1) as usize..(MIB + 1) as usize + big.len()].copy_from_slice(&big);
@@ -1385,7 +1385,7 @@ fn write_behind_starts_write_back_of_big_writes_only() {
             n0 + on as u64,
             "FUA write started write-back"
         );
-        fault.fail_from(CallKind::SyncRange, 1, libc::EIO);
+        fault.fail_from(CallKind::StartWriteback, 1, libc::EIO);
         c.write(5 * MIB, &big);
         h.model[5 * MIB as usize..5 * MIB as usize + big.len()].copy_from_slice(&big);
         fault.clear_rules();

@@ -423,7 +423,7 @@ fn main() {
         let room = size + size / 8 + 64 * MIB;
         let s = Scratch::with_room(*k, size, room);
         if *k == StorageKind::LoopTmpfs {
-            // As bench/targets.sh in the baseline: make the loop driver drop its
+            // Make the loop driver drop its
             // write-zeroes offload now (the first ZERO_RANGE on tmpfs fails), so
             // every run sees the same state.
             let st = Command::new("fallocate")

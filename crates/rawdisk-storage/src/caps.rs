@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::errno::Einval;
+
 /// A way of zeroing, trimming, allocating or mapping that the storage may or
 /// may not support.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -98,6 +100,16 @@ impl Method {
                 "mmap + MADV_POPULATE_WRITE: write payloads received from the socket straight \
                  into the page cache, one copy instead of two"
             }
+        }
+    }
+
+    /// What an EINVAL from this method's call means: lack of support for
+    /// lseek(SEEK_DATA/SEEK_HOLE) (block devices, kernels before 3.1) and
+    /// splice (file systems without splice_read), a bad argument otherwise.
+    pub(crate) fn einval(self) -> Einval {
+        match self {
+            Method::SeekHole | Method::Splice => Einval::Unsupported,
+            _ => Einval::Invalid,
         }
     }
 
@@ -203,10 +215,9 @@ impl KeepZero {
     }
 }
 
-/// Bytes each way must have zeroed before the timings are compared: 15 ms
-/// each at the 4-5 GiB/s both reach alone on tmpfs, 30-70 ms beside three
-/// other requests on the same file (a server's 64 MiB zeros, 4 in flight),
-/// so that one preempted call on a 2-core machine does not decide it.
+/// Bytes each way must have zeroed before the timings are compared: enough
+/// milliseconds of each on tmpfs, also beside other requests on the same
+/// file, that one preempted call on a 2-core machine does not decide it.
 pub const KEEP_ZERO_SAMPLE: u64 = 64 << 20;
 
 /// Time and bytes spent so far on each way, while the choice is open.

@@ -1,17 +1,26 @@
 //! [`FaultSys`]: a [`Sys`] that forwards to another one and injects errnos, so
 //! tests can produce failures the machine under test cannot (EIO, ENOSPC, a
 //! method that stops being supported at run time) on exactly the call wanted,
-//! and can assert which syscalls the engine made (a method known to fail must
-//! never be called again).
+//! can assert which syscalls the engine made (a method known to fail must
+//! never be called again), and can record the range of every call.
+//!
+//! Built only with the `fault-injection` feature (and for this crate's unit
+//! tests): tests enable it, the shipped binary does not contain it. Its
+//! `impl Sys` is generated from the syscall table (`syscalls!` in sys.rs),
+//! so every syscall is forwarded, counted under its own [`CallKind`] and can
+//! be failed.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::sys::{BlockGeometry, CallKind, DioAlign, FallocMode, FileStat, MapSpan, OpenHow, Sys};
+use crate::sys::{
+    syscalls, BlockGeometry, CallKind, DioAlign, FallocMode, FileStat, MapSpan, Mapping, OpenHow,
+    Sys,
+};
 
 /// "The `nth` call (1-based, counted per [`CallKind`]) of `kind` fails with
 /// `errno`", once, or on every call from the `nth` on.
@@ -64,6 +73,23 @@ pub struct FaultSys {
     /// 0 = unlimited; else pread/pwrite move at most this many bytes per call
     /// (short transfers, to exercise the whole-length loops).
     max_io: AtomicUsize,
+    /// Whether to keep [`FaultSys::take_log`]'s log.
+    recording: AtomicBool,
+    log: Mutex<Vec<Call>>,
+    edit_geometry: Mutex<Option<GeometryEdit>>,
+}
+
+type GeometryEdit = Box<dyn Fn(BlockGeometry) -> BlockGeometry + Send + Sync>;
+
+/// One call as [`FaultSys`] saw it: the range the table names for it, and
+/// whether it succeeded. A transfer that moved fewer bytes than asked for
+/// counts as what it moved; a failed one as what was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Call {
+    pub kind: CallKind,
+    pub offset: u64,
+    pub len: u64,
+    pub ok: bool,
 }
 
 impl std::fmt::Debug for FaultSys {
@@ -82,6 +108,9 @@ impl FaultSys {
             rules: Mutex::new(Vec::new()),
             counts: Mutex::new(HashMap::new()),
             max_io: AtomicUsize::new(0),
+            recording: AtomicBool::new(false),
+            log: Mutex::new(Vec::new()),
+            edit_geometry: Mutex::new(None),
         }
     }
 
@@ -121,6 +150,26 @@ impl FaultSys {
         self.max_io.store(n, Ordering::Relaxed);
     }
 
+    /// Keep a log of every call from now on (see [`FaultSys::take_log`]).
+    pub fn record(&self) -> &Self {
+        self.recording.store(true, Ordering::Relaxed);
+        self
+    }
+
+    /// The calls logged since [`FaultSys::record`] or the last `take_log`.
+    pub fn take_log(&self) -> Vec<Call> {
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+
+    /// Rewrite what [`Sys::block_geometry`] returns: a driver that fails
+    /// some ioctls of the group (BLKSSZGET on old drivers).
+    pub fn set_geometry_edit(
+        &self,
+        f: impl Fn(BlockGeometry) -> BlockGeometry + Send + Sync + 'static,
+    ) {
+        *self.edit_geometry.lock().unwrap() = Some(Box::new(f));
+    }
+
     /// Calls of `kind` made so far, failed ones included.
     pub fn calls(&self, kind: CallKind) -> u64 {
         self.counts.lock().unwrap().get(&kind).copied().unwrap_or(0)
@@ -157,141 +206,86 @@ impl FaultSys {
         }
     }
 
-    fn cap(&self, len: usize) -> usize {
+    /// Shorten a transfer to the limit of [`FaultSys::set_max_io`].
+    fn cap<T: Capped>(&self, v: T) -> T {
         match self.max_io.load(Ordering::Relaxed) {
-            0 => len,
-            m => len.min(m),
+            0 => v,
+            m => v.capped(m),
+        }
+    }
+
+    fn edit_geometry(&self, g: BlockGeometry) -> BlockGeometry {
+        match &*self.edit_geometry.lock().unwrap() {
+            Some(f) => f(g),
+            None => g,
+        }
+    }
+
+    fn log_call(&self, call: Call) {
+        if self.recording.load(Ordering::Relaxed) {
+            self.log.lock().unwrap().push(call);
         }
     }
 }
 
-impl Sys for FaultSys {
-    fn pread(&self, fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        self.enter(CallKind::Pread)?;
-        let n = self.cap(buf.len());
-        self.inner.pread(fd, &mut buf[..n], offset)
-    }
-    fn pwrite(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
-        self.enter(CallKind::Pwrite)?;
-        let n = self.cap(buf.len());
-        self.inner.pwrite(fd, &buf[..n], offset)
-    }
-    fn fallocate(
-        &self,
-        fd: BorrowedFd<'_>,
-        mode: FallocMode,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<()> {
-        self.enter(CallKind::Fallocate(mode))?;
-        self.inner.fallocate(fd, mode, offset, len)
-    }
-    fn blkzeroout(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.enter(CallKind::BlkZeroout)?;
-        self.inner.blkzeroout(fd, offset, len)
-    }
-    fn blkdiscard(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.enter(CallKind::BlkDiscard)?;
-        self.inner.blkdiscard(fd, offset, len)
-    }
-    fn seek_data(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
-        self.enter(CallKind::SeekData)?;
-        self.inner.seek_data(fd, offset)
-    }
-    fn seek_hole(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
-        self.enter(CallKind::SeekHole)?;
-        self.inner.seek_hole(fd, offset)
-    }
-    fn fsync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        self.enter(CallKind::Fsync)?;
-        self.inner.fsync(fd)
-    }
-    fn fdatasync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        self.enter(CallKind::Fdatasync)?;
-        self.inner.fdatasync(fd)
-    }
-    fn ftruncate(&self, fd: BorrowedFd<'_>, size: u64) -> io::Result<()> {
-        self.enter(CallKind::Ftruncate)?;
-        self.inner.ftruncate(fd, size)
-    }
-    fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.enter(CallKind::Fadvise)?;
-        self.inner.fadvise_willneed(fd, offset, len)
-    }
-    fn block_geometry(&self, fd: BorrowedFd<'_>) -> io::Result<BlockGeometry> {
-        self.enter(CallKind::BlockGeometry)?;
-        self.inner.block_geometry(fd)
-    }
-    fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
-        self.enter(CallKind::Open)?;
-        self.inner.open(path, how)
-    }
-    fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
-        self.enter(CallKind::Fstat)?;
-        self.inner.fstat(fd)
-    }
-    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
-        self.inner.fs_magic(fd)
-    }
-    fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
-        self.enter(CallKind::Statx)?;
-        self.inner.dio_align(fd)
-    }
-    fn pwrite_dsync(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
-        self.enter(CallKind::PwriteDsync)?;
-        let n = self.cap(buf.len());
-        self.inner.pwrite_dsync(fd, &buf[..n], offset)
-    }
-    fn read_sysfs(&self, path: &Path) -> io::Result<String> {
-        self.enter(CallKind::ReadSysfs)?;
-        self.inner.read_sysfs(path)
-    }
-    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.enter(CallKind::SyncRange)?;
-        self.inner.sync_range(fd, offset, len)
-    }
-    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.enter(CallKind::SyncRange)?;
-        self.inner.start_writeback(fd, offset, len)
-    }
-    fn splice_to_pipe(
-        &self,
-        fd: BorrowedFd<'_>,
-        offset: u64,
-        pipe: BorrowedFd<'_>,
-        len: usize,
-    ) -> io::Result<usize> {
-        self.enter(CallKind::Splice)?;
-        let n = self.cap(len);
-        self.inner.splice_to_pipe(fd, offset, pipe, n)
-    }
-    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
-        self.enter(CallKind::Mmap)?;
-        self.inner.map_shared(fd, len)
-    }
-    fn unmap(&self, addr: usize, len: usize) -> io::Result<()> {
-        self.inner.unmap(addr, len)
-    }
-    fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
-        self.enter(CallKind::Resident)?;
-        self.inner.resident(span)
-    }
-    fn populate_write(&self, span: &MapSpan<'_>) -> io::Result<()> {
-        self.enter(CallKind::PopulateWrite)?;
-        self.inner.populate_write(span)
-    }
-    fn unpopulate(&self, span: &MapSpan<'_>) -> io::Result<()> {
-        self.inner.unpopulate(span)
-    }
-    fn recv_to_map(
-        &self,
-        sock: BorrowedFd<'_>,
-        span: &MapSpan<'_>,
-        at: usize,
-        len: usize,
-    ) -> io::Result<usize> {
-        self.enter(CallKind::RecvToMap)?;
-        let n = self.cap(len);
-        self.inner.recv_to_map(sock, span, at, n)
+/// A transfer that [`FaultSys::set_max_io`] can shorten.
+trait Capped {
+    fn capped(self, max: usize) -> Self;
+}
+
+impl Capped for usize {
+    fn capped(self, max: usize) -> usize {
+        self.min(max)
     }
 }
+
+impl Capped for &[u8] {
+    fn capped(self, max: usize) -> Self {
+        &self[..self.len().min(max)]
+    }
+}
+
+impl Capped for &mut [u8] {
+    fn capped(self, max: usize) -> Self {
+        let n = self.len().min(max);
+        &mut self[..n]
+    }
+}
+
+/// `impl Sys for FaultSys` from the syscall table: count, maybe fail, maybe
+/// shorten, forward, maybe edit, log.
+macro_rules! fault_sys {
+    ($(
+        $(#[$doc:meta])*
+        fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty
+            [$kind:ident $(($karg:ident))?, $off:expr, $len:expr $(, cap $cap:ident)? $(, then $edit:ident)?];
+    )*) => {
+        impl Sys for FaultSys {
+            $(
+                fn $name(&self, $($arg: $ty),*) -> io::Result<$ret> {
+                    let mut call = Call {
+                        kind: CallKind::$kind $(($karg))?,
+                        offset: ($off) as u64,
+                        len: ($len) as u64,
+                        ok: false,
+                    };
+                    let r = self.enter(call.kind).and_then(|()| {
+                        $(let $cap = self.cap($cap);)?
+                        self.inner.$name($($arg),*)
+                    });
+                    $(let r = r.map(|v| self.$edit(v));)?
+                    call.ok = r.is_ok();
+                    $(
+                        let _ = stringify!($cap);
+                        if let Ok(n) = &r {
+                            call.len = *n as u64;
+                        }
+                    )?
+                    self.log_call(call);
+                    r
+                }
+            )*
+        }
+    };
+}
+syscalls!(fault_sys);

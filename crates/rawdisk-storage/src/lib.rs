@@ -2,71 +2,57 @@
 //! operation done the cheapest way that storage supports, and what it learned
 //! about the storage shared by every handle on the same target.
 //!
-//! No NBD here. Every syscall goes through [`sys::Sys`], so tests can inject
-//! errors the machine cannot produce ([`FaultSys`]).
+//! No NBD here. Every syscall goes through [`sys::Sys`], so tests can count
+//! and fail any of them.
 //!
-//! # Zeroing: the chain and why each step exists
+//! # Where things are
+//! - `target/mod.rs`: [`Target`], its options and geometry, and opening it;
+//!   the operations are `impl Target` blocks beside it:
+//!   - `target/zero.rs`: **the zero chain** ([`Target::zero`]): per chunk of
+//!     at most 1 GiB, PUNCH_HOLE (when trimming is allowed), ZERO_RANGE,
+//!     PUNCH_HOLE + fallocate(0) on files or BLKZEROOUT on block devices,
+//!     then writing zeros; why each step exists is that file's doc;
+//!   - `target/rw.rs`: read, write (FUA), splice to a pipe, flush, write-back;
+//!   - `target/direct.rs`: cache=none (O_DIRECT): bounce buffers and
+//!     read-modify-write under a range lock for unaligned requests;
+//!   - `target/space.rs`: trim, extents, preallocation;
+//!   - `target/map.rs`: writes received straight into mapped page cache;
+//!   - `target/probe.rs`: trying the methods on purpose (`rawdisk probe`).
+//! - `errno.rs`: which errnos mean "not supported" (the only ones the engine
+//!   learns from; EIO, ENOSPC, EPERM... are returned and teach nothing),
+//!   EINTR retry, short reads.
+//! - [`caps`]: learned tri-state capabilities and per-method counters;
+//!   `registry.rs` shares them process-wide per target (keyed by
+//!   st_dev/st_ino, st_rdev for block devices) through weak references.
+//! - [`sys`]: the syscall layer: the table of syscalls (`syscalls!`), the
+//!   [`sys::Sys`] trait declared from it and [`sys::RealSys`], the kernel.
+//! - `fault.rs`: **the fault injection**, `FaultSys`, generated from the same
+//!   table: counts, records and fails any call. Built only with the
+//!   `fault-injection` feature, which only tests enable.
 //!
-//! [`Target::zero`] tries, per chunk of at most 1 GiB (one syscall must not
-//! hold the device or the inode lock for seconds):
-//!
-//! | step | regular file | block device (aligned middle) |
-//! |---|---|---|
-//! | 1 | `may_trim`: PUNCH_HOLE | `may_trim` or `fast_only`: PUNCH_HOLE (write-zeroes, no fallback) |
-//! | 2 | ZERO_RANGE | ZERO_RANGE (kernel may write zero pages) |
-//! | 3 | PUNCH_HOLE + fallocate(0) | BLKZEROOUT (kernels before 4.9: no fallocate on block devices, ENODEV) |
-//! | 4 | pwrite from the shared zero buffer | the same |
-//!
-//! - ZERO_RANGE appeared in Linux 3.15 and is missing on tmpfs and NFS: tmpfs
-//!   zeroes without a hole by punching and reallocating (step 3).
-//! - ramfs has no fallocate at all (and no O_DIRECT): only step 4 works.
-//! - A loop device backed by tmpfs advertises write-zeroes and drops it on
-//!   first use (RESULTS-baseline.md, "Surprises" 2): PUNCH_HOLE then fails
-//!   with EOPNOTSUPP and ZERO_RANGE/BLKZEROOUT silently write in the kernel.
-//!   Each chunk re-reads the learned state, so a method that disappears at
-//!   run time is learned and the chain goes on from there; on block devices
-//!   only PUNCH_HOLE counts as fast.
-//! - Block devices want sector-aligned ranges: the unaligned head and tail
-//!   are written by hand, the middle (aligned to max(sector, page)) offloaded.
-//! - Step 4 advances its offset every chunk (nbdkit and nbd-server shipped a
-//!   fallback that rewrote the first chunk for years).
-//!
-//! `fast_only` fails with ENOTSUP before touching anything when no fast
-//! method is left. Only "not supported" errnos are learned (see
-//! `is_unsupported` in target.rs for the list and the one EINVAL case);
-//! EIO, ENOSPC, EPERM... are returned and teach nothing.
-//!
-//! # Modules
-//! - [`sys`]: the syscall layer ([`sys::RealSys`]) and its fault injector.
-//! - [`caps`]: learned tri-state capabilities and per-method counters,
-//!   shared process-wide per target (keyed by st_dev/st_ino, st_rdev for
-//!   block devices) through a registry of weak references.
-//! - [`Target`]: open, read/write (FUA), flush, zero, trim, extents,
-//!   preallocate, cache, probe; cache=none (O_DIRECT) with bounce buffers and
-//!   read-modify-write under a range lock for unaligned requests.
+//! What each storage kind supports (tmpfs has no ZERO_RANGE, ramfs no
+//! fallocate or O_DIRECT, a tmpfs-backed loop device drops write-zeroes on
+//! first use...) is in docs/capabilities.md.
 
 pub mod caps;
-mod direct;
+mod errno;
 pub mod error;
+#[cfg(any(test, feature = "fault-injection"))]
 pub mod fault;
-mod map;
-mod probe;
 mod registry;
 pub mod sys;
 mod target;
 #[cfg(test)]
 mod tests;
-mod zero;
 
 pub use caps::{
     Capabilities, CapsSnapshot, KeepZero, KeepZeroTrial, Method, MethodStats, Tri, KEEP_ZERO_SAMPLE,
 };
-pub use direct::AlignedBuf;
 pub use error::{Error, Result};
+#[cfg(any(test, feature = "fault-injection"))]
 pub use fault::{FaultRule, FaultSys};
-pub use map::MappedWrite;
-pub use probe::Probe;
 pub use target::{
-    CacheMode, Extent, ExtentKind, Geometry, Kind, OpenOptions, Prealloc, PreallocReport,
-    QueueLimits, Target, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
+    AlignedBuf, CacheMode, Extent, ExtentKind, Geometry, Kind, MappedWrite, OpenOptions, Prealloc,
+    PreallocReport, Probe, QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL,
+    WRITE_ZEROS_CHUNK,
 };

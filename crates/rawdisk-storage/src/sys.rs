@@ -1,21 +1,26 @@
 //! The one narrow layer every syscall of the storage engine goes through.
 //!
-//! [`RealSys`] calls the kernel; [`FaultSys`] wraps another `Sys` and injects a
-//! chosen errno on the Nth call of a chosen kind, so tests can produce EIO,
-//! ENOSPC or EOPNOTSUPP on exactly one call.
+//! `syscalls!` is the table of them; [`Sys`] is declared from it and
+//! [`RealSys`] calls the kernel. The fault injector (`FaultSys` in fault.rs,
+//! behind the `fault-injection` feature that only tests enable) is generated
+//! from the same table, so it forwards, counts and can fail every call.
 //!
 //! Nothing here decides anything: no retries (not even EINTR), no fallbacks,
-//! no learning. Each
-//! method is one syscall (or one ioctl group for [`Sys::block_geometry`]), so
-//! the call counts a [`FaultSys`] records are the syscalls the engine made.
-//! `unsafe` lives only here, for the ioctls rustix does not wrap.
+//! no learning. Each method is one syscall (or one ioctl group for
+//! [`Sys::block_geometry`]), so the call counts a `FaultSys` records are the
+//! syscalls the engine made. The one syscall outside the table is the
+//! munmap of a dropped [`Mapping`]: the mapping is owned by a value, not
+//! named by an address, so no caller can unmap memory it does not own.
+//! `unsafe` lives only here, for what rustix does not wrap.
 
 use std::io;
+use std::marker::PhantomData;
 use std::num::NonZeroU64;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-pub use crate::fault::{FaultRule, FaultSys};
+#[cfg(any(test, feature = "fault-injection"))]
+pub use crate::fault::{Call, FaultRule, FaultSys};
 
 /// fallocate(2) modes the engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -30,7 +35,8 @@ pub enum FallocMode {
     AllocateKeepSize,
 }
 
-/// The kinds of call a fault can be injected into.
+/// What a call of [`Sys`] is counted as: one kind per method (fallocate
+/// one per mode), so a test can fail or count exactly the call it means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CallKind {
     Pread,
@@ -44,10 +50,11 @@ pub enum CallKind {
     Fdatasync,
     Ftruncate,
     Fadvise,
-    // Added by the storage engine (extensions of the stub's list).
     /// open(2) of the target.
     Open,
     Fstat,
+    /// fstatfs(2) for the file system's magic number.
+    FsMagic,
     /// statx(STATX_DIOALIGN)
     Statx,
     /// The BLKGETSIZE64/BLKSSZGET/... ioctl group of [`Sys::block_geometry`].
@@ -58,6 +65,8 @@ pub enum CallKind {
     ReadSysfs,
     /// sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)
     SyncRange,
+    /// sync_file_range(WRITE): write-back started, not waited for.
+    StartWriteback,
     /// splice(file -> pipe) of a page-cache read.
     Splice,
     /// mmap(MAP_SHARED) of the whole target, once per handle.
@@ -66,28 +75,10 @@ pub enum CallKind {
     Resident,
     /// madvise(MADV_POPULATE_WRITE) of the pages a write will land in.
     PopulateWrite,
+    /// madvise(MADV_DONTNEED) of the pages a mapped write used.
+    Unpopulate,
     /// recv(2) from a socket into mapped pages.
     RecvToMap,
-}
-
-/// Pages of a shared mapping of the target, as [`Sys::map_shared`] made them
-/// and [`crate::Target::map_write`] hands them out: only storage code
-/// constructs one, for a range inside a mapping that outlives it, so the
-/// calls below that take a span need no `unsafe` from their callers.
-#[derive(Debug)]
-pub struct MapSpan<'a> {
-    pub(crate) addr: usize,
-    pub(crate) len: usize,
-    pub(crate) _map: std::marker::PhantomData<&'a ()>,
-}
-
-impl MapSpan<'_> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 /// Block device geometry read by ioctls.
@@ -114,6 +105,9 @@ pub struct OpenHow {
     pub create_new: bool,
     /// O_TRUNC
     pub truncate: bool,
+    /// O_EXCL without O_CREAT: on a block device, refused (EBUSY) while it
+    /// is mounted or held by another exclusive user.
+    pub exclusive: bool,
 }
 
 /// The fields of fstat(2) the engine uses.
@@ -148,115 +142,194 @@ pub struct DioAlign {
     pub offset: u32,
 }
 
-pub trait Sys: Send + Sync + 'static {
-    fn pread(&self, fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> io::Result<usize>;
-    fn pwrite(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize>;
-    fn fallocate(
-        &self,
-        fd: BorrowedFd<'_>,
-        mode: FallocMode,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<()>;
-    fn blkzeroout(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()>;
-    fn blkdiscard(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()>;
-    /// lseek(SEEK_DATA); Ok(None) for ENXIO (no data at or after offset).
-    fn seek_data(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>>;
-    /// lseek(SEEK_HOLE); Ok(None) for ENXIO (offset at or past the end).
-    fn seek_hole(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>>;
-    fn fsync(&self, fd: BorrowedFd<'_>) -> io::Result<()>;
-    fn fdatasync(&self, fd: BorrowedFd<'_>) -> io::Result<()>;
-    fn ftruncate(&self, fd: BorrowedFd<'_>, size: u64) -> io::Result<()>;
-    fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()>;
-    fn block_geometry(&self, fd: BorrowedFd<'_>) -> io::Result<BlockGeometry>;
+/// The one table of syscalls. `syscalls!(m)` calls the macro `m` with every
+/// method of [`Sys`]: its doc, signature, and in brackets the [`CallKind`] it
+/// is counted as, the (offset, length) it touches, `cap ARG` for the calls
+/// whose transfer a test may shorten, `then F` for a result a test may edit.
+/// [`Sys`] itself and every wrapping layer (the fault injector) are generated
+/// from it, so a syscall added here is added to all of them or fails to
+/// compile.
+macro_rules! syscalls {
+    ($m:ident) => {
+        $m! {
+            /// pread(2).
+            fn pread(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> usize
+                [Pread, offset, buf.len(), cap buf];
+            /// pwrite(2).
+            fn pwrite(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> usize
+                [Pwrite, offset, buf.len(), cap buf];
+            /// fallocate(2) in one of the modes the engine uses.
+            fn fallocate(fd: BorrowedFd<'_>, mode: FallocMode, offset: u64, len: u64) -> ()
+                [Fallocate(mode), offset, len];
+            /// ioctl(BLKZEROOUT).
+            fn blkzeroout(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
+                [BlkZeroout, offset, len];
+            /// ioctl(BLKDISCARD).
+            fn blkdiscard(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
+                [BlkDiscard, offset, len];
+            /// lseek(SEEK_DATA); Ok(None) for ENXIO (no data at or after offset).
+            fn seek_data(fd: BorrowedFd<'_>, offset: u64) -> Option<u64>
+                [SeekData, offset, 0];
+            /// lseek(SEEK_HOLE); Ok(None) for ENXIO (offset at or past the end).
+            fn seek_hole(fd: BorrowedFd<'_>, offset: u64) -> Option<u64>
+                [SeekHole, offset, 0];
+            /// fsync(2).
+            fn fsync(fd: BorrowedFd<'_>) -> () [Fsync, 0, 0];
+            /// fdatasync(2).
+            fn fdatasync(fd: BorrowedFd<'_>) -> () [Fdatasync, 0, 0];
+            /// ftruncate(2).
+            fn ftruncate(fd: BorrowedFd<'_>, size: u64) -> () [Ftruncate, size, 0];
+            /// posix_fadvise(WILLNEED).
+            fn fadvise_willneed(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
+                [Fadvise, offset, len];
+            /// The BLKGETSIZE64/BLKSSZGET/BLKPBSZGET/BLKIOMIN/BLKIOOPT/BLKROGET
+            /// ioctls of a block device; only BLKGETSIZE64 failing fails it.
+            fn block_geometry(fd: BorrowedFd<'_>) -> BlockGeometry
+                [BlockGeometry, 0, 0, then edit_geometry];
+            /// open(2) of the target, O_CLOEXEC.
+            fn open(path: &Path, how: OpenHow) -> OwnedFd [Open, 0, 0];
+            /// fstat(2).
+            fn fstat(fd: BorrowedFd<'_>) -> FileStat [Fstat, 0, 0];
+            /// The file system's magic number (fstatfs f_type).
+            fn fs_magic(fd: BorrowedFd<'_>) -> u64 [FsMagic, 0, 0];
+            /// statx(STATX_DIOALIGN); Ok(None) when the kernel or file system
+            /// does not fill it in (before Linux 6.1, or file systems that do
+            /// not report it).
+            fn dio_align(fd: BorrowedFd<'_>) -> Option<DioAlign> [Statx, 0, 0];
+            /// pwritev2(RWF_DSYNC): the data is durable when it returns.
+            fn pwrite_dsync(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> usize
+                [PwriteDsync, offset, buf.len(), cap buf];
+            /// Read a small text file (sysfs attributes).
+            fn read_sysfs(path: &Path) -> String [ReadSysfs, 0, 0];
+            /// Write back the dirty page cache of [offset, offset+len) and wait
+            /// for it (sync_file_range; no device cache flush, no metadata).
+            fn sync_range(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
+                [SyncRange, offset, len];
+            /// Start writing back the dirty page cache of [offset, offset+len)
+            /// without waiting for it (sync_file_range WRITE only).
+            fn start_writeback(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
+                [StartWriteback, offset, len];
+            /// splice(2) up to `len` bytes at `offset` into the pipe `pipe`
+            /// without blocking on the pipe (EAGAIN when it is full); returns
+            /// the bytes moved, 0 at end of file.
+            fn splice_to_pipe(fd: BorrowedFd<'_>, offset: u64, pipe: BorrowedFd<'_>, len: usize) -> usize
+                [Splice, offset, len, cap len];
+            /// mmap(PROT_READ | PROT_WRITE, MAP_SHARED) of `len` bytes of `fd`
+            /// from offset 0; unmapped when the [`Mapping`] is dropped.
+            fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Mapping [Mmap, 0, len];
+            /// mincore(2): whether every page of the span is in the page cache.
+            fn resident(span: &MapSpan<'_>) -> bool [Resident, span.offset(), span.len()];
+            /// madvise(MADV_POPULATE_WRITE, Linux 5.14): fault the span in
+            /// writable now, so that a failure (no space, an I/O error reading
+            /// a partly written page) is this errno instead of a fault later.
+            /// EINVAL on older kernels.
+            fn populate_write(span: &MapSpan<'_>) -> ()
+                [PopulateWrite, span.offset(), span.len()];
+            /// madvise(MADV_DONTNEED): drop the span's page-table entries (the
+            /// data stays in the page cache, dirty bits moved to it), so mapped
+            /// pages do not pile up in the process's RSS.
+            fn unpopulate(span: &MapSpan<'_>) -> () [Unpopulate, span.offset(), span.len()];
+            /// recv(2) on the socket `sock` into the first `len` bytes of `span`
+            /// from byte `at`, without waiting (MSG_DONTWAIT): EAGAIN when
+            /// nothing is queued, EINVAL when the range leaves the span. A page
+            /// the kernel cannot fault in makes it EFAULT (never a signal: the
+            /// copy is the kernel's), with the bytes before it received.
+            fn recv_to_map(sock: BorrowedFd<'_>, span: &MapSpan<'_>, at: usize, len: usize) -> usize
+                [RecvToMap, span.offset() + at, len, cap len];
+        }
+    };
+}
+#[cfg(any(test, feature = "fault-injection"))]
+pub(crate) use syscalls;
 
-    // Extensions added by the storage engine. The defaults call the kernel, so
-    // a test `Sys` written against the original trait keeps compiling.
+/// Declares [`Sys`] from the table.
+macro_rules! declare_sys {
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty [$($how:tt)*]; )*) => {
+        /// The syscalls of the storage engine, one method per syscall (or
+        /// ioctl group). No method has a default: a layer over another `Sys`
+        /// forwards each one explicitly (generated from `syscalls!`), so it
+        /// can never reach the kernel behind the layer's back.
+        pub trait Sys: Send + Sync + 'static {
+            $( $(#[$doc])* fn $name(&self, $($arg: $ty),*) -> io::Result<$ret>; )*
+        }
+    };
+}
+syscalls!(declare_sys);
 
-    fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
-        RealSys.open(path, how)
+/// A shared mapping of a target, as [`Sys::map_shared`] made it; unmapped
+/// when dropped. Only [`RealSys`] makes one, from the address mmap returned,
+/// and a [`MapSpan`] borrows it: a span always lies inside a live mapping,
+/// which is what makes the span calls of [`Sys`] safe.
+#[derive(Debug)]
+pub struct Mapping {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapping {
+    /// Bytes mapped (whole pages).
+    pub fn len(&self) -> usize {
+        self.len
     }
-    fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
-        RealSys.fstat(fd)
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
-    /// The file system's magic number (fstatfs f_type).
-    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
-        RealSys.fs_magic(fd)
+
+    /// The whole pages covering [offset, offset+len) of the mapping, or
+    /// None when that leaves it.
+    pub fn span(&self, offset: usize, len: usize) -> Option<MapSpan<'_>> {
+        let page = page_size() as usize;
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        let start = offset / page * page;
+        let stop = end.div_ceil(page) * page;
+        if stop > self.len {
+            return None;
+        }
+        Some(MapSpan {
+            addr: self.addr + start,
+            offset: start,
+            len: stop - start,
+            _map: PhantomData,
+        })
     }
-    /// statx(STATX_DIOALIGN); Ok(None) when the kernel or file system does
-    /// not fill it in (before Linux 6.1, or file systems that do not report it).
-    fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
-        RealSys.dio_align(fd)
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: this value owns the mapping mmap made at `addr` with `len`
+        // and is dropped once; every span of it borrows it, so none is left,
+        // and nothing in the program holds a reference into mapped memory.
+        let r = unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        if r < 0 {
+            tracing::warn!("munmap of a target mapping: {}", io::Error::last_os_error());
+        }
     }
-    /// pwritev2(RWF_DSYNC): the data is durable when it returns.
-    fn pwrite_dsync(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
-        RealSys.pwrite_dsync(fd, buf, offset)
+}
+
+/// Whole pages of a [`Mapping`], borrowed from it.
+#[derive(Debug)]
+pub struct MapSpan<'a> {
+    addr: usize,
+    /// Offset of the first byte in the mapping (= in the target).
+    offset: usize,
+    len: usize,
+    _map: PhantomData<&'a Mapping>,
+}
+
+impl MapSpan<'_> {
+    pub fn len(&self) -> usize {
+        self.len
     }
-    /// Read a small text file (sysfs attributes).
-    fn read_sysfs(&self, path: &Path) -> io::Result<String> {
-        RealSys.read_sysfs(path)
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
-    /// Write back the dirty page cache of [offset, offset+len) and wait for
-    /// it (sync_file_range; no device cache flush, no metadata).
-    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        RealSys.sync_range(fd, offset, len)
-    }
-    /// Start writing back the dirty page cache of [offset, offset+len)
-    /// without waiting for it (sync_file_range WRITE only).
-    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        RealSys.start_writeback(fd, offset, len)
-    }
-    /// splice(2) up to `len` bytes at `offset` into the pipe `pipe` without
-    /// blocking on the pipe (EAGAIN when it is full); returns the bytes moved,
-    /// 0 at end of file.
-    fn splice_to_pipe(
-        &self,
-        fd: BorrowedFd<'_>,
-        offset: u64,
-        pipe: BorrowedFd<'_>,
-        len: usize,
-    ) -> io::Result<usize> {
-        RealSys.splice_to_pipe(fd, offset, pipe, len)
-    }
-    /// mmap(PROT_READ | PROT_WRITE, MAP_SHARED) of `len` bytes of `fd` from
-    /// offset 0; returns the address. The mapping lives until
-    /// [`Sys::unmap`].
-    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
-        RealSys.map_shared(fd, len)
-    }
-    /// munmap of what [`Sys::map_shared`] returned.
-    fn unmap(&self, addr: usize, len: usize) -> io::Result<()> {
-        RealSys.unmap(addr, len)
-    }
-    /// mincore(2): whether every page of the span is in the page cache.
-    fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
-        RealSys.resident(span)
-    }
-    /// madvise(MADV_POPULATE_WRITE, Linux 5.14): fault the span in writable
-    /// now, so that a failure (no space, an I/O error reading a partly
-    /// written page) is this errno instead of a fault later. EINVAL on older
-    /// kernels.
-    fn populate_write(&self, span: &MapSpan<'_>) -> io::Result<()> {
-        RealSys.populate_write(span)
-    }
-    /// madvise(MADV_DONTNEED): drop the span's page-table entries (the data
-    /// stays in the page cache, dirty bits moved to it), so mapped pages do
-    /// not pile up in the process's RSS.
-    fn unpopulate(&self, span: &MapSpan<'_>) -> io::Result<()> {
-        RealSys.unpopulate(span)
-    }
-    /// recv(2) on the socket `sock` into the first `len` bytes of `span`
-    /// from byte `at`, without waiting (MSG_DONTWAIT): EAGAIN when nothing
-    /// is queued. A page the kernel cannot fault in makes it EFAULT (never a
-    /// signal: the copy is the kernel's), with the bytes before it received.
-    fn recv_to_map(
-        &self,
-        sock: BorrowedFd<'_>,
-        span: &MapSpan<'_>,
-        at: usize,
-        len: usize,
-    ) -> io::Result<usize> {
-        RealSys.recv_to_map(sock, span, at, len)
+    /// Offset of the span's first byte in the target.
+    pub fn offset(&self) -> usize {
+        self.offset
     }
 }
 
@@ -479,6 +552,9 @@ impl Sys for RealSys {
         if how.truncate {
             flags |= OFlags::TRUNC;
         }
+        if how.exclusive {
+            flags |= OFlags::EXCL;
+        }
         Ok(rustix::fs::open(path, flags, Mode::from_raw_mode(0o644))?)
     }
 
@@ -563,7 +639,7 @@ impl Sys for RealSys {
         )?)
     }
 
-    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+    fn map_shared(&self, fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
         // SAFETY: a fresh mapping at an address of the kernel's choosing
         // overlaps nothing the program uses; `fd` is valid for the borrow
         // and the mapping keeps its own reference to the file.
@@ -580,17 +656,10 @@ impl Sys for RealSys {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(p as usize)
-    }
-
-    fn unmap(&self, addr: usize, len: usize) -> io::Result<()> {
-        // SAFETY: called once, by the owner of a mapping made by map_shared
-        // with this address and length, after every span of it is gone.
-        let r = unsafe { libc::munmap(addr as *mut libc::c_void, len) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        Ok(Mapping {
+            addr: p as usize,
+            len,
+        })
     }
 
     fn resident(&self, span: &MapSpan<'_>) -> io::Result<bool> {
@@ -603,9 +672,9 @@ impl Sys for RealSys {
         while at < span.len {
             let n = (span.len - at).min(step);
             // SAFETY: [addr + at, addr + at + n) is page-aligned (spans are
-            // whole pages, `step` a multiple of the page) and inside a live
-            // mapping; mincore writes one byte per page of it, at most
-            // vec.len() bytes, into `vec`.
+            // whole pages, `step` a multiple of the page) and inside the live
+            // mapping the span borrows; mincore writes one byte per page of
+            // it, at most vec.len() bytes, into `vec`.
             let r = unsafe {
                 libc::mincore(
                     (span.addr + at) as *mut libc::c_void,
@@ -643,7 +712,7 @@ impl Sys for RealSys {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         // SAFETY: [addr + at, addr + at + len) lies inside the span (checked
-        // above), hence inside a live shared mapping. Only the kernel writes
+        // above), hence inside the live shared mapping it borrows. Only the kernel writes
         // it, from recv's own copy: a page it cannot fault in is EFAULT, not
         // a SIGBUS, which a store from user space could be. Nothing in the
         // program holds a reference to mapped memory.
@@ -664,8 +733,8 @@ impl Sys for RealSys {
 
 impl RealSys {
     fn madvise(&self, span: &MapSpan<'_>, advice: libc::c_int) -> io::Result<()> {
-        // SAFETY: a MapSpan only ever names whole pages inside a live shared
-        // mapping of the target (Target::map_write); these advices change no
+        // SAFETY: a MapSpan names whole pages inside the live shared mapping
+        // it borrows (Mapping::span); these advices change no
         // memory the program holds references to: POPULATE_WRITE faults the
         // pages in, DONTNEED drops page-table entries of a file mapping
         // whose contents live on in the page cache.

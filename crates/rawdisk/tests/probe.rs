@@ -204,7 +204,8 @@ fn destructive_probe_restores_the_device() {
         assert_eq!(st("blkdiscard"), "works", "{j}");
         if on_tmpfs {
             // tmpfs has no ZERO_RANGE: the loop driver's write-zeroes fails
-            // and is switched off (docs/capabilities.md, tmpfs-backed loop devices).
+            // and is switched off (docs/capabilities.md, tmpfs-backed loop
+            // devices).
             assert_eq!(st("punch-hole"), "fails", "{j}");
             assert_eq!(dev.queue_attr("write_zeroes_max_bytes"), 0);
             assert_eq!(j["zero"]["fast-zero"], "no", "{j}");

@@ -1,16 +1,11 @@
 //! Shared helpers of the real-storage tests: opening targets through a
 //! recording / fault-injecting syscall layer, and what each storage kind is
-//! expected to support (from the baseline capability matrix,
-//! /work/shared/bench/RESULTS-baseline.md, kernel 6.18).
+//! expected to support (see docs/capabilities.md, the capability matrix).
 
-use std::io;
-use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use rawdisk_storage::sys::{
-    BlockGeometry, CallKind, DioAlign, FallocMode, FaultSys, FileStat, OpenHow, RealSys, Sys,
-};
+use rawdisk_storage::sys::{CallKind, FallocMode, FaultSys, RealSys};
 use rawdisk_storage::{Method, OpenOptions, Target, Tri, ZeroFlags};
 use rawdisk_testkit::StorageKind;
 
@@ -23,153 +18,52 @@ pub const NO_TRIM: ZeroFlags = ZeroFlags {
     fast_only: false,
 };
 
-/// One syscall that changes data, as the engine issued it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Call {
-    pub kind: CallKind,
-    pub offset: u64,
-    pub len: u64,
-    pub ok: bool,
-}
+/// One syscall as the engine issued it (its range, whether it succeeded).
+pub use rawdisk_storage::sys::Call;
 
-/// A `Sys` that records every data-changing call (with its range and
-/// whether it succeeded) and forwards everything to `inner`, so tests can
-/// check how a request was split: offsets advance, nothing overlaps, every
-/// byte is covered, no call is over the size limit.
+/// The data-changing calls the [`FaultSys`] under a target logged, so tests
+/// can check how a request was split: offsets advance, nothing overlaps,
+/// every byte is covered, no call is over the size limit.
 pub struct Recorder {
-    inner: Arc<dyn Sys>,
-    calls: Mutex<Vec<Call>>,
+    fault: Arc<FaultSys>,
 }
 
 impl Recorder {
-    pub fn new(inner: Arc<dyn Sys>) -> Arc<Recorder> {
-        Arc::new(Recorder {
-            inner,
-            calls: Mutex::new(Vec::new()),
-        })
-    }
-
+    /// The calls that change data since the last `take`.
     pub fn take(&self) -> Vec<Call> {
-        std::mem::take(&mut *self.calls.lock().unwrap())
-    }
-
-    fn log<T>(&self, kind: CallKind, offset: u64, len: u64, r: &io::Result<T>) {
-        self.calls.lock().unwrap().push(Call {
-            kind,
-            offset,
-            len,
-            ok: r.is_ok(),
-        });
-    }
-}
-
-impl Sys for Recorder {
-    fn pread(&self, fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        self.inner.pread(fd, buf, offset)
-    }
-    fn pwrite(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
-        let r = self.inner.pwrite(fd, buf, offset);
-        // Record what was actually written (a short write counts as its length).
-        let n = *r.as_ref().unwrap_or(&buf.len()) as u64;
-        self.log(CallKind::Pwrite, offset, n, &r);
-        r
-    }
-    fn fallocate(
-        &self,
-        fd: BorrowedFd<'_>,
-        mode: FallocMode,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<()> {
-        let r = self.inner.fallocate(fd, mode, offset, len);
-        self.log(CallKind::Fallocate(mode), offset, len, &r);
-        r
-    }
-    fn blkzeroout(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        let r = self.inner.blkzeroout(fd, offset, len);
-        self.log(CallKind::BlkZeroout, offset, len, &r);
-        r
-    }
-    fn blkdiscard(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        let r = self.inner.blkdiscard(fd, offset, len);
-        self.log(CallKind::BlkDiscard, offset, len, &r);
-        r
-    }
-    fn seek_data(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
-        self.inner.seek_data(fd, offset)
-    }
-    fn seek_hole(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<Option<u64>> {
-        self.inner.seek_hole(fd, offset)
-    }
-    fn fsync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        self.inner.fsync(fd)
-    }
-    fn fdatasync(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
-        self.inner.fdatasync(fd)
-    }
-    fn ftruncate(&self, fd: BorrowedFd<'_>, size: u64) -> io::Result<()> {
-        let r = self.inner.ftruncate(fd, size);
-        self.log(CallKind::Ftruncate, size, 0, &r);
-        r
-    }
-    fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.fadvise_willneed(fd, offset, len)
-    }
-    fn block_geometry(&self, fd: BorrowedFd<'_>) -> io::Result<BlockGeometry> {
-        self.inner.block_geometry(fd)
-    }
-    fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
-        self.inner.open(path, how)
-    }
-    fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
-        self.inner.fstat(fd)
-    }
-    fn dio_align(&self, fd: BorrowedFd<'_>) -> io::Result<Option<DioAlign>> {
-        self.inner.dio_align(fd)
-    }
-    fn pwrite_dsync(&self, fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> io::Result<usize> {
-        let r = self.inner.pwrite_dsync(fd, buf, offset);
-        let n = *r.as_ref().unwrap_or(&buf.len()) as u64;
-        self.log(CallKind::PwriteDsync, offset, n, &r);
-        r
-    }
-    fn read_sysfs(&self, path: &Path) -> io::Result<String> {
-        self.inner.read_sysfs(path)
-    }
-    // The trait's defaults for these call the kernel directly: without the
-    // forwarding, the FaultSys below would neither count nor fail them.
-    fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
-        self.inner.fs_magic(fd)
-    }
-    fn sync_range(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.sync_range(fd, offset, len)
-    }
-    fn start_writeback(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.start_writeback(fd, offset, len)
-    }
-    fn splice_to_pipe(
-        &self,
-        fd: BorrowedFd<'_>,
-        offset: u64,
-        pipe: BorrowedFd<'_>,
-        len: usize,
-    ) -> io::Result<usize> {
-        self.inner.splice_to_pipe(fd, offset, pipe, len)
+        self.fault
+            .take_log()
+            .into_iter()
+            .filter(|c| {
+                matches!(
+                    c.kind,
+                    CallKind::Pwrite
+                        | CallKind::PwriteDsync
+                        | CallKind::Fallocate(_)
+                        | CallKind::BlkZeroout
+                        | CallKind::BlkDiscard
+                        | CallKind::Ftruncate
+                )
+            })
+            .collect()
     }
 }
 
-/// A target opened through Recorder → FaultSys → the kernel.
+/// A target opened through a recording FaultSys over the kernel.
 pub struct Probe {
     pub target: Target,
     pub fault: Arc<FaultSys>,
-    pub rec: Arc<Recorder>,
+    pub rec: Recorder,
 }
 
 pub fn open_probe(path: &Path) -> Probe {
     let fault = FaultSys::real();
-    let rec = Recorder::new(fault.clone());
-    let target = Target::open_with_sys(path, &OpenOptions::default(), rec.clone())
+    fault.record();
+    let target = Target::open_with_sys(path, &OpenOptions::default(), fault.clone())
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    let rec = Recorder {
+        fault: fault.clone(),
+    };
     Probe { target, fault, rec }
 }
 

@@ -253,14 +253,14 @@ pub fn start_writeback_only_where_data_is_written_back(kind: StorageKind) {
     let p = open_probe(s.path());
     let data = pattern_vec(77, MIB + 1, (2 * MIB) as usize);
     p.target.write_at(&data, MIB + 1, false).unwrap();
-    let before = p.fault.calls(CallKind::SyncRange);
+    let before = p.fault.calls(CallKind::StartWriteback);
     p.target.start_writeback(MIB + 1, 2 * MIB);
     let want = match kind {
         StorageKind::Tmpfs | StorageKind::Ramfs => 0,
         _ => 1,
     };
     assert_eq!(
-        p.fault.calls(CallKind::SyncRange) - before,
+        p.fault.calls(CallKind::StartWriteback) - before,
         want,
         "{kind:?}"
     );

@@ -14,39 +14,25 @@
 //! that the whole page is about to be overwritten, so on a page that is not
 //! cached it reads it from the disk first (or clears a new one for a hole),
 //! which pwrite of a whole page never does. And only on regular files: on a
-//! loop device the mapped path measured slower (fio 256 KiB writes 1,848 ->
-//! 1,232 MiB/s, `qemu-img convert` 0.67-0.87 -> 0.83-0.95 s) while 1 MiB
-//! writes gained; the cause was not found.
-//!
-//! Measured (fio, 16 writes in flight, 5 reps, `serve --map-writes` against
-//! the same server without it; docs/benchmarks.md, fifth session): XFS
-//! 256 KiB 2,236 -> 2,852 MiB/s, 1 MiB 2,221 -> 3,160; ext4 2,120 -> 2,409
-//! and 2,024 -> 2,821; tmpfs level; session peak RSS 17-21 -> 6-7 MiB.
+//! loop device the mapped path is slower for mid-sized writes, for a cause
+//! not found (docs/benchmarks.md, `serve --map-writes`, where the gains on
+//! XFS and ext4 and the lower RSS are measured too).
 
 use std::io;
-use std::marker::PhantomData;
 use std::os::fd::BorrowedFd;
-use std::sync::Arc;
 
+use super::{Kind, Target};
 use crate::caps::{Method, Tri};
-use crate::sys::{page_size, MapSpan, Sys};
-use crate::target::{is_unsupported, Kind, Target};
+use crate::errno::{is_unsupported, retry, Einval};
+use crate::sys::{page_size, MapSpan, Mapping};
 
 /// A shared mapping of the whole target, made on the first mapped write and
 /// unmapped with the handle.
-pub(crate) struct WriteMap {
-    sys: Arc<dyn Sys>,
-    addr: usize,
-    map_len: usize,
+pub(super) struct WriteMap {
+    map: Mapping,
     /// Writes may not end past the size at open: the rest of the last page
     /// of a file is mapped, but not part of the file.
     len: usize,
-}
-
-impl Drop for WriteMap {
-    fn drop(&mut self) {
-        let _ = self.sys.unmap(self.addr, self.map_len);
-    }
 }
 
 /// The pages one write lands in, populated; receive the payload with
@@ -126,14 +112,7 @@ impl Target {
         if end > map.len {
             return None;
         }
-        let page = page_size() as usize;
-        let start = offset as usize / page * page;
-        let stop = end.div_ceil(page) * page;
-        let span = MapSpan {
-            addr: map.addr + start,
-            len: stop - start,
-            _map: PhantomData,
-        };
+        let span = map.map.span(offset as usize, len)?;
         match self.sys.resident(&span) {
             Ok(true) => {}
             Ok(false) => return None,
@@ -146,22 +125,19 @@ impl Target {
                 return None;
             }
         }
-        match crate::target::retry(|| self.sys.populate_write(&span)) {
+        match retry(|| self.sys.populate_write(&span)) {
             Ok(()) => {
                 self.learn(Method::MapWrite, Tri::Works, None);
                 Some(MappedWrite {
                     t: self,
+                    head: offset as usize - span.offset(),
                     span,
-                    head: offset as usize - start,
                     len,
                     done: 0,
                 })
             }
             // MADV_POPULATE_WRITE is Linux 5.14; before, EINVAL.
-            Err(e)
-                if e.raw_os_error() == Some(libc::EINVAL)
-                    || is_unsupported(&e, Method::MapWrite) =>
-            {
+            Err(e) if is_unsupported(&e, Einval::Unsupported) => {
                 self.learn(Method::MapWrite, Tri::Fails, Some(&e));
                 None
             }
@@ -184,16 +160,11 @@ impl Target {
         let page = page_size() as usize;
         let len = size.div_ceil(page) * page;
         match self.sys.map_shared(self.fd(), len) {
-            Ok(addr) => Some(WriteMap {
-                sys: self.sys.clone(),
-                addr,
-                map_len: len,
-                len: size,
-            }),
+            Ok(map) => Some(WriteMap { map, len: size }),
             Err(e) => {
                 // ENODEV: a file system without mmap. Others (ENOMEM under
                 // a ulimit -v) are this handle's, not the storage's.
-                if is_unsupported(&e, Method::MapWrite) {
+                if is_unsupported(&e, Method::MapWrite.einval()) {
                     self.learn(Method::MapWrite, Tri::Fails, Some(&e));
                 } else {
                     tracing::info!(path = %self.path.display(), "mmap of the target: {e}; writes are copied");

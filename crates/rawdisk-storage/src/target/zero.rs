@@ -9,9 +9,9 @@
 //!    and every kernel before 3.15.
 //! 3. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
 //!    and the space stays allocated (file systems with holes but without
-//!    ZERO_RANGE: NFS 4.2, where the seed patch measured it far cheaper than
-//!    writing). On tmpfs it frees and re-clears every page, which costs about
-//!    what writing zeros does, more on one machine and less on another (see
+//!    ZERO_RANGE: NFS 4.2, where it is far cheaper than writing). On tmpfs
+//!    it frees and re-clears every page, which costs about what writing
+//!    zeros does, more on one machine and less on another (see
 //!    `punch_alloc_timed`): there the first no-trim zeros of at least
 //!    `KEEP_ZERO_SPLIT_MIN` are done half one way and half the other, timed,
 //!    until each way has zeroed `KEEP_ZERO_SAMPLE` bytes; then the cheaper one
@@ -23,7 +23,7 @@
 //!
 //! Block devices: the kernel rejects ranges not aligned to the logical
 //! sector with EINVAL (and a failing fallocate corrupts the cached copy of a
-//! partially covered page, see `offload_align` in target.rs), so the request
+//! partially covered page, see `offload_align` in target/mod.rs), so the request
 //! is aligned to max(sector, page) and split into an unaligned head and
 //! tail (written by hand, under O_DIRECT through the read-modify-write path)
 //! and an aligned middle (offloaded), the middle first so a fast-only request
@@ -42,9 +42,10 @@
 //!
 //! Steps 2 and 3 may silently write in the kernel: a loop device backed by
 //! tmpfs advertises write-zeroes until the first use, then drops it for good
-//! (RESULTS-baseline.md, "Surprises" 2). So on block devices only step 1
-//! counts as fast, and each chunk re-reads the learned state: a method that
-//! starts failing at run time is learned and the chain goes on from there.
+//! (see docs/capabilities.md, tmpfs-backed loop devices). So on block
+//! devices only step 1 counts as fast, and each chunk re-reads the learned
+//! state: a method that starts failing at run time is learned and the chain
+//! goes on from there.
 //!
 //! `fast_only`: when no fast method is left (learned), fail at once with
 //! ENOTSUP, before touching anything.
@@ -53,24 +54,23 @@ use std::io;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use super::direct::AlignedBuf;
+use super::{Kind, Target, ZeroFlags, ZeroOutcome, WRITE_ZEROS_CHUNK};
 use crate::caps::{KeepZero, Method, Tri};
-use crate::direct::AlignedBuf;
+use crate::errno::{is_unsupported, retry};
 use crate::error::{Error, Result};
 use crate::sys::FallocMode;
-use crate::target::{
-    is_unsupported, retry, Kind, Target, ZeroFlags, ZeroOutcome, WRITE_ZEROS_CHUNK,
-};
 
 /// The one shared zero buffer: page aligned (usable under O_DIRECT) and
 /// allocated zeroed, so its pages are the kernel's shared zero page until
 /// written (never): no RSS cost.
-pub(crate) fn zero_buf() -> &'static [u8] {
+pub(super) fn zero_buf() -> &'static [u8] {
     static Z: OnceLock<AlignedBuf> = OnceLock::new();
     Z.get_or_init(|| AlignedBuf::zeroed(WRITE_ZEROS_CHUNK, 4096))
 }
 
 /// Whether a method that cannot fall back to writing may still work.
-pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
+pub(super) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
     let c = &t.caps;
     match t.kind {
         Kind::File => {
@@ -85,7 +85,7 @@ pub(crate) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
 /// No-trim zeros smaller than this on a timed target are written, without
 /// a sample: halves of 4 MiB and up keep the calls' fixed costs out of the
 /// timing.
-pub(crate) const KEEP_ZERO_SPLIT_MIN: u64 = 8 << 20;
+pub(super) const KEEP_ZERO_SPLIT_MIN: u64 = 8 << 20;
 
 /// Not known to fail, as far as the calls it is made of go.
 fn punch_alloc_supported(t: &Target) -> bool {
@@ -110,9 +110,10 @@ fn enotsup(offset: u64, len: u64) -> Error {
 }
 
 /// Result of one offloaded attempt.
-pub(crate) enum Try {
+pub(super) enum Try {
     Done,
-    Unsupported,
+    /// The storage does not support it (learned), and the errno that said so.
+    Unsupported(io::Error),
 }
 
 impl Target {
@@ -287,7 +288,7 @@ impl Target {
         Ok(None)
     }
 
-    pub(crate) fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
+    pub(super) fn try_falloc(&self, m: Method, off: u64, n: u64) -> Result<Try> {
         let mode = match m {
             Method::PunchHole => FallocMode::PunchHole,
             Method::ZeroRange => FallocMode::ZeroRange { keep_size: true },
@@ -299,7 +300,7 @@ impl Target {
 
     /// Count the call; learn from success or a "not supported" errno; return
     /// any other error.
-    pub(crate) fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
+    pub(super) fn judge(&self, m: Method, off: u64, n: u64, r: io::Result<()>) -> Result<Try> {
         match r {
             Ok(()) => {
                 self.caps.count(m, Some(n));
@@ -308,9 +309,9 @@ impl Target {
             }
             Err(e) => {
                 self.caps.count(m, None);
-                if is_unsupported(&e, m) {
+                if is_unsupported(&e, m.einval()) {
                     self.learn(m, Tri::Fails, Some(&e));
-                    Ok(Try::Unsupported)
+                    Ok(Try::Unsupported(e))
                 } else {
                     Err(Error::new(op_name(m), off, n, e))
                 }
@@ -318,7 +319,7 @@ impl Target {
         }
     }
 
-    pub(crate) fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
+    pub(super) fn try_punch_alloc(&self, off: u64, n: u64) -> Result<Try> {
         let r = retry(|| self.sys.fallocate(self.fd(), FallocMode::PunchHole, off, n));
         match r {
             Ok(()) => {
@@ -326,10 +327,10 @@ impl Target {
             }
             Err(e) => {
                 self.caps.count(Method::PunchAlloc, None);
-                if is_unsupported(&e, Method::PunchHole) {
+                if is_unsupported(&e, Method::PunchHole.einval()) {
                     self.learn(Method::PunchHole, Tri::Fails, Some(&e));
                     self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
-                    return Ok(Try::Unsupported);
+                    return Ok(Try::Unsupported(e));
                 }
                 return Err(Error::new("zero (punch hole)", off, n, e));
             }
@@ -344,12 +345,12 @@ impl Target {
             }
             Err(e) => {
                 self.caps.count(Method::PunchAlloc, None);
-                if is_unsupported(&e, Method::Fallocate) {
+                if is_unsupported(&e, Method::Fallocate.einval()) {
                     // The range is a hole now (zeros); the next step
                     // allocates it again by writing.
                     self.learn(Method::Fallocate, Tri::Fails, Some(&e));
                     self.learn(Method::PunchAlloc, Tri::Fails, Some(&e));
-                    return Ok(Try::Unsupported);
+                    return Ok(Try::Unsupported(e));
                 }
                 Err(Error::new("zero (fallocate after punch)", off, n, e))
             }
@@ -358,7 +359,7 @@ impl Target {
 
     /// Write zeros over [offset, offset+len) from the shared zero buffer,
     /// `chunk` bytes per write, advancing the offset every chunk.
-    pub(crate) fn write_zeros(&self, offset: u64, len: u64, chunk: usize) -> Result<()> {
+    pub(super) fn write_zeros(&self, offset: u64, len: u64, chunk: usize) -> Result<()> {
         let z = zero_buf();
         let chunk = chunk.clamp(1, z.len()) as u64;
         let end = offset + len;

@@ -25,8 +25,9 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex};
 
+use super::{Kind, Target};
+use crate::errno::{retry, short_read};
 use crate::error::{Error, Result};
-use crate::target::{retry, short_read, Kind, Target};
 
 /// Largest bounce buffer; bigger requests go in pieces.
 const BOUNCE_MAX: u64 = 8 << 20;
@@ -70,18 +71,18 @@ impl std::fmt::Debug for AlignedBuf {
 
 /// Byte-range lock: holders of overlapping ranges exclude each other.
 #[derive(Default)]
-pub(crate) struct RangeLock {
+pub(super) struct RangeLock {
     held: Mutex<Vec<(u64, u64)>>,
     cv: Condvar,
 }
 
-pub(crate) struct RangeGuard<'a> {
+pub(super) struct RangeGuard<'a> {
     lock: &'a RangeLock,
     range: (u64, u64),
 }
 
 impl RangeLock {
-    pub(crate) fn lock(&self, start: u64, end: u64) -> RangeGuard<'_> {
+    pub(super) fn lock(&self, start: u64, end: u64) -> RangeGuard<'_> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         while held.iter().any(|&(s, e)| s < end && start < e) {
             held = self.cv.wait(held).unwrap_or_else(|p| p.into_inner());
@@ -105,7 +106,7 @@ impl Drop for RangeGuard<'_> {
     }
 }
 
-pub(crate) struct Direct {
+pub(super) struct Direct {
     align: u64,
     mem_align: usize,
     locks: RangeLock,
@@ -113,7 +114,7 @@ pub(crate) struct Direct {
 }
 
 impl Direct {
-    pub(crate) fn new(align: u64, mem_align: usize) -> Direct {
+    pub(super) fn new(align: u64, mem_align: usize) -> Direct {
         Direct {
             align: align.max(1).next_power_of_two(),
             mem_align: mem_align.max(1).next_power_of_two(),
@@ -122,7 +123,7 @@ impl Direct {
         }
     }
 
-    pub(crate) fn mem_align(&self) -> usize {
+    pub(super) fn mem_align(&self) -> usize {
         self.mem_align.max(self.align as usize)
     }
 
@@ -141,7 +142,7 @@ impl Direct {
     }
 
     /// Lock the aligned span around [off, off+len).
-    pub(crate) fn lock_span(&self, off: u64, len: u64) -> RangeGuard<'_> {
+    pub(super) fn lock_span(&self, off: u64, len: u64) -> RangeGuard<'_> {
         self.locks.lock(self.down(off), self.up(off + len))
     }
 
@@ -160,7 +161,7 @@ impl Direct {
         v
     }
 
-    pub(crate) fn read_at(&self, t: &Target, buf: &mut [u8], offset: u64) -> Result<()> {
+    pub(super) fn read_at(&self, t: &Target, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.aligned(offset, buf.len(), buf.as_ptr()) {
             return t.pread_all(buf, offset);
         }
@@ -170,7 +171,12 @@ impl Direct {
             let mut bounce = AlignedBuf::zeroed((a1 - a0) as usize, self.mem_align());
             let n = t.pread_upto(&mut bounce, a0)? as u64;
             if a0 + n < p_off + p_len {
-                return Err(short_read(offset, total, a0 + n));
+                return Err(Error::new(
+                    "read",
+                    offset,
+                    total,
+                    short_read(offset, total, a0 + n),
+                ));
             }
             let s = (p_off - offset) as usize;
             buf[s..s + p_len as usize]
@@ -179,7 +185,7 @@ impl Direct {
         Ok(())
     }
 
-    pub(crate) fn write_at(&self, t: &Target, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+    pub(super) fn write_at(&self, t: &Target, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let total = buf.len() as u64;
         if total == 0 {
             return Ok(());

@@ -1,0 +1,189 @@
+//! Reading and writing: whole-length pread/pwrite loops, FUA by
+//! pwritev2(RWF_DSYNC) or fdatasync, splice of page-cache reads into a pipe,
+//! flush and write-back. O_DIRECT requests go through `direct.rs`.
+
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
+
+use super::{Kind, Target};
+use crate::caps::{Method, Tri};
+use crate::errno::{errno, is_unsupported, retry, short_read, Einval};
+use crate::error::{Error, Result};
+
+impl Target {
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_offset("read", offset, buf.len())?;
+        if let Some(d) = &self.direct {
+            return d.read_at(self, buf, offset);
+        }
+        self.pread_all(buf, offset)
+    }
+
+    /// pread until `buf` is full; EOF first is an error naming the range.
+    pub(super) fn pread_all(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let n = self.pread_upto(buf, offset)?;
+        if n < buf.len() {
+            let len = buf.len() as u64;
+            return Err(Error::new(
+                "read",
+                offset,
+                len,
+                short_read(offset, len, offset + n as u64),
+            ));
+        }
+        Ok(())
+    }
+
+    /// pread until `buf` is full or EOF; returns the bytes read.
+    pub(super) fn pread_upto(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            match self
+                .sys
+                .pread(self.fd(), &mut buf[done..], offset + done as u64)
+            {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(Error::new("read", offset, buf.len() as u64, e)),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Moves `[offset, offset + len)` into `pipe` by splice(2): the pipe then
+    /// holds references to the page-cache pages, which a splice to a socket
+    /// sends without the two copies of read + send. The pipe must have room
+    /// for every page the range touches.
+    ///
+    /// Ok(true): all of it is in the pipe. Ok(false): not done this way —
+    /// O_DIRECT (the pages would be copied anyway), splice known not to work
+    /// here, or the pipe filled up; the pipe may hold part of the range and
+    /// must be discarded, and the caller reads with [`Target::read_at`].
+    /// Errors are the read's (EIO, a short file) and the pipe holds part of
+    /// the range too.
+    pub fn read_to_pipe(&self, pipe: BorrowedFd<'_>, offset: u64, len: usize) -> Result<bool> {
+        check_offset("read", offset, len)?;
+        if self.direct.is_some() || !self.caps.get(Method::Splice).may_work() {
+            return Ok(false);
+        }
+        let mut done = 0usize;
+        while done < len {
+            let pos = offset + done as u64;
+            match self.sys.splice_to_pipe(self.fd(), pos, pipe, len - done) {
+                Ok(0) => {
+                    let e = short_read(offset, len as u64, pos);
+                    return Err(Error::new("read", offset, len as u64, e));
+                }
+                Ok(n) => done += n,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
+                Err(e) if done == 0 && is_unsupported(&e, Method::Splice.einval()) => {
+                    self.learn(Method::Splice, Tri::Fails, Some(&e));
+                    return Ok(false);
+                }
+                Err(e) => return Err(Error::new("read", offset, len as u64, e)),
+            }
+        }
+        self.caps.count(Method::Splice, Some(len as u64));
+        self.learn(Method::Splice, Tri::Works, None);
+        Ok(true)
+    }
+
+    /// `fua`: the data is durable when this returns.
+    pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.check_writable("write", offset, buf.len() as u64)?;
+        check_offset("write", offset, buf.len())?;
+        if let Some(d) = &self.direct {
+            return d.write_at(self, buf, offset, fua);
+        }
+        self.pwrite_all(buf, offset, fua)
+    }
+
+    /// pwrite until all of `buf` is written; with `fua` each piece is written
+    /// with RWF_DSYNC (or followed by fdatasync on kernels without it).
+    pub(super) fn pwrite_all(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let use_dsync = fua && self.dsync.load(Ordering::Relaxed) != 2;
+        let mut done = 0usize;
+        let mut dsync_failed = false;
+        while done < buf.len() {
+            let off = offset + done as u64;
+            let r = if use_dsync && !dsync_failed {
+                match self.sys.pwrite_dsync(self.fd(), &buf[done..], off) {
+                    Err(e) if is_unsupported(&e, Einval::Invalid) => {
+                        // pwritev2 (4.6) or RWF_DSYNC (4.7) missing.
+                        tracing::info!(
+                            path = %self.path.display(),
+                            "pwritev2(RWF_DSYNC) unsupported ({e}); FUA writes use fdatasync"
+                        );
+                        self.dsync.store(2, Ordering::Relaxed);
+                        dsync_failed = true;
+                        continue;
+                    }
+                    r => r,
+                }
+            } else {
+                self.sys.pwrite(self.fd(), &buf[done..], off)
+            };
+            match r {
+                Ok(0) => {
+                    return Err(Error::new(
+                        "write",
+                        offset,
+                        buf.len() as u64,
+                        io::Error::new(io::ErrorKind::WriteZero, "pwrite wrote nothing"),
+                    ))
+                }
+                Ok(n) => done += n,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(Error::new("write", offset, buf.len() as u64, e)),
+            }
+        }
+        if fua && (!use_dsync || dsync_failed) {
+            retry(|| self.datasync_raw())
+                .map_err(|e| Error::new("write (FUA sync)", offset, buf.len() as u64, e))?;
+        } else if use_dsync {
+            self.dsync.store(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn datasync_raw(&self) -> io::Result<()> {
+        match self.kind {
+            Kind::File => self.sys.fdatasync(self.fd()),
+            // fdatasync and fsync are the same on a block device node, but
+            // fsync is the documented way to flush its cache.
+            Kind::Block => self.sys.fsync(self.fd()),
+        }
+    }
+
+    /// Start writing back what the page cache holds of this range, without
+    /// waiting: a copy that will flush at the end overlaps that write-back
+    /// with the rest of the copy instead of paying it all in the final
+    /// fdatasync. Advisory: errors are left for the flush to report. No call
+    /// where nothing is ever written back (O_DIRECT, tmpfs, ramfs): with
+    /// `serve --write-behind` or a flushing copy that would be one useless
+    /// syscall per request.
+    pub fn start_writeback(&self, offset: u64, len: u64) {
+        if self.direct.is_some() || self.memory_only || len == 0 {
+            return;
+        }
+        if let Err(e) = self.sys.start_writeback(self.fd(), offset, len) {
+            tracing::debug!(offset, len, "sync_file_range(WRITE): {e}");
+        }
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        retry(|| self.datasync_raw()).map_err(|e| Error::new("flush", 0, 0, e))
+    }
+}
+
+/// Offsets past what off_t can hold are refused before any arithmetic
+/// (the kernel would say EINVAL; the alignment maths would overflow first).
+fn check_offset(op: &'static str, offset: u64, len: usize) -> Result<()> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(Error::new(op, offset, len as u64, errno(libc::EINVAL))),
+    }
+}

@@ -1,0 +1,152 @@
+//! cache=none (O_DIRECT): unaligned requests, read-modify-write races, the file end.
+
+use super::*;
+
+#[test]
+fn direct_unaligned_io_and_file_end() {
+    // /tmp is ext4: O_DIRECT works, alignment from STATX_DIOALIGN (512 or
+    // 4096 depending on the disk).
+    let tmp = tmp_file(0);
+    let t = Target::open(&tmp.path, &direct_opts()).unwrap();
+    let a = t.geometry().dio_align as u64;
+    assert!(a.is_power_of_two() && a >= 512, "{a}");
+    assert_eq!(t.geometry().logical_sector as u64, a);
+    // A write ending mid-block must not grow the file to the block end.
+    let d = pattern(0, 1000);
+    t.write_at(&d, 0, false).unwrap();
+    assert_eq!(t.size(), 1000);
+    t.write_at(&d[..10], 2 * a + 3, true).unwrap();
+    assert_eq!(t.size(), 2 * a + 13);
+    let mut b = vec![0u8; (2 * a + 13) as usize];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(&b[..1000], &d[..]);
+    assert!(b[1000..(2 * a + 3) as usize].iter().all(|x| *x == 0));
+    assert_eq!(&b[(2 * a + 3) as usize..], &d[..10]);
+    // Unaligned buffer address, aligned offset and length: bounced too.
+    let big = pattern(7, 3 * a as usize + 1);
+    t.write_at(&big[1..], a, false).unwrap();
+    let mut r = vec![0u8; 3 * a as usize + 1];
+    t.read_at(&mut r[1..], a).unwrap();
+    assert_eq!(&r[1..], &big[1..]);
+    // Larger than one bounce buffer, unaligned both ends.
+    let huge = pattern(9, (20 << 20) + 77);
+    t.write_at(&huge, 12345, false).unwrap();
+    let mut hr = vec![0u8; huge.len()];
+    t.read_at(&mut hr, 12345).unwrap();
+    assert!(hr == huge);
+    // Byte before is the earlier pattern, untouched by the RMW.
+    let mut one = [0u8; 1];
+    t.read_at(&mut one, 12344).unwrap();
+    let mut expect = vec![0u8; 12345];
+    t.read_at(&mut expect, 0).unwrap();
+    assert_eq!(one[0], expect[12344]);
+    assert!(t.read_at(&mut [0u8; 10], t.size() - 5).is_err());
+    // Zero with unaligned head/tail and preallocation under O_DIRECT.
+    let sz = t.size();
+    t.zero(100, sz - 200, ZeroFlags::default()).unwrap();
+    let mut all = vec![1u8; sz as usize];
+    t.read_at(&mut all, 0).unwrap();
+    assert!(all[100..(sz - 100) as usize].iter().all(|x| *x == 0));
+    assert_eq!(&all[..100], &d[..100]);
+    t.preallocate(sz + 5000, Prealloc::Full).unwrap();
+    assert_eq!(t.size(), sz + 5000);
+}
+
+#[test]
+fn direct_concurrent_unaligned_writes_to_one_block_lose_nothing() {
+    // Many threads write disjoint, unaligned byte ranges that share blocks:
+    // without the range lock two read-modify-writes of the same block would
+    // overwrite each other's bytes with stale data.
+    let tmp = tmp_file(64 << 10);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    let threads = 8u64;
+    let rounds = 200u64;
+    let piece = 37u64; // odd so pieces straddle block boundaries
+    let hs: Vec<_> = (0..threads)
+        .map(|k| {
+            let t = t.clone();
+            std::thread::spawn(move || {
+                for r in 0..rounds {
+                    // Slot (r, k): thread k owns every threads-th piece.
+                    let idx = r * threads + k;
+                    let off = idx * piece;
+                    let data = pattern(off, piece as usize);
+                    t.write_at(&data, off, false).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    let total = threads * rounds * piece;
+    let mut b = vec![0u8; total as usize];
+    t.read_at(&mut b, 0).unwrap();
+    let want = pattern(0, total as usize);
+    let bad = b.iter().zip(&want).position(|(x, y)| x != y);
+    assert_eq!(bad, None, "lost write at byte {bad:?}");
+}
+
+#[test]
+fn direct_zero_racing_unaligned_writes_in_the_same_block() {
+    let tmp = tmp_file(1 << 20);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    fill(&t, 1 << 20);
+    let a = t.geometry().dio_align as u64;
+    // In every block: bytes [0, a/2) are zeroed by one thread, [a/2, a)
+    // written by another.
+    let blocks = (1u64 << 20) / a;
+    let tz = t.clone();
+    let z = std::thread::spawn(move || {
+        for i in 0..blocks {
+            tz.zero(i * a, a / 2, ZeroFlags::default()).unwrap();
+        }
+    });
+    let tw = t.clone();
+    let w = std::thread::spawn(move || {
+        for i in 0..blocks {
+            let off = i * a + a / 2;
+            tw.write_at(&pattern(off + 99, (a / 2) as usize), off, false)
+                .unwrap();
+        }
+    });
+    z.join().unwrap();
+    w.join().unwrap();
+    let mut b = vec![0u8; 1 << 20];
+    t.read_at(&mut b, 0).unwrap();
+    for i in 0..blocks {
+        let s = (i * a) as usize;
+        let h = (a / 2) as usize;
+        assert!(b[s..s + h].iter().all(|x| *x == 0), "block {i}: zero lost");
+        assert_eq!(
+            &b[s + h..s + 2 * h],
+            &pattern(i * a + a / 2 + 99, h)[..],
+            "block {i}: write lost"
+        );
+    }
+}
+
+#[test]
+fn direct_failed_write_past_the_end_leaves_the_size() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, direct_opts());
+    t.write_at(&pattern(0, 1000), 0, false).unwrap();
+    assert_eq!(t.size(), 1000);
+    // The read-modify-write reads the block, then the write fails: the size
+    // must still be 1000 and the data intact.
+    f.fail_once(CallKind::Pwrite, f.calls(CallKind::Pwrite) + 1, libc::EIO);
+    let e = t.write_at(&pattern(1000, 50), 1000, false).unwrap_err();
+    assert_eq!(e.errno(), Some(libc::EIO));
+    assert_eq!(t.size(), 1000);
+    let mut b = vec![0u8; 1000];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(b, pattern(0, 1000));
+    // FUA growth: padded block written durably, then cut and synced.
+    let syncs = f.calls(CallKind::Fdatasync);
+    t.write_at(&pattern(1000, 50), 1000, true).unwrap();
+    assert_eq!(t.size(), 1050);
+    assert_eq!(f.calls(CallKind::Fdatasync), syncs + 1);
+    let mut b = vec![0u8; 1050];
+    t.read_at(&mut b, 0).unwrap();
+    assert_eq!(b, pattern(0, 1050));
+}
