@@ -361,7 +361,7 @@ impl Target {
         let caps = registry::capabilities_for(key);
         if kind == Kind::Block {
             // Block devices have neither fallocate(0) nor SEEK_HOLE (see
-            // docs/capabilities.md, block devices); record it without a
+            // docs/capabilities.md, Loop devices); record it without a
             // wasted call per handle.
             caps.set(Method::Fallocate, Tri::Fails);
             caps.set(Method::PunchAlloc, Tri::Fails);
