@@ -74,19 +74,12 @@ impl Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// "EIO (input/output error)" for the values the spec names, else the number.
 fn errno_name(e: u32) -> String {
-    let name = match e {
-        1 => "EPERM (operation not permitted)",
-        5 => "EIO (input/output error)",
-        12 => "ENOMEM (cannot allocate memory)",
-        22 => "EINVAL (invalid argument)",
-        28 => "ENOSPC (no space left on device)",
-        75 => "EOVERFLOW (value too large)",
-        95 => "ENOTSUP (operation not supported)",
-        108 => "ESHUTDOWN (server is shutting down)",
-        _ => return format!("{e}"),
-    };
-    name.to_string()
+    match error_description(e) {
+        Some(what) => format!("{} ({what})", error_name(e).trim_start_matches("NBD_")),
+        None => e.to_string(),
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -154,26 +147,7 @@ impl ExportInfo {
     }
     /// Names of the transmission flags that are set, for display.
     pub fn flag_names(&self) -> Vec<&'static str> {
-        const FLAG_NAMES: [(u16, &str); 13] = [
-            (FLAG_HAS_FLAGS, "has_flags"),
-            (FLAG_READ_ONLY, "read_only"),
-            (FLAG_SEND_FLUSH, "send_flush"),
-            (FLAG_SEND_FUA, "send_fua"),
-            (FLAG_ROTATIONAL, "rotational"),
-            (FLAG_SEND_TRIM, "send_trim"),
-            (FLAG_SEND_WRITE_ZEROES, "send_write_zeroes"),
-            (FLAG_SEND_DF, "send_df"),
-            (FLAG_CAN_MULTI_CONN, "can_multi_conn"),
-            (FLAG_SEND_RESIZE, "send_resize"),
-            (FLAG_SEND_CACHE, "send_cache"),
-            (FLAG_SEND_FAST_ZERO, "send_fast_zero"),
-            (FLAG_BLOCK_STATUS_PAYLOAD, "block_status_payload"),
-        ];
-        FLAG_NAMES
-            .iter()
-            .filter(|(bit, _)| self.flags & bit != 0)
-            .map(|(_, n)| *n)
-            .collect()
+        transmission_flag_names(self.flags).collect()
     }
     /// The largest read or write this export takes in one request, rounded
     /// down to the minimum block size.
@@ -341,9 +315,9 @@ impl Client {
             .expect("at least one connection")
     }
 
-    fn check(&self, cmd: &'static str, offset: u64, len: u64) -> Result<()> {
+    fn check(&self, cmd: Command, offset: u64, len: u64) -> Result<()> {
         let invalid = |why: String| Error::Invalid {
-            cmd,
+            cmd: cmd.verb(),
             offset,
             len,
             why,
@@ -373,10 +347,10 @@ impl Client {
         range: Range<usize>,
     ) -> Result<Vec<u8>> {
         let len = range.len() as u64;
-        self.check("read", offset, len)?;
+        self.check(Command::Read, offset, len)?;
         if len > self.info.max_io() {
             return Err(Error::Invalid {
-                cmd: "read",
+                cmd: Command::Read.verb(),
                 offset,
                 len,
                 why: format!("longer than the maximum payload {}", self.info.max_io()),
@@ -384,7 +358,7 @@ impl Client {
         }
         match self
             .pick()
-            .request(CMD_READ, 0, offset, len, None, Some((buf, range)))
+            .request(Command::Read, 0, offset, len, None, Some((buf, range)))
             .await?
         {
             Done::Read(b) => Ok(b),
@@ -399,17 +373,17 @@ impl Client {
 
     pub async fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let len = data.len() as u64;
-        self.check("write", offset, len)?;
+        self.check(Command::Write, offset, len)?;
         self.require(
             !self.info.read_only(),
-            "write",
+            Command::Write,
             offset,
             len,
             "the export is read-only",
         )?;
         if len > self.info.max_io() {
             return Err(Error::Invalid {
-                cmd: "write",
+                cmd: Command::Write.verb(),
                 offset,
                 len,
                 why: format!("longer than the maximum payload {}", self.info.max_io()),
@@ -417,7 +391,7 @@ impl Client {
         }
         let flags = self.fua_flag(fua);
         self.pick()
-            .request(CMD_WRITE, flags, offset, len, Some(data), None)
+            .request(Command::Write, flags, offset, len, Some(data), None)
             .await
             .map(|_| ())
     }
@@ -425,17 +399,17 @@ impl Client {
     /// NBD_CMD_WRITE_ZEROES. Fails (without sending) if the server did not
     /// advertise SEND_WRITE_ZEROES (or SEND_FAST_ZERO for `flags.fast`).
     pub async fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.check("zero", offset, len)?;
+        self.check(Command::WriteZeroes, offset, len)?;
         self.require(
             self.info.can_zero(),
-            "zero",
+            Command::WriteZeroes,
             offset,
             len,
             "the server does not support WRITE_ZEROES",
         )?;
         self.require(
             !flags.fast || self.info.can_fast_zero(),
-            "zero",
+            Command::WriteZeroes,
             offset,
             len,
             "the server does not support FAST_ZERO",
@@ -449,24 +423,26 @@ impl Client {
         }
         for (o, l) in split(offset, len, self.info.max_effect()) {
             self.pick()
-                .request(CMD_WRITE_ZEROES, f, o, l, None, None)
+                .request(Command::WriteZeroes, f, o, l, None, None)
                 .await?;
         }
         Ok(())
     }
 
     pub async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.check("trim", offset, len)?;
+        self.check(Command::Trim, offset, len)?;
         self.require(
             self.info.can_trim(),
-            "trim",
+            Command::Trim,
             offset,
             len,
             "the server does not support TRIM",
         )?;
         let f = self.fua_flag(fua);
         for (o, l) in split(offset, len, self.info.max_effect()) {
-            self.pick().request(CMD_TRIM, f, o, l, None, None).await?;
+            self.pick()
+                .request(Command::Trim, f, o, l, None, None)
+                .await?;
         }
         Ok(())
     }
@@ -482,7 +458,7 @@ impl Client {
         let futs: Vec<_> = self
             .conns
             .iter()
-            .map(|c| c.request(CMD_FLUSH, 0, 0, 0, None, None))
+            .map(|c| c.request(Command::Flush, 0, 0, 0, None, None))
             .collect();
         for f in futs {
             f.await?;
@@ -494,13 +470,13 @@ impl Client {
     /// success). They may cover less than `len`, or (the last one) more.
     pub async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<BlockStatus>> {
         self.check(
-            "block status",
+            Command::BlockStatus,
             offset,
             len.min(self.info.size - offset.min(self.info.size)),
         )?;
         self.require(
             self.info.can_block_status(),
-            "block status",
+            Command::BlockStatus,
             offset,
             len,
             "no base:allocation context was negotiated",
@@ -508,12 +484,12 @@ impl Client {
         let len = len.min(self.info.max_effect()).min(self.info.size - offset);
         match self
             .pick()
-            .request(CMD_BLOCK_STATUS, 0, offset, len, None, None)
+            .request(Command::BlockStatus, 0, offset, len, None, None)
             .await?
         {
             Done::Status(v) if !v.is_empty() => Ok(v),
             Done::Status(_) | Done::Ok => Err(Error::Connection {
-                cmd: "block status",
+                cmd: Command::BlockStatus.verb(),
                 offset,
                 len,
                 reason: "protocol error: the server sent no base:allocation extents".into(),
@@ -540,12 +516,12 @@ impl Client {
         }
     }
 
-    fn require(&self, ok: bool, cmd: &'static str, offset: u64, len: u64, why: &str) -> Result<()> {
+    fn require(&self, ok: bool, cmd: Command, offset: u64, len: u64, why: &str) -> Result<()> {
         if ok {
             Ok(())
         } else {
             Err(Error::Invalid {
-                cmd,
+                cmd: cmd.verb(),
                 offset,
                 len,
                 why: why.to_string(),
@@ -591,7 +567,7 @@ enum Done {
 }
 
 struct Pending {
-    cmd: u16,
+    cmd: Command,
     offset: u64,
     len: u64,
     /// For reads: the caller's buffer and where in it the data goes.
@@ -645,9 +621,8 @@ impl Conn {
                     .await
                     .map_err(connect_err)?;
                 // Write payloads queue in this side's send buffer (AF_UNIX
-                // charges the sender): `rawdisk copy` of the seed image
-                // through `rawdisk serve` on tmpfs, --no-flush, 5 reps:
-                // 0.524 -> 0.480 s.
+                // charges the sender; docs/benchmarks.md, Unix socket send
+                // buffer).
                 crate::sock::grow_unix_send_buffer(&s);
                 let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
                     .map_err(connect_err)?;
@@ -700,7 +675,7 @@ impl Conn {
         for p in drained {
             self.inflight.fetch_sub(1, Ordering::Relaxed);
             let _ = p.tx.send(Err(Error::Connection {
-                cmd: cmd_name(p.cmd),
+                cmd: p.cmd.verb(),
                 offset: p.offset,
                 len: p.len,
                 reason: format!("connection lost: {reason}"),
@@ -710,7 +685,7 @@ impl Conn {
 
     async fn request(
         &self,
-        cmd: u16,
+        cmd: Command,
         flags: u16,
         offset: u64,
         len: u64,
@@ -720,7 +695,7 @@ impl Conn {
         let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let conn_err = |reason: String| Error::Connection {
-            cmd: cmd_name(cmd),
+            cmd: cmd.verb(),
             offset,
             len,
             reason,
@@ -749,7 +724,7 @@ impl Conn {
         let mut hdr = Vec::with_capacity(EXTENDED_REQUEST_LEN);
         Request {
             flags,
-            typ: cmd,
+            command: cmd,
             cookie,
             offset,
             length: len,
@@ -795,7 +770,7 @@ impl Conn {
             if let Some(w) = guard.as_mut() {
                 let mut hdr = Vec::with_capacity(EXTENDED_REQUEST_LEN);
                 Request {
-                    typ: CMD_DISC,
+                    command: Command::Disc,
                     ..Default::default()
                 }
                 .encode(&mut hdr, self.extended);
@@ -830,19 +805,6 @@ impl Drop for Poison<'_> {
         if self.armed {
             self.conn.kill("a request was abandoned half-sent");
         }
-    }
-}
-
-fn cmd_name(cmd: u16) -> &'static str {
-    match cmd {
-        CMD_READ => "read",
-        CMD_WRITE => "write",
-        CMD_DISC => "disconnect",
-        CMD_FLUSH => "flush",
-        CMD_TRIM => "trim",
-        CMD_WRITE_ZEROES => "zero",
-        CMD_BLOCK_STATUS => "block status",
-        _ => "request",
     }
 }
 
@@ -899,7 +861,7 @@ async fn reader_loop(conn: &Conn, r: &mut Reader) -> std::result::Result<(), Str
             ReplyHeader::Simple { error, .. } => {
                 if error != 0 {
                     p.error = Some((error, None));
-                } else if p.cmd == CMD_READ {
+                } else if p.cmd == Command::Read {
                     if conn.structured {
                         return Err("protocol error: simple reply to a read after structured replies were negotiated".into());
                     }
@@ -935,7 +897,7 @@ async fn reader_loop(conn: &Conn, r: &mut Reader) -> std::result::Result<(), Str
 }
 
 fn finish(
-    cmd: u16,
+    cmd: Command,
     offset: u64,
     len: u64,
     error: Option<(u32, Option<String>)>,
@@ -945,7 +907,7 @@ fn finish(
 ) -> Result<Done> {
     if let Some((errno, message)) = error {
         return Err(Error::Server {
-            cmd: cmd_name(cmd),
+            cmd: cmd.verb(),
             offset,
             len,
             errno,
@@ -953,11 +915,11 @@ fn finish(
         });
     }
     match cmd {
-        CMD_READ => {
+        Command::Read => {
             if covered != len {
                 // Spec: on success the chunks cover the whole request.
                 return Err(Error::Connection {
-                    cmd: "read",
+                    cmd: Command::Read.verb(),
                     offset,
                     len,
                     reason: format!("protocol error: the server sent {covered} of {len} bytes and claimed success"),
@@ -965,8 +927,15 @@ fn finish(
             }
             Ok(Done::Read(buf.map(|b| b.0).unwrap_or_default()))
         }
-        CMD_BLOCK_STATUS => Ok(Done::Status(status)),
-        _ => Ok(Done::Ok),
+        Command::BlockStatus => Ok(Done::Status(status)),
+        Command::Write
+        | Command::Flush
+        | Command::Trim
+        | Command::WriteZeroes
+        | Command::Disc
+        | Command::Cache
+        | Command::Resize
+        | Command::Unknown(_) => Ok(Done::Ok),
     }
 }
 
@@ -977,7 +946,7 @@ async fn handle_chunk(
     typ: u16,
     len: u64,
 ) -> std::result::Result<(), String> {
-    if typ == REPLY_TYPE_OFFSET_DATA && p.cmd == CMD_READ {
+    if typ == REPLY_TYPE_OFFSET_DATA && p.cmd == Command::Read {
         // Read the data straight into the caller's buffer, not via a copy.
         if len < 9 {
             return Err(format!("protocol error: OFFSET_DATA chunk of {len} bytes"));
@@ -1003,12 +972,12 @@ async fn handle_chunk(
     let unexpected = || {
         format!(
             "protocol error: unexpected chunk type {typ} in the reply to {}",
-            cmd_name(p.cmd)
+            p.cmd.verb()
         )
     };
     match chunk {
         Chunk::None => {}
-        Chunk::OffsetHole { offset, length } if p.cmd == CMD_READ => {
+        Chunk::OffsetHole { offset, length } if p.cmd == Command::Read => {
             let (start, end) = chunk_range(p, offset, length as u64)?;
             let (buf, range) = p.buf.as_mut().expect("read has a buffer");
             buf[range.start + start..range.start + end].fill(0);
@@ -1017,7 +986,7 @@ async fn handle_chunk(
         Chunk::BlockStatus {
             context_id,
             descriptors,
-        } if p.cmd == CMD_BLOCK_STATUS => {
+        } if p.cmd == Command::BlockStatus => {
             // Only base:allocation was selected; ignore any other context.
             if Some(context_id) == conn.context_id {
                 for d in descriptors {

@@ -64,6 +64,31 @@ pub const FLAG_SEND_CACHE: u16 = 1 << 10;
 pub const FLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 pub const FLAG_BLOCK_STATUS_PAYLOAD: u16 = 1 << 12;
 
+/// Every transmission flag with the name nbdinfo prints for it.
+const TRANSMISSION_FLAGS: [(u16, &str); 13] = [
+    (FLAG_HAS_FLAGS, "has_flags"),
+    (FLAG_READ_ONLY, "read_only"),
+    (FLAG_SEND_FLUSH, "send_flush"),
+    (FLAG_SEND_FUA, "send_fua"),
+    (FLAG_ROTATIONAL, "rotational"),
+    (FLAG_SEND_TRIM, "send_trim"),
+    (FLAG_SEND_WRITE_ZEROES, "send_write_zeroes"),
+    (FLAG_SEND_DF, "send_df"),
+    (FLAG_CAN_MULTI_CONN, "can_multi_conn"),
+    (FLAG_SEND_RESIZE, "send_resize"),
+    (FLAG_SEND_CACHE, "send_cache"),
+    (FLAG_SEND_FAST_ZERO, "send_fast_zero"),
+    (FLAG_BLOCK_STATUS_PAYLOAD, "block_status_payload"),
+];
+
+/// The names of the transmission flags set in `flags`, lowest bit first.
+pub fn transmission_flag_names(flags: u16) -> impl Iterator<Item = &'static str> {
+    TRANSMISSION_FLAGS
+        .iter()
+        .filter(move |(bit, _)| flags & bit != 0)
+        .map(|(_, name)| *name)
+}
+
 // ---------------------------------------------------------------------------
 // Options
 // ---------------------------------------------------------------------------
@@ -154,29 +179,72 @@ pub const INFO_BLOCK_SIZE: u16 = 3;
 // Commands and command flags
 // ---------------------------------------------------------------------------
 
-pub const CMD_READ: u16 = 0;
-pub const CMD_WRITE: u16 = 1;
-pub const CMD_DISC: u16 = 2;
-pub const CMD_FLUSH: u16 = 3;
-pub const CMD_TRIM: u16 = 4;
-pub const CMD_CACHE: u16 = 5;
-pub const CMD_WRITE_ZEROES: u16 = 6;
-pub const CMD_BLOCK_STATUS: u16 = 7;
-pub const CMD_RESIZE: u16 = 8;
+/// Declares [`Command`] and its lookups from one table, so a number or a
+/// name cannot be added in one place and forgotten in another.
+macro_rules! commands {
+    ($($variant:ident = $num:literal, $name:literal, $verb:literal;)*) => {
+        /// A transmission command (spec: "Request types"). Numbers the codec
+        /// does not know stay representable, so a server can refuse them.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Command {
+            $($variant,)*
+            /// Any other number. [`Command::from_wire`] never puts a known
+            /// command's number here.
+            Unknown(u16),
+        }
 
-/// A printable name for a command, for logs.
-pub fn command_name(cmd: u16) -> &'static str {
-    match cmd {
-        CMD_READ => "NBD_CMD_READ",
-        CMD_WRITE => "NBD_CMD_WRITE",
-        CMD_DISC => "NBD_CMD_DISC",
-        CMD_FLUSH => "NBD_CMD_FLUSH",
-        CMD_TRIM => "NBD_CMD_TRIM",
-        CMD_CACHE => "NBD_CMD_CACHE",
-        CMD_WRITE_ZEROES => "NBD_CMD_WRITE_ZEROES",
-        CMD_BLOCK_STATUS => "NBD_CMD_BLOCK_STATUS",
-        CMD_RESIZE => "NBD_CMD_RESIZE",
-        _ => "unknown command",
+        impl Command {
+            /// The command a request header's type field names.
+            pub const fn from_wire(n: u16) -> Command {
+                match n {
+                    $($num => Command::$variant,)*
+                    n => Command::Unknown(n),
+                }
+            }
+
+            /// The number on the wire.
+            pub const fn wire(self) -> u16 {
+                match self {
+                    $(Command::$variant => $num,)*
+                    Command::Unknown(n) => n,
+                }
+            }
+
+            /// The spec's name (`NBD_CMD_READ`), for logs.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Command::$variant => $name,)*
+                    Command::Unknown(_) => "unknown command",
+                }
+            }
+
+            /// A short word for messages to users (`read`, `block status`).
+            pub const fn verb(self) -> &'static str {
+                match self {
+                    $(Command::$variant => $verb,)*
+                    Command::Unknown(_) => "request",
+                }
+            }
+        }
+    };
+}
+
+commands! {
+    Read = 0, "NBD_CMD_READ", "read";
+    Write = 1, "NBD_CMD_WRITE", "write";
+    Disc = 2, "NBD_CMD_DISC", "disconnect";
+    Flush = 3, "NBD_CMD_FLUSH", "flush";
+    Trim = 4, "NBD_CMD_TRIM", "trim";
+    Cache = 5, "NBD_CMD_CACHE", "cache";
+    WriteZeroes = 6, "NBD_CMD_WRITE_ZEROES", "zero";
+    BlockStatus = 7, "NBD_CMD_BLOCK_STATUS", "block status";
+    Resize = 8, "NBD_CMD_RESIZE", "resize";
+}
+
+/// What an all-zero request header carries (NBD_CMD_READ).
+impl Default for Command {
+    fn default() -> Command {
+        Command::from_wire(0)
     }
 }
 
@@ -242,36 +310,72 @@ pub fn errno_to_nbd(errno: i32) -> u32 {
     }
 }
 
+/// The error values the spec names ("Error values"): number, name, the host
+/// errno a client reports, and what it means.
+const ERRORS: [(u32, &str, i32, &str); 8] = [
+    (
+        NBD_EPERM,
+        "NBD_EPERM",
+        libc::EPERM,
+        "operation not permitted",
+    ),
+    (NBD_EIO, "NBD_EIO", libc::EIO, "input/output error"),
+    (
+        NBD_ENOMEM,
+        "NBD_ENOMEM",
+        libc::ENOMEM,
+        "cannot allocate memory",
+    ),
+    (NBD_EINVAL, "NBD_EINVAL", libc::EINVAL, "invalid argument"),
+    (
+        NBD_ENOSPC,
+        "NBD_ENOSPC",
+        libc::ENOSPC,
+        "no space left on device",
+    ),
+    (
+        NBD_EOVERFLOW,
+        "NBD_EOVERFLOW",
+        libc::EOVERFLOW,
+        "value too large",
+    ),
+    (
+        NBD_ENOTSUP,
+        "NBD_ENOTSUP",
+        libc::ENOTSUP,
+        "operation not supported",
+    ),
+    (
+        NBD_ESHUTDOWN,
+        "NBD_ESHUTDOWN",
+        libc::ESHUTDOWN,
+        "server is shutting down",
+    ),
+];
+
+fn known_error(err: u32) -> Option<&'static (u32, &'static str, i32, &'static str)> {
+    ERRORS.iter().find(|e| e.0 == err)
+}
+
 /// Maps an NBD error from the wire to a host errno. Unknown values are
 /// treated as EINVAL, as the spec tells clients to.
 pub fn nbd_to_errno(err: u32) -> i32 {
-    match err {
-        NBD_EPERM => libc::EPERM,
-        NBD_EIO => libc::EIO,
-        NBD_ENOMEM => libc::ENOMEM,
-        NBD_EINVAL => libc::EINVAL,
-        NBD_ENOSPC => libc::ENOSPC,
-        NBD_EOVERFLOW => libc::EOVERFLOW,
-        NBD_ENOTSUP => libc::ENOTSUP,
-        NBD_ESHUTDOWN => libc::ESHUTDOWN,
-        _ => libc::EINVAL,
-    }
+    known_error(err).map_or(libc::EINVAL, |e| e.2)
 }
 
 /// A printable name for an NBD error value.
 pub fn error_name(err: u32) -> &'static str {
-    match err {
-        0 => "success",
-        NBD_EPERM => "NBD_EPERM",
-        NBD_EIO => "NBD_EIO",
-        NBD_ENOMEM => "NBD_ENOMEM",
-        NBD_EINVAL => "NBD_EINVAL",
-        NBD_ENOSPC => "NBD_ENOSPC",
-        NBD_EOVERFLOW => "NBD_EOVERFLOW",
-        NBD_ENOTSUP => "NBD_ENOTSUP",
-        NBD_ESHUTDOWN => "NBD_ESHUTDOWN",
-        _ => "unknown NBD error",
+    match known_error(err) {
+        Some(e) => e.1,
+        None if err == 0 => "success",
+        None => "unknown NBD error",
     }
+}
+
+/// What an NBD error value means, for messages to users; None for values
+/// the spec does not name.
+pub fn error_description(err: u32) -> Option<&'static str> {
+    known_error(err).map(|e| e.3)
 }
 
 // ---------------------------------------------------------------------------
@@ -967,7 +1071,7 @@ pub fn decode_export_name_reply(buf: &[u8], no_zeroes: bool) -> Decoded<(u64, u1
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Request {
     pub flags: u16,
-    pub typ: u16,
+    pub command: Command,
     pub cookie: u64,
     pub offset: u64,
     pub length: u64,
@@ -981,7 +1085,7 @@ impl Request {
         if extended {
             put_u32(out, EXTENDED_REQUEST_MAGIC);
             put_u16(out, self.flags);
-            put_u16(out, self.typ);
+            put_u16(out, self.command.wire());
             put_u64(out, self.cookie);
             put_u64(out, self.offset);
             put_u64(out, self.length);
@@ -989,7 +1093,7 @@ impl Request {
             debug_assert!(self.length <= u32::MAX as u64);
             put_u32(out, REQUEST_MAGIC);
             put_u16(out, self.flags);
-            put_u16(out, self.typ);
+            put_u16(out, self.command.wire());
             put_u64(out, self.cookie);
             put_u64(out, self.offset);
             put_u32(out, self.length.min(u32::MAX as u64) as u32);
@@ -1002,7 +1106,7 @@ impl Request {
     /// a write MUST set the flag, but qemu 10's client sends extended writes
     /// without it, and its length can only be the payload's.
     pub fn payload_len(&self, extended: bool) -> u64 {
-        if self.typ == CMD_WRITE || (extended && self.flags & CMD_FLAG_PAYLOAD_LEN != 0) {
+        if self.command == Command::Write || (extended && self.flags & CMD_FLAG_PAYLOAD_LEN != 0) {
             self.length
         } else {
             0
@@ -1035,14 +1139,14 @@ pub fn decode_request(buf: &[u8], extended: bool) -> Decoded<Request> {
         return Err(DecodeError::Invalid("bad request magic"));
     }
     let flags = r.u16()?;
-    let typ = r.u16()?;
+    let command = Command::from_wire(r.u16()?);
     let cookie = r.u64()?;
     let offset = r.u64()?;
     let length = if extended { r.u64()? } else { r.u32()? as u64 };
     Ok((
         Request {
             flags,
-            typ,
+            command,
             cookie,
             offset,
             length,
@@ -1698,20 +1802,20 @@ mod tests {
         let reqs = [
             Request {
                 flags: CMD_FLAG_FUA,
-                typ: CMD_WRITE,
+                command: Command::Write,
                 cookie: 0xdead_beef_0000_0001,
                 offset: 1 << 40,
                 length: 4096,
             },
             Request {
                 flags: CMD_FLAG_REQ_ONE,
-                typ: CMD_BLOCK_STATUS,
+                command: Command::BlockStatus,
                 cookie: 2,
                 offset: 0,
                 length: u32::MAX as u64,
             },
             Request {
-                typ: CMD_DISC,
+                command: Command::Disc,
                 ..Default::default()
             },
         ];
@@ -1734,7 +1838,7 @@ mod tests {
         // 64-bit lengths survive extended headers.
         let big = Request {
             flags: 0,
-            typ: CMD_WRITE_ZEROES,
+            command: Command::WriteZeroes,
             cookie: 9,
             offset: 0,
             length: 1 << 40,
@@ -1745,16 +1849,45 @@ mod tests {
     }
 
     #[test]
+    fn command_numbers_round_trip() {
+        for n in 0..=u16::MAX {
+            let c = Command::from_wire(n);
+            assert_eq!(c.wire(), n);
+            let known = !matches!(c, Command::Unknown(_));
+            assert_eq!(known, n <= 8, "{n}");
+            assert_eq!(c.name().starts_with("NBD_CMD_"), known, "{n}");
+        }
+        assert_eq!(Command::default(), Command::Read);
+        assert_eq!(Command::WriteZeroes.name(), "NBD_CMD_WRITE_ZEROES");
+        assert_eq!(Command::BlockStatus.verb(), "block status");
+    }
+
+    #[test]
+    fn error_and_flag_names() {
+        assert_eq!(error_name(NBD_ENOSPC), "NBD_ENOSPC");
+        assert_eq!(error_name(0), "success");
+        assert_eq!(error_name(4242), "unknown NBD error");
+        assert_eq!(error_description(NBD_EIO), Some("input/output error"));
+        assert_eq!(nbd_to_errno(NBD_ENOTSUP), libc::ENOTSUP);
+        assert_eq!(nbd_to_errno(4242), libc::EINVAL);
+        for e in ERRORS {
+            assert_eq!(errno_to_nbd(nbd_to_errno(e.0)), e.0);
+        }
+        let names: Vec<_> = transmission_flag_names(FLAG_HAS_FLAGS | FLAG_SEND_TRIM).collect();
+        assert_eq!(names, ["has_flags", "send_trim"]);
+    }
+
+    #[test]
     fn payload_len_rules() {
         let w = Request {
-            typ: CMD_WRITE,
+            command: Command::Write,
             length: 512,
             ..Default::default()
         };
         assert_eq!(w.payload_len(false), 512);
         assert_eq!(w.payload_len(true), 512);
         let bs = Request {
-            typ: CMD_BLOCK_STATUS,
+            command: Command::BlockStatus,
             flags: CMD_FLAG_PAYLOAD_LEN,
             length: 16,
             ..Default::default()
@@ -1767,7 +1900,7 @@ mod tests {
         };
         assert_eq!(wp.payload_len(true), 512);
         let r = Request {
-            typ: CMD_READ,
+            command: Command::Read,
             length: 512,
             ..Default::default()
         };

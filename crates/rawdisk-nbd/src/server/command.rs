@@ -91,8 +91,8 @@ pub(super) type Reject = (u32, &'static str);
 /// Checks a request against the spec and the session before any work.
 pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
     let ext = s.mode.extended();
-    let allowed = match req.typ {
-        CMD_READ => {
+    let allowed = match req.command {
+        Command::Read => {
             CMD_FLAG_FUA
                 | if s.flags & FLAG_SEND_DF != 0 {
                     CMD_FLAG_DF
@@ -100,8 +100,8 @@ pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
                     0
                 }
         }
-        CMD_WRITE => CMD_FLAG_FUA | if ext { CMD_FLAG_PAYLOAD_LEN } else { 0 },
-        CMD_WRITE_ZEROES => {
+        Command::Write => CMD_FLAG_FUA | if ext { CMD_FLAG_PAYLOAD_LEN } else { 0 },
+        Command::WriteZeroes => {
             CMD_FLAG_FUA
                 | CMD_FLAG_NO_HOLE
                 | if s.flags & FLAG_SEND_FAST_ZERO != 0 {
@@ -110,18 +110,25 @@ pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
                     0
                 }
         }
-        CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
-        CMD_FLUSH | CMD_TRIM | CMD_CACHE => CMD_FLAG_FUA,
-        _ => return Err((NBD_EINVAL, "unknown command")),
+        Command::BlockStatus => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
+        Command::Flush | Command::Trim | Command::Cache => CMD_FLAG_FUA,
+        // DISC ends the connection before it gets here; RESIZE is not
+        // offered (no NBD_FLAG_SEND_RESIZE).
+        Command::Disc | Command::Resize | Command::Unknown(_) => {
+            return Err((NBD_EINVAL, "unknown command"))
+        }
     };
     if req.flags & !allowed != 0 {
         return Err((NBD_EINVAL, "command flag not valid for this command"));
     }
-    let writes = matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM);
+    let writes = matches!(
+        req.command,
+        Command::Write | Command::WriteZeroes | Command::Trim
+    );
     if writes && s.flags & FLAG_READ_ONLY != 0 {
         return Err((NBD_EPERM, "export is read-only"));
     }
-    if req.typ == CMD_FLUSH {
+    if req.command == Command::Flush {
         return Ok(());
     }
     let past_end = match req.offset.checked_add(req.length) {
@@ -131,17 +138,17 @@ pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
     if past_end {
         // Spec (Error values): writes past the end are ENOSPC, reads, trims
         // and status queries EINVAL.
-        let err = if matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES) {
+        let err = if matches!(req.command, Command::Write | Command::WriteZeroes) {
             NBD_ENOSPC
         } else {
             NBD_EINVAL
         };
         return Err((err, "request extends past the end of the export"));
     }
-    if req.typ == CMD_READ && req.length > s.max_payload as u64 {
+    if req.command == Command::Read && req.length > s.max_payload as u64 {
         return Err((NBD_EINVAL, "read longer than the maximum payload"));
     }
-    if s.enforce_min_block && s.min_block > 1 && req.typ != CMD_BLOCK_STATUS {
+    if s.enforce_min_block && s.min_block > 1 && req.command != Command::BlockStatus {
         // min_block is a power of two.
         let mask = s.min_block as u64 - 1;
         let end = req.offset + req.length;
@@ -149,7 +156,7 @@ pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
             return Err((NBD_EINVAL, "request not aligned to the minimum block size"));
         }
     }
-    if req.typ == CMD_BLOCK_STATUS {
+    if req.command == Command::BlockStatus {
         if s.base_allocation.is_none() {
             return Err((NBD_EINVAL, "no metadata context was negotiated"));
         }
@@ -274,9 +281,9 @@ pub(super) fn execute(
     let t = &*sh.target;
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(s, req, to, op, e);
-    match req.typ {
-        CMD_READ => read(sh, s, req, to),
-        CMD_WRITE => {
+    match req.command {
+        Command::Read => read(sh, s, req, to),
+        Command::Write => {
             let Some((buf, start, n)) = data else {
                 return whole(small_ok(s, to));
             };
@@ -290,11 +297,11 @@ pub(super) fn execute(
                 Err(e) => fail("write", &e),
             }
         }
-        CMD_FLUSH => match t.flush() {
+        Command::Flush => match t.flush() {
             Ok(()) => whole(small_ok(s, to)),
             Err(e) => fail("flush", &e),
         },
-        CMD_TRIM => {
+        Command::Trim => {
             if req.length == 0 {
                 return whole(small_ok(s, to));
             }
@@ -312,7 +319,7 @@ pub(super) fn execute(
             }
             whole(small_ok(s, to))
         }
-        CMD_CACHE => {
+        Command::Cache => {
             if req.length == 0 {
                 return whole(small_ok(s, to));
             }
@@ -321,7 +328,7 @@ pub(super) fn execute(
                 Err(e) => fail("cache", &e),
             }
         }
-        CMD_WRITE_ZEROES => {
+        Command::WriteZeroes => {
             if req.length == 0 {
                 return whole(small_ok(s, to));
             }
@@ -351,8 +358,10 @@ pub(super) fn execute(
             }
             whole(small_ok(s, to))
         }
-        CMD_BLOCK_STATUS => block_status(sh, s, req, to),
-        _ => whole(small_error(s, to, NBD_EINVAL, "unknown command")),
+        Command::BlockStatus => block_status(sh, s, req, to),
+        Command::Disc | Command::Resize | Command::Unknown(_) => {
+            whole(small_error(s, to, NBD_EINVAL, "unknown command"))
+        }
     }
 }
 

@@ -376,7 +376,9 @@ async fn connection<R, W>(
             ReplyMode::Structured => "structured",
             ReplyMode::Extended => "extended-header",
         },
-        flag_names(session.flags),
+        transmission_flag_names(session.flags)
+            .collect::<Vec<_>>()
+            .join("|"),
         session.size,
         if session.base_allocation.is_some() {
             "on"
@@ -398,29 +400,4 @@ async fn connection<R, W>(
         }
         Err(e) => warn!("{peer}: connection ended: {e}"),
     }
-}
-
-fn flag_names(f: u16) -> String {
-    let names = [
-        (FLAG_READ_ONLY, "READ_ONLY"),
-        (FLAG_SEND_FLUSH, "FLUSH"),
-        (FLAG_SEND_FUA, "FUA"),
-        (FLAG_ROTATIONAL, "ROTATIONAL"),
-        (FLAG_SEND_TRIM, "TRIM"),
-        (FLAG_SEND_WRITE_ZEROES, "WRITE_ZEROES"),
-        (FLAG_SEND_DF, "DF"),
-        (FLAG_CAN_MULTI_CONN, "MULTI_CONN"),
-        (FLAG_SEND_CACHE, "CACHE"),
-        (FLAG_SEND_FAST_ZERO, "FAST_ZERO"),
-    ];
-    let mut s = String::new();
-    for (bit, name) in names {
-        if f & bit != 0 {
-            if !s.is_empty() {
-                s.push('|');
-            }
-            s.push_str(name);
-        }
-    }
-    s
 }

@@ -286,7 +286,7 @@ where
         let Some(req) = self.read_header().await? else {
             return Ok(None);
         };
-        if req.typ == CMD_DISC {
+        if req.command == Command::Disc {
             // Spec: finish what is in flight, then close; no reply.
             return Ok(None);
         }
@@ -313,8 +313,8 @@ where
         }
         let check = validate(&self.s, &req);
         // Bytes this request will hold: its payload, or the read reply.
-        let need = match (&check, req.typ) {
-            (Ok(()), CMD_READ) => req.length as usize + 2 * DATA_ALIGN,
+        let need = match (&check, req.command) {
+            (Ok(()), Command::Read) => req.length as usize + 2 * DATA_ALIGN,
             _ if payload > 0 => payload as usize + DATA_ALIGN,
             _ => 0,
         };
@@ -330,7 +330,7 @@ where
             let (err, msg) = check.err()?;
             debug!(
                 "{} offset {} length {}: {}: {msg}",
-                command_name(req.typ),
+                req.command.name(),
                 req.offset,
                 req.length,
                 error_name(err)
@@ -406,7 +406,7 @@ where
             .map_err(|e| protocol_error(format!("bad request header: {e}")))?;
         trace!(
             "{} flags {:#x} offset {} length {} cookie {:#x}",
-            command_name(req.typ),
+            req.command.name(),
             req.flags,
             req.offset,
             req.length,
@@ -433,7 +433,7 @@ where
         let mapped = self.sh.cfg.map_writes
             && payload >= MAP_WRITE_MIN
             && payload - head >= MAP_WRITE_MIN
-            && req.typ == CMD_WRITE
+            && req.command == Command::Write
             && valid
             && req.flags & CMD_FLAG_FUA == 0;
         let mapping = if mapped {
@@ -516,7 +516,7 @@ where
         // blocking thread: while more requests are already buffered, gather
         // them and hand them over together. Anything else goes alone, so big
         // or slow requests still run in parallel.
-        let small = matches!(req.typ, CMD_READ | CMD_WRITE)
+        let small = matches!(req.command, Command::Read | Command::Write)
             && req.length <= BATCH_MAX_LEN
             && req.flags & CMD_FLAG_FUA == 0;
         // A read or write with nothing else in flight or buffered (queue
@@ -526,7 +526,7 @@ where
         // a request the client sends a moment later.
         let idle = self.batch.jobs.is_empty()
             && self.slots.available_permits() + 1 == self.sh.cfg.max_requests_per_conn
-            && matches!(req.typ, CMD_READ | CMD_WRITE)
+            && matches!(req.command, Command::Read | Command::Write)
             && req.length <= INLINE_MAX_LEN;
         // A mid-sized page-cache write runs here whatever else is in flight:
         // its payload is still in this CPU's cache, and buffered writes to
@@ -534,7 +534,7 @@ where
         // on the reader). Not under O_DIRECT, where the pool's threads are
         // the device's queue depth.
         let own_write = self.sh.target.cache_mode() == CacheMode::Writeback
-            && req.typ == CMD_WRITE
+            && req.command == Command::Write
             && req.flags & CMD_FLAG_FUA == 0
             && req.length > BATCH_MAX_LEN
             && req.length <= OWN_WRITE_MAX;
