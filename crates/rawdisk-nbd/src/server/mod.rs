@@ -234,8 +234,10 @@ impl Server {
         Ok(())
     }
 
-    /// Serves one already-connected stream (tests, socket activation of a
-    /// single connection, pipes). Returns when the connection ends.
+    /// Serves one already-connected stream (tests, the fuzz target, pipes)
+    /// and returns when the connection ends. Any byte stream works: with no
+    /// socket underneath, reads are copied instead of spliced and
+    /// `map_writes` does not apply.
     pub async fn serve_stream<S>(&self, stream: S, shutdown: watch::Receiver<bool>)
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
