@@ -11,8 +11,10 @@
 //! Per connection (see docs/architecture.md):
 //! - the connection task reads and decodes requests (and, for writes, reads
 //!   the payload straight into the buffer the storage call will use);
-//! - every storage call runs on tokio's blocking pool, where it also encodes
-//!   its reply into one buffer (header and data together);
+//! - storage calls run on tokio's blocking pool, small ones gathered into
+//!   one job, and each encodes its reply into one buffer (header and data
+//!   together); a lone request or a mid-sized page-cache write runs on the
+//!   connection task itself, which then writes its reply;
 //! - one writer task owns the socket's write half and sends finished replies
 //!   in completion order, so replies never interleave.
 //!
