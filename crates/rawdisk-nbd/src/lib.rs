@@ -2,6 +2,8 @@
 //! fuzzed), and the server and client built on it.
 
 pub mod client;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod proto;
 pub mod server;
 mod sock;

@@ -2,12 +2,11 @@
 //! writing until the kernel says EAGAIN.
 //!
 //! tokio's own `UnixStream`/`TcpStream` forget the socket's readiness after
-//! every short read (fewer bytes than asked). A 2 MiB write payload arrives
-//! through a Unix socket in ~200 KiB pieces, so each piece cost a trip
-//! through the scheduler and an `epoll_wait` (3,600 of them for one
-//! `qemu-img convert` of the seed image, against 440 reads that actually
-//! found the socket empty). Here readiness is dropped only on EAGAIN, which
-//! is what qemu-nbd's and nbdkit's receive loops do.
+//! every short read (fewer bytes than asked). A big write payload arrives
+//! through a Unix socket in pieces, so each piece cost a trip through the
+//! scheduler and an `epoll_wait`, most of which found more data waiting
+//! (docs/benchmarks.md, Socket readiness). Here readiness is dropped only
+//! on EAGAIN, which is what qemu-nbd's and nbdkit's receive loops do.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -207,8 +206,7 @@ impl Drop for Pipe {
 /// Lets the server run further ahead of a client on a Unix socket: its
 /// send buffer bounds the reply bytes queued before the client reads them
 /// (AF_UNIX charges the sender only), and the default 208 KiB is a fifth of
-/// one 1 MiB read. fio reading 1 MiB at queue depth 16 from tmpfs, spliced
-/// replies: about 1,900 MiB/s with the default, 2,800 with this.
+/// one 1 MiB read (docs/benchmarks.md, Unix socket send buffer).
 /// SO_SNDBUFFORCE needs CAP_NET_ADMIN; without it SO_SNDBUF is capped at
 /// net.core.wmem_max (the kernel then doubles either value).
 pub(crate) fn grow_unix_send_buffer(s: &tokio::net::UnixStream) {

@@ -1,5 +1,6 @@
-//! NBD URIs (`/work/shared/spec/nbd-uri.md`): `nbd://host[:port]/export`
-//! and `nbd+unix:///export?socket=PATH`.
+//! NBD URIs as the NBD URI specification defines them (`doc/uri.md` in the
+//! NBD project, <https://github.com/NetworkBlockDevice/nbd/blob/master/doc/uri.md>):
+//! `nbd://host[:port]/export` and `nbd+unix:///export?socket=PATH`.
 //!
 //! This client has no TLS: the TLS schemes (`nbds`, `nbds+unix`) and the
 //! `tls-*` query parameters are refused with an error that says so, as the
@@ -287,7 +288,7 @@ mod tests {
 
     #[test]
     fn spec_export_name_table() {
-        // The table in nbd-uri.md, "NBD URI export name".
+        // The table in the NBD URI specification, "NBD URI export name".
         let cases = [
             ("nbd://example.com/disk", "disk"),
             ("nbd://example.com/", ""),

@@ -181,7 +181,7 @@ struct GoInfo {
 
 #[derive(Debug, Clone, Copy)]
 struct Pending {
-    typ: u16,
+    typ: Command,
     offset: u64,
     len: u64,
 }
@@ -328,7 +328,7 @@ impl Conn {
         go_info(&r)
     }
 
-    fn send_req(&mut self, typ: u16, flags: u16, offset: u64, len: u64, payload: &[u8]) -> u64 {
+    fn send_req(&mut self, typ: Command, flags: u16, offset: u64, len: u64, payload: &[u8]) -> u64 {
         let cookie = self.next_cookie;
         self.next_cookie += 1;
         self.send_req_cookie(cookie, typ, flags, offset, len, payload);
@@ -338,7 +338,7 @@ impl Conn {
     fn send_req_cookie(
         &mut self,
         cookie: u64,
-        typ: u16,
+        typ: Command,
         flags: u16,
         offset: u64,
         len: u64,
@@ -356,7 +356,7 @@ impl Conn {
         &mut self,
         b: &mut Vec<u8>,
         cookie: u64,
-        typ: u16,
+        typ: Command,
         mut flags: u16,
         offset: u64,
         len: u64,
@@ -368,7 +368,7 @@ impl Conn {
         }
         Request {
             flags,
-            typ,
+            command: typ,
             cookie,
             offset,
             length: len,
@@ -382,7 +382,7 @@ impl Conn {
     fn queue_req(
         &mut self,
         b: &mut Vec<u8>,
-        typ: u16,
+        typ: Command,
         offset: u64,
         len: u64,
         payload: &[u8],
@@ -435,7 +435,7 @@ impl Conn {
                     simple: true,
                     ..Default::default()
                 };
-                if p.typ == CMD_READ && error == 0 {
+                if p.typ == Command::Read && error == 0 {
                     assert_ne!(
                         self.mode,
                         ReplyMode::Structured,
@@ -465,7 +465,7 @@ impl Conn {
                 let chunk = decode_chunk(typ, &payload).unwrap();
                 let r = self.partial.entry(cookie).or_insert_with(|| Reply {
                     cookie,
-                    data: if p.typ == CMD_READ {
+                    data: if p.typ == Command::Read {
                         vec![0xee; p.len as usize]
                     } else {
                         Vec::new()
@@ -477,7 +477,7 @@ impl Conn {
                         assert!(flags & REPLY_FLAG_DONE != 0, "NONE without DONE");
                     }
                     Chunk::OffsetData { offset, data } => {
-                        assert_eq!(p.typ, CMD_READ);
+                        assert_eq!(p.typ, Command::Read);
                         let start = offset - p.offset;
                         assert!(offset >= p.offset && start + data.len() as u64 <= p.len);
                         r.data[start as usize..start as usize + data.len()].copy_from_slice(data);
@@ -485,7 +485,7 @@ impl Conn {
                         r.data_chunks += 1;
                     }
                     Chunk::OffsetHole { offset, length } => {
-                        assert_eq!(p.typ, CMD_READ);
+                        assert_eq!(p.typ, Command::Read);
                         let start = offset - p.offset;
                         assert!(offset >= p.offset && start + length as u64 <= p.len);
                         r.data[start as usize..(start + length as u64) as usize].fill(0);
@@ -496,7 +496,7 @@ impl Conn {
                         context_id,
                         descriptors,
                     } => {
-                        assert_eq!(p.typ, CMD_BLOCK_STATUS);
+                        assert_eq!(p.typ, Command::BlockStatus);
                         let want = if extended {
                             REPLY_TYPE_BLOCK_STATUS_EXT
                         } else {
@@ -521,7 +521,7 @@ impl Conn {
                 }
                 let mut r = self.partial.remove(&cookie).unwrap();
                 self.pending.remove(&cookie);
-                if p.typ == CMD_READ && r.error == 0 {
+                if p.typ == Command::Read && r.error == 0 {
                     // Chunks must not overlap and must cover the request.
                     r.covered.sort();
                     let mut pos = 0;
@@ -536,7 +536,7 @@ impl Conn {
         }
     }
 
-    fn cmd(&mut self, typ: u16, flags: u16, offset: u64, len: u64, payload: &[u8]) -> Reply {
+    fn cmd(&mut self, typ: Command, flags: u16, offset: u64, len: u64, payload: &[u8]) -> Reply {
         let c = self.send_req(typ, flags, offset, len, payload);
         let r = self.recv();
         assert_eq!(r.cookie, c);
@@ -544,18 +544,18 @@ impl Conn {
     }
 
     fn read(&mut self, offset: u64, len: u64) -> Vec<u8> {
-        let r = self.cmd(CMD_READ, 0, offset, len, &[]);
+        let r = self.cmd(Command::Read, 0, offset, len, &[]);
         assert_eq!(r.error, 0, "read failed: {}", r.message);
         r.data
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let r = self.cmd(CMD_WRITE, 0, offset, data.len() as u64, data);
+        let r = self.cmd(Command::Write, 0, offset, data.len() as u64, data);
         assert_eq!(r.error, 0, "write failed: {}", r.message);
     }
 
     fn disc(&mut self) {
-        self.send_req(CMD_DISC, 0, 0, 0, &[]);
+        self.send_req(Command::Disc, 0, 0, 0, &[]);
         assert!(self.closed_by_server(), "no close after NBD_CMD_DISC");
     }
 }
@@ -601,10 +601,10 @@ fn random(n: usize, seed: u64) -> Vec<u8> {
 }
 
 /// A request header at offset 0, for bytes a well-behaved client would not send.
-fn raw_request(typ: u16, cookie: u64, length: u64, extended: bool) -> Vec<u8> {
+fn raw_request(typ: Command, cookie: u64, length: u64, extended: bool) -> Vec<u8> {
     let mut b = Vec::new();
     Request {
-        typ,
+        command: typ,
         cookie,
         length,
         ..Default::default()
@@ -737,7 +737,7 @@ fn handshake_options_and_errors() {
     // Spec: GO after INFO with nothing in between gives the same flags.
     assert_eq!(go_info(&r).flags, g.flags);
     c.mode = ReplyMode::Extended;
-    let r = c.cmd(CMD_BLOCK_STATUS, 0, 0, 4096, &[]);
+    let r = c.cmd(Command::BlockStatus, 0, 0, 4096, &[]);
     assert_eq!(r.error, 0);
     assert_eq!(r.context_id, Some(id));
     assert_eq!(c.read(100, 50), h.model[100..150]);
@@ -822,7 +822,7 @@ fn all_commands(mode: ReplyMode) {
     {
         let d = random(len, i as u64 + 100);
         let r = c.cmd(
-            CMD_WRITE,
+            Command::Write,
             if fua { CMD_FLAG_FUA } else { 0 },
             off,
             len as u64,
@@ -845,34 +845,43 @@ fn all_commands(mode: ReplyMode) {
         (200 * KIB + 3, 10_000, CMD_FLAG_NO_HOLE),
         (5 * MIB, 2 * MIB, CMD_FLAG_FUA),
     ] {
-        let r = c.cmd(CMD_WRITE_ZEROES, flags, off, len, &[]);
+        let r = c.cmd(Command::WriteZeroes, flags, off, len, &[]);
         assert_eq!(r.error, 0, "{}", r.message);
         h.model[off as usize..(off + len) as usize].fill(0);
         assert!(c.read(off, len).iter().all(|&b| b == 0));
     }
     // Trim: contents undefined afterwards, so write over it again.
-    let r = c.cmd(CMD_TRIM, 0, 6 * MIB, MIB, &[]);
+    let r = c.cmd(Command::Trim, 0, 6 * MIB, MIB, &[]);
     assert_eq!(r.error, 0, "{}", r.message);
     let d = random(MIB as usize, 7);
     c.write(6 * MIB, &d);
     h.model[6 * MIB as usize..7 * MIB as usize].copy_from_slice(&d);
-    for typ in [CMD_FLUSH, CMD_CACHE] {
-        let len = if typ == CMD_CACHE { MIB } else { 0 };
+    for typ in [Command::Flush, Command::Cache] {
+        let len = if typ == Command::Cache { MIB } else { 0 };
         let r = c.cmd(typ, 0, 0, len, &[]);
-        assert_eq!(r.error, 0, "{}: {}", command_name(typ), r.message);
+        assert_eq!(r.error, 0, "{}: {}", typ.name(), r.message);
         if mode != ReplyMode::Extended {
             assert!(r.simple, "payload-less success may be a simple reply");
         }
     }
     // Zero-length requests are harmless.
-    for typ in [CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, CMD_TRIM, CMD_CACHE] {
-        assert_eq!(c.cmd(typ, 0, 100, 0, &[]).error, 0, "{}", command_name(typ));
+    for typ in [
+        Command::Read,
+        Command::Write,
+        Command::WriteZeroes,
+        Command::Trim,
+        Command::Cache,
+    ] {
+        assert_eq!(c.cmd(typ, 0, 100, 0, &[]).error, 0, "{}", typ.name());
     }
     if mode == ReplyMode::Simple {
         // No context negotiated: EINVAL, connection stays usable.
-        assert_eq!(c.cmd(CMD_BLOCK_STATUS, 0, 0, 4096, &[]).error, NBD_EINVAL);
+        assert_eq!(
+            c.cmd(Command::BlockStatus, 0, 0, 4096, &[]).error,
+            NBD_EINVAL
+        );
     } else {
-        let r = c.cmd(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 0, 4096, &[]);
+        let r = c.cmd(Command::BlockStatus, CMD_FLAG_REQ_ONE, 0, 4096, &[]);
         assert_eq!(r.error, 0);
         assert_eq!(r.descriptors.len(), 1);
         assert!(r.descriptors[0].length <= 4096 && r.descriptors[0].length > 0);
@@ -933,23 +942,23 @@ fn sparse_reads_df_and_block_status() {
         c.write(4 * MIB + 4096, &d[..4096]);
         h.model[MIB as usize..(MIB + 256 * KIB) as usize].copy_from_slice(&d);
         h.model[(4 * MIB + 4096) as usize..(4 * MIB + 8192) as usize].copy_from_slice(&d[..4096]);
-        assert_eq!(c.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, 0);
+        assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
 
         // A read over holes and data: hole chunks where the file has holes.
-        let r = c.cmd(CMD_READ, 0, 0, 2 * MIB, &[]);
+        let r = c.cmd(Command::Read, 0, 0, 2 * MIB, &[]);
         assert_eq!(r.error, 0);
         assert_eq!(r.data, h.model[..2 * MIB as usize]);
         assert!(r.hole_chunks >= 1, "no hole chunks over a sparse range");
         assert!(r.data_chunks >= 1);
         // DF: one data chunk with the zeros spelled out.
-        let r = c.cmd(CMD_READ, CMD_FLAG_DF, 0, 2 * MIB, &[]);
+        let r = c.cmd(Command::Read, CMD_FLAG_DF, 0, 2 * MIB, &[]);
         assert_eq!((r.data_chunks, r.hole_chunks), (1, 0));
         assert_eq!(r.data, h.model[..2 * MIB as usize]);
 
         // Block status against SEEK_DATA/SEEK_HOLE.
         let size = h.model.len() as u64;
         let truth = seek_truth(&h.path, 0, size);
-        let r = c.cmd(CMD_BLOCK_STATUS, 0, 0, size, &[]);
+        let r = c.cmd(Command::BlockStatus, 0, 0, size, &[]);
         assert_eq!(r.error, 0, "{}", r.message);
         let mut pos = 0;
         for d in &r.descriptors {
@@ -975,7 +984,13 @@ fn sparse_reads_df_and_block_status() {
         }
         assert_eq!(pos, size, "descriptors cover the export");
         // REQ_ONE in the middle of the data run.
-        let r = c.cmd(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, MIB + 4096, 8192, &[]);
+        let r = c.cmd(
+            Command::BlockStatus,
+            CMD_FLAG_REQ_ONE,
+            MIB + 4096,
+            8192,
+            &[],
+        );
         assert_eq!(r.descriptors.len(), 1);
         assert_eq!(r.descriptors[0].status, 0);
         assert!(r.descriptors[0].length <= 8192);
@@ -996,7 +1011,7 @@ fn extended_headers_carry_64_bit_lengths() {
     let (mut c, g) = h.open(ReplyMode::Extended);
     assert_eq!(g.size, size);
     // One request over more than 4 GiB, which compact headers cannot say.
-    let r = c.cmd(CMD_BLOCK_STATUS, 0, 0, size, &[]);
+    let r = c.cmd(Command::BlockStatus, 0, 0, size, &[]);
     assert_eq!(r.error, 0, "{}", r.message);
     assert!(
         r.descriptors[0].length > u32::MAX as u64,
@@ -1005,16 +1020,16 @@ fn extended_headers_carry_64_bit_lengths() {
     );
     let d = random(4096, 3);
     c.write(5 << 30, &d);
-    let r = c.cmd(CMD_WRITE_ZEROES, 0, 0, 5 << 30, &[]);
+    let r = c.cmd(Command::WriteZeroes, 0, 0, 5 << 30, &[]);
     assert_eq!(r.error, 0, "{}", r.message);
     assert_eq!(c.read(5 << 30, 4096), d);
     assert!(c.read((5 << 30) - 4096, 4096).iter().all(|&b| b == 0));
     // Errors come as extended error chunks.
-    let r = c.cmd(CMD_READ, 0, size, 1, &[]);
+    let r = c.cmd(Command::Read, 0, size, 1, &[]);
     assert_eq!(r.error, NBD_EINVAL);
     assert!(!r.simple && !r.message.is_empty());
     // A payload on a command that takes none is consumed, then refused.
-    let r = c.cmd(CMD_TRIM, 0, 0, 8, &[1; 8]);
+    let r = c.cmd(Command::Trim, 0, 0, 8, &[1; 8]);
     assert_eq!(r.error, NBD_EINVAL);
     assert_eq!(c.read(5 << 30, 4096), d);
     c.disc();
@@ -1034,7 +1049,7 @@ fn sixty_four_requests_in_flight() {
         let len = rng.gen_range(1..=256) * 1024 + rng.gen_range(0..512);
         let off = i * 512 * KIB + rng.gen_range(0..1024);
         let d = random(len as usize, 1000 + i);
-        let cookie = c.send_req(CMD_WRITE, 0, off, len, &d);
+        let cookie = c.send_req(Command::Write, 0, off, len, &d);
         sent.insert(cookie, (off, d));
     }
     let mut order = Vec::new();
@@ -1051,10 +1066,10 @@ fn sixty_four_requests_in_flight() {
     for i in 0..64u64 {
         let off = rng.gen_range(0..31 * MIB);
         let len = rng.gen_range(1..=MIB);
-        let cookie = c.send_req(CMD_READ, 0, off, len, &[]);
+        let cookie = c.send_req(Command::Read, 0, off, len, &[]);
         reads.insert(cookie, (off, len));
         if i % 16 == 0 {
-            let f = c.send_req(CMD_FLUSH, 0, 0, 0, &[]);
+            let f = c.send_req(Command::Flush, 0, 0, 0, &[]);
             reads.insert(f, (0, 0));
         }
     }
@@ -1102,7 +1117,7 @@ fn mid_sized_writes_in_flight_run_in_order_and_fail_on_their_own() {
         if i % 6 == 4 {
             // Past everything written (24 * 300 KiB < 7.1 MiB).
             let r = 7 * MIB + 512 * i;
-            reads.insert(c.send_req(CMD_READ, 0, r, 4 * KIB, &[]), r);
+            reads.insert(c.send_req(Command::Read, 0, r, 4 * KIB, &[]), r);
             continue;
         }
         let (len, flags) = if i % 6 == 5 {
@@ -1111,7 +1126,7 @@ fn mid_sized_writes_in_flight_run_in_order_and_fail_on_their_own() {
             (200 * KIB + 1000 + i, 0)
         };
         let d = random(len as usize, 500 + i);
-        let cookie = c.send_req(CMD_WRITE, flags, off, len, &d);
+        let cookie = c.send_req(Command::Write, flags, off, len, &d);
         writes.insert(cookie, (i, off, d));
     }
     let mut failed = Vec::new();
@@ -1148,21 +1163,35 @@ fn bounds_and_bad_requests_keep_the_connection() {
         let mut h = Harness::start(Setup::default());
         let (mut c, g) = h.open(mode);
         let size = g.size;
-        let cases: Vec<(u16, u16, u64, u64, Vec<u8>, u32)> = vec![
-            (CMD_READ, 0, size, 1, vec![], NBD_EINVAL),
-            (CMD_READ, 0, size - 10, 11, vec![], NBD_EINVAL),
-            (CMD_READ, 0, u64::MAX - 10, 100, vec![], NBD_EINVAL),
-            (CMD_WRITE, 0, size - 10, 20, vec![7; 20], NBD_ENOSPC),
-            (CMD_WRITE, 0, u64::MAX, 20, vec![7; 20], NBD_ENOSPC),
-            (CMD_WRITE_ZEROES, 0, size - 10, 20, vec![], NBD_ENOSPC),
-            (CMD_TRIM, 0, size, 4096, vec![], NBD_EINVAL),
-            (CMD_CACHE, 0, u64::MAX, 2, vec![], NBD_EINVAL),
-            (CMD_BLOCK_STATUS, 0, size, 4096, vec![], NBD_EINVAL),
-            (99, 0, 0, 0, vec![], NBD_EINVAL),
-            (CMD_READ, 1 << 7, 0, 512, vec![], NBD_EINVAL),
-            (CMD_READ, CMD_FLAG_FAST_ZERO, 0, 512, vec![], NBD_EINVAL),
-            (CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 4, vec![9; 4], NBD_EINVAL),
-            (CMD_READ, 0, 0, 33 << 20, vec![], NBD_EINVAL),
+        let cases: Vec<(Command, u16, u64, u64, Vec<u8>, u32)> = vec![
+            (Command::Read, 0, size, 1, vec![], NBD_EINVAL),
+            (Command::Read, 0, size - 10, 11, vec![], NBD_EINVAL),
+            (Command::Read, 0, u64::MAX - 10, 100, vec![], NBD_EINVAL),
+            (Command::Write, 0, size - 10, 20, vec![7; 20], NBD_ENOSPC),
+            (Command::Write, 0, u64::MAX, 20, vec![7; 20], NBD_ENOSPC),
+            (Command::WriteZeroes, 0, size - 10, 20, vec![], NBD_ENOSPC),
+            (Command::Trim, 0, size, 4096, vec![], NBD_EINVAL),
+            (Command::Cache, 0, u64::MAX, 2, vec![], NBD_EINVAL),
+            (Command::BlockStatus, 0, size, 4096, vec![], NBD_EINVAL),
+            (Command::Unknown(99), 0, 0, 0, vec![], NBD_EINVAL),
+            (Command::Read, 1 << 7, 0, 512, vec![], NBD_EINVAL),
+            (
+                Command::Read,
+                CMD_FLAG_FAST_ZERO,
+                0,
+                512,
+                vec![],
+                NBD_EINVAL,
+            ),
+            (
+                Command::Write,
+                CMD_FLAG_NO_HOLE,
+                0,
+                4,
+                vec![9; 4],
+                NBD_EINVAL,
+            ),
+            (Command::Read, 0, 0, 33 << 20, vec![], NBD_EINVAL),
         ];
         for (typ, flags, off, len, payload, want) in cases {
             let r = c.cmd(typ, flags, off, len, &payload);
@@ -1171,14 +1200,17 @@ fn bounds_and_bad_requests_keep_the_connection() {
                 want,
                 "{:?}: {} flags {flags:#x} at {off}+{len}",
                 mode,
-                command_name(typ)
+                typ.name()
             );
             // Still in sync: a read right after works.
             assert_eq!(c.read(10, 10), h.model[10..20]);
         }
         if mode == ReplyMode::Simple {
             // DF without structured replies is not allowed.
-            assert_eq!(c.cmd(CMD_READ, CMD_FLAG_DF, 0, 512, &[]).error, NBD_EINVAL);
+            assert_eq!(
+                c.cmd(Command::Read, CMD_FLAG_DF, 0, 512, &[]).error,
+                NBD_EINVAL
+            );
         }
         c.disc();
         h.stop().unwrap();
@@ -1197,10 +1229,13 @@ fn read_only_export_refuses_writes() {
         g.flags & (FLAG_SEND_TRIM | FLAG_SEND_WRITE_ZEROES | FLAG_SEND_FAST_ZERO),
         0
     );
-    assert_eq!(c.cmd(CMD_WRITE, 0, 0, 16, &[1; 16]).error, NBD_EPERM);
-    assert_eq!(c.cmd(CMD_WRITE_ZEROES, 0, 0, 4096, &[]).error, NBD_EPERM);
-    assert_eq!(c.cmd(CMD_TRIM, 0, 0, 4096, &[]).error, NBD_EPERM);
-    assert_eq!(c.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, 0);
+    assert_eq!(c.cmd(Command::Write, 0, 0, 16, &[1; 16]).error, NBD_EPERM);
+    assert_eq!(
+        c.cmd(Command::WriteZeroes, 0, 0, 4096, &[]).error,
+        NBD_EPERM
+    );
+    assert_eq!(c.cmd(Command::Trim, 0, 0, 4096, &[]).error, NBD_EPERM);
+    assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
     assert_eq!(c.read(0, 4096), h.model[..4096]);
     c.disc();
     h.stop().unwrap();
@@ -1217,7 +1252,7 @@ fn storage_errors_are_mapped_and_the_connection_survives() {
     for mode in [ReplyMode::Simple, ReplyMode::Structured] {
         let (mut c, _) = h.open(mode);
         fault.fail_from(CallKind::Pread, 1, libc::EIO);
-        let r = c.cmd(CMD_READ, 0, 4096, 4096, &[]);
+        let r = c.cmd(Command::Read, 0, 4096, 4096, &[]);
         assert_eq!(r.error, NBD_EIO);
         assert!(r.data.is_empty() || mode != ReplyMode::Simple);
         fault.clear_rules();
@@ -1230,13 +1265,13 @@ fn storage_errors_are_mapped_and_the_connection_survives() {
         ] {
             fault.fail_from(CallKind::Pwrite, 1, errno);
             fault.fail_from(CallKind::PwriteDsync, 1, errno);
-            let r = c.cmd(CMD_WRITE, 0, 0, 512, &[5; 512]);
+            let r = c.cmd(Command::Write, 0, 0, 512, &[5; 512]);
             assert_eq!(r.error, want, "errno {errno}");
             fault.clear_rules();
         }
         fault.fail_from(CallKind::Fdatasync, 1, libc::EIO);
         fault.fail_from(CallKind::Fsync, 1, libc::EIO);
-        assert_eq!(c.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, NBD_EIO);
+        assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, NBD_EIO);
         fault.clear_rules();
         assert_eq!(c.read(0, 4096), h.model[..4096]);
         c.disc();
@@ -1322,7 +1357,7 @@ fn splice_errors_are_reported_and_a_missing_splice_is_learned() {
         fault.calls(CallKind::Splice) + 2,
         libc::EIO,
     );
-    let r = c.cmd(CMD_READ, 0, off, len, &[]);
+    let r = c.cmd(Command::Read, 0, off, len, &[]);
     assert_eq!(r.error, NBD_EIO);
     assert!(r.covered.is_empty(), "data of a failed read was sent");
     assert!(c.read(off, len) == want, "read after the error differs");
@@ -1377,7 +1412,13 @@ fn write_behind_starts_write_back_of_big_writes_only() {
             n0 + on as u64,
             "64 KiB write started write-back"
         );
-        let r = c.cmd(CMD_WRITE, CMD_FLAG_FUA, 4 * MIB, big.len() as u64, &big);
+        let r = c.cmd(
+            Command::Write,
+            CMD_FLAG_FUA,
+            4 * MIB,
+            big.len() as u64,
+            &big,
+        );
         assert_eq!(r.error, 0);
         h.model[4 * MIB as usize..4 * MIB as usize + big.len()].copy_from_slice(&big);
         assert_eq!(
@@ -1496,7 +1537,7 @@ fn hostile_clients_get_errors_or_a_clean_close() {
 
     // Compact header on an extended connection.
     let (mut c, _) = h.open(ReplyMode::Extended);
-    let mut b = raw_request(CMD_READ, 1, 512, false);
+    let mut b = raw_request(Command::Read, 1, 512, false);
     b.extend_from_slice(&[0; 4]);
     c.send(&b);
     assert!(
@@ -1511,9 +1552,9 @@ fn hostile_clients_get_errors_or_a_clean_close() {
     let mut evil = Vec::new();
     for i in 0..(4 * MIB / 28) {
         // Payload that looks like valid write requests to offset 0.
-        evil.extend(raw_request(CMD_WRITE, 1_000_000 + i, 0, false));
+        evil.extend(raw_request(Command::Write, 1_000_000 + i, 0, false));
     }
-    c.send_req_cookie(77, CMD_WRITE, 0, 0, len, &[]);
+    c.send_req_cookie(77, Command::Write, 0, 0, len, &[]);
     let _ = c.s.write_all(&evil);
     let r = c.recv();
     assert_eq!((r.cookie, r.error), (77, NBD_EINVAL));
@@ -1522,7 +1563,7 @@ fn hostile_clients_get_errors_or_a_clean_close() {
 
     // Vanishing mid-payload: the partial write must not land.
     let (mut c, _) = h.open(ReplyMode::Simple);
-    let mut b = raw_request(CMD_WRITE, 5, MIB, false);
+    let mut b = raw_request(Command::Write, 5, MIB, false);
     b.extend_from_slice(&[0x55; 1000]);
     c.send(&b);
     drop(c);
@@ -1531,14 +1572,14 @@ fn hostile_clients_get_errors_or_a_clean_close() {
     // Vanishing with requests in flight.
     let (mut c, _) = h.open(ReplyMode::Structured);
     for i in 0..32 {
-        c.send_req(CMD_READ, 0, i * 64 * KIB, 64 * KIB, &[]);
+        c.send_req(Command::Read, 0, i * 64 * KIB, 64 * KIB, &[]);
     }
     drop(c);
     check_good(&h, "vanishing with reads in flight");
 
     // Unknown command with an extended payload: consumed, refused.
     let (mut c, _) = h.open(ReplyMode::Extended);
-    let r = c.cmd(0x55, 0, 0, 100, &[0x25; 100]);
+    let r = c.cmd(Command::Unknown(0x55), 0, 0, 100, &[0x25; 100]);
     assert_eq!(r.error, NBD_EINVAL);
     assert_eq!(c.read(0, 4096), h.model[..4096]);
     c.disc();
@@ -1583,7 +1624,7 @@ fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
     let d = random(MIB as usize, 9);
     a.write(2 * MIB, &d);
     h.model[2 * MIB as usize..3 * MIB as usize].copy_from_slice(&d);
-    assert_eq!(b.cmd(CMD_FLUSH, 0, 0, 0, &[]).error, 0);
+    assert_eq!(b.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
     assert!(b.read(2 * MIB, MIB) == d);
 
     // Requests in flight when shutdown starts are finished and answered.
@@ -1591,7 +1632,7 @@ fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
     for i in 0..16u64 {
         let d = random(64 * KIB as usize, 50 + i);
         let off = 4 * MIB + i * 64 * KIB;
-        let cookie = a.send_req(CMD_WRITE, 0, off, d.len() as u64, &d);
+        let cookie = a.send_req(Command::Write, 0, off, d.len() as u64, &d);
         sent.insert(cookie, (off, d));
     }
     // Let the server read them off the socket before asking it to stop.
@@ -1620,7 +1661,7 @@ fn gathered_small_requests_are_answered_whatever_follows() {
         // Small reads sent in one burst are gathered while more are
         // buffered; a refused request, or nothing, after them must not hold
         // them back.
-        for tail in [Some(99u16), None] {
+        for tail in [Some(Command::Unknown(99)), None] {
             let (mut c, _) = h.open(mode);
             let ext = mode.extended();
             let mut burst = Vec::new();
@@ -1629,7 +1670,7 @@ fn gathered_small_requests_are_answered_whatever_follows() {
                 let cookie = 100 + i;
                 let mut b = Vec::new();
                 Request {
-                    typ: CMD_READ,
+                    command: Command::Read,
                     cookie,
                     offset: i * 4096,
                     length: 4096,
@@ -1640,7 +1681,7 @@ fn gathered_small_requests_are_answered_whatever_follows() {
                 c.pending.insert(
                     cookie,
                     Pending {
-                        typ: CMD_READ,
+                        typ: Command::Read,
                         offset: i * 4096,
                         len: 4096,
                     },
@@ -1696,7 +1737,7 @@ fn a_client_that_reads_no_replies_does_not_hold_up_big_writes_of_others() {
     let mut a_reads = Vec::new();
     for i in 0..16 {
         a_reads.push((
-            a.queue_req(&mut a_out, CMD_READ, i * MIB, MIB, &[]),
+            a.queue_req(&mut a_out, Command::Read, i * MIB, MIB, &[]),
             i * MIB,
         ));
     }
@@ -1704,7 +1745,7 @@ fn a_client_that_reads_no_replies_does_not_hold_up_big_writes_of_others() {
     for i in 0..8u64 {
         let off = 16 * MIB + i * 256 * KIB;
         let d = random(256 * KIB as usize, 500 + i);
-        let cookie = a.queue_req(&mut a_out, CMD_WRITE, off, d.len() as u64, &d);
+        let cookie = a.queue_req(&mut a_out, Command::Write, off, d.len() as u64, &d);
         a_writes.push((cookie, off, d));
     }
     let mut a_tx = a.s.try_clone().unwrap();
@@ -1807,7 +1848,7 @@ fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
     fault.set_max_io(0);
 
     let r = c.cmd(
-        CMD_WRITE,
+        Command::Write,
         CMD_FLAG_FUA,
         2 * MIB,
         128 * KIB,
@@ -1826,7 +1867,7 @@ fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
     let pw = fault.calls(CallKind::Pwrite);
     fault.fail_once(CallKind::Pwrite, pw + 1, libc::ENOSPC);
     let e = random(512 * KIB as usize, 35);
-    let r = c.cmd(CMD_WRITE, 0, 4 * MIB, e.len() as u64, &e);
+    let r = c.cmd(Command::Write, 0, 4 * MIB, e.len() as u64, &e);
     let had_head = fault.calls(CallKind::Pwrite) > pw;
     eprintln!("write with a read-ahead head: {had_head}");
     if had_head {
@@ -1851,7 +1892,7 @@ fn big_writes_go_through_the_mapping_and_fall_back_on_its_errors() {
         fault.calls(CallKind::RecvToMap) + 1,
         libc::EFAULT,
     );
-    let r = c.cmd(CMD_WRITE, 0, 4 * MIB, e.len() as u64, &e);
+    let r = c.cmd(Command::Write, 0, 4 * MIB, e.len() as u64, &e);
     if fault.calls(CallKind::Pwrite) > pw {
         assert_eq!(r.error, NBD_ENOSPC, "failed head and EFAULT: {}", r.message);
     } else {
@@ -1890,7 +1931,7 @@ fn with_map_writes_a_vanishing_writer_changes_only_what_it_sent() {
     });
     let (off, len, sent) = (2 * MIB + 100, MIB, 200 * KIB);
     let (mut c, _) = h.open(ReplyMode::Structured);
-    c.send_req_cookie(9, CMD_WRITE, 0, off, len, &[]);
+    c.send_req_cookie(9, Command::Write, 0, off, len, &[]);
     // Let the reader take the header alone and start on the payload.
     std::thread::sleep(Duration::from_millis(100));
     c.send(&vec![0x55; sent as usize]);

@@ -1,0 +1,235 @@
+//! The client's fixed newstyle handshake: client flags, extended headers or
+//! structured replies when wanted, base:allocation, then NBD_OPT_GO with
+//! block-size information, falling back to NBD_OPT_EXPORT_NAME for old
+//! servers.
+
+use tokio::io::AsyncWriteExt;
+
+use super::conn::{read_exact, Reader, Writer};
+use super::{ConnectOptions, ExportInfo};
+use crate::proto::*;
+
+pub(super) async fn handshake(
+    r: &mut Reader,
+    w: &mut Writer,
+    export: &str,
+    opts: &ConnectOptions,
+) -> std::result::Result<(ExportInfo, Option<u32>), String> {
+    let io = |e: std::io::Error| format!("writing to the server: {e}");
+    let mut b = [0u8; GREETING_LEN];
+    read_exact(r, &mut b).await?;
+    let (hflags, _) = decode_greeting(&b).map_err(|e| match e {
+        DecodeError::Invalid("not a newstyle server") => {
+            "the server does not speak newstyle NBD (oldstyle servers are not supported)".into()
+        }
+        e => format!("not an NBD server: {e}"),
+    })?;
+    if hflags & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err("the server does not support fixed newstyle negotiation".into());
+    }
+    let no_zeroes = hflags & FLAG_NO_ZEROES != 0;
+    let mut out = Vec::new();
+    encode_client_flags(
+        &mut out,
+        FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 },
+    );
+    w.write_all(&out).await.map_err(io)?;
+
+    let mut extended = false;
+    let mut structured = false;
+    if opts.extended_headers {
+        // Extended headers imply structured replies (64-bit lengths in both
+        // directions); offered first, as servers that know them prefer them.
+        extended = optional(r, w, ClientOption::ExtendedHeaders).await?;
+        structured = extended;
+    }
+    if !structured && opts.structured_replies {
+        structured = optional(r, w, ClientOption::StructuredReply).await?;
+    }
+
+    let mut context: Option<(u32, String)> = None;
+    if structured && opts.block_status {
+        send_option(
+            w,
+            &ClientOption::SetMetaContext(MetaContextRequest {
+                name: export.to_string(),
+                queries: vec![META_CONTEXT_BASE_ALLOCATION.to_string()],
+            }),
+        )
+        .await?;
+        loop {
+            match option_reply(r, OPT_SET_META_CONTEXT).await? {
+                OptionReply::MetaContext { id, name } => {
+                    if name == META_CONTEXT_BASE_ALLOCATION {
+                        context = Some((id, name));
+                    }
+                }
+                OptionReply::Ack => break,
+                OptionReply::Error { reply, message } => {
+                    // Block status is an optimisation: without it everything
+                    // reads as data. Spec: disregard contexts sent before an
+                    // error.
+                    tracing::debug!(reply = reply_type_name(reply), %message, "server refused SET_META_CONTEXT");
+                    context = None;
+                    break;
+                }
+                other => return Err(format!("unexpected reply {other:?} to SET_META_CONTEXT")),
+            }
+        }
+    }
+
+    send_option(
+        w,
+        &ClientOption::Go(InfoRequest {
+            name: export.to_string(),
+            info: vec![INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION],
+        }),
+    )
+    .await?;
+    let mut info = ExportInfo {
+        name: export.to_string(),
+        description: None,
+        size: 0,
+        flags: 0,
+        min_block: 1,
+        pref_block: 4096,
+        max_payload: 32 << 20,
+        block_size_advertised: false,
+        structured_replies: structured,
+        extended_headers: extended,
+        meta_context: None,
+        connections: 1,
+    };
+    let mut got_export = false;
+    loop {
+        match option_reply(r, OPT_GO).await? {
+            OptionReply::Info(i) => match i {
+                Info::Export { size, flags } => {
+                    info.size = size;
+                    info.flags = flags;
+                    got_export = true;
+                }
+                Info::Name(n) => info.name = n,
+                Info::Description(d) => info.description = Some(d),
+                Info::BlockSize {
+                    min,
+                    preferred,
+                    max,
+                } => {
+                    if !min.is_power_of_two()
+                        || min > 65536
+                        || !preferred.is_power_of_two()
+                        || preferred < min
+                        || max < preferred
+                    {
+                        return Err(format!(
+                            "invalid block sizes from the server: minimum {min}, preferred {preferred}, maximum payload {max}"
+                        ));
+                    }
+                    info.min_block = min;
+                    info.pref_block = preferred;
+                    info.max_payload = max;
+                    info.block_size_advertised = true;
+                }
+                // Spec: ignore information types we do not know.
+                Info::Unknown { .. } => {}
+            },
+            OptionReply::Ack => break,
+            OptionReply::Error { reply, .. } if reply == REP_ERR_UNSUP => {
+                // A server without NBD_OPT_GO: NBD_OPT_EXPORT_NAME cannot
+                // report errors (a refusal is a hang-up), but it is all such a
+                // server knows.
+                send_option(w, &ClientOption::ExportName(export.to_string())).await?;
+                let mut b = vec![0u8; 10 + if no_zeroes { 0 } else { EXPORT_NAME_PADDING }];
+                read_exact(r, &mut b)
+                    .await
+                    .map_err(|e| format!("export '{export}' refused: {e}"))?;
+                let ((size, flags), _) =
+                    decode_export_name_reply(&b, no_zeroes).map_err(|e| e.to_string())?;
+                info.size = size;
+                info.flags = flags;
+                context = None;
+                got_export = true;
+                break;
+            }
+            OptionReply::Error { reply, message } => {
+                return Err(rep_error("export", export, reply, &message))
+            }
+            other => return Err(format!("unexpected reply {other:?} to NBD_OPT_GO")),
+        }
+    }
+    if !got_export {
+        return Err("the server accepted the export without sending its size".into());
+    }
+    if info.flags & FLAG_HAS_FLAGS == 0 {
+        info.flags = 0;
+    }
+    info.meta_context = context.as_ref().map(|c| c.1.clone());
+    Ok((info, context.map(|c| c.0)))
+}
+
+fn rep_error(what: &str, export: &str, reply: u32, message: &str) -> String {
+    let name = match reply {
+        REP_ERR_TLS_REQD => "the server requires TLS, which rawdisk does not support",
+        REP_ERR_UNKNOWN => "no such export",
+        REP_ERR_SHUTDOWN => "the server is shutting down",
+        r => reply_type_name(r),
+    };
+    if message.is_empty() {
+        format!("{what} '{export}': {name}")
+    } else {
+        format!("{what} '{export}': {name}: {message}")
+    }
+}
+
+/// Sends an option that needs no data and may be refused: true on ACK.
+async fn optional(
+    r: &mut Reader,
+    w: &mut Writer,
+    opt: ClientOption,
+) -> std::result::Result<bool, String> {
+    let code = opt.option();
+    send_option(w, &opt).await?;
+    match option_reply(r, code).await? {
+        OptionReply::Ack => Ok(true),
+        OptionReply::Error { reply, message } if reply == REP_ERR_SHUTDOWN => {
+            Err(rep_error("option", option_name(code), reply, &message))
+        }
+        // An optional feature the server refuses is simply not available.
+        OptionReply::Error { .. } => Ok(false),
+        other => Err(format!(
+            "unexpected reply {other:?} to {}",
+            option_name(code)
+        )),
+    }
+}
+
+async fn send_option(w: &mut Writer, opt: &ClientOption) -> std::result::Result<(), String> {
+    let mut b = Vec::new();
+    opt.encode(&mut b);
+    w.write_all(&b)
+        .await
+        .map_err(|e| format!("writing to the server: {e}"))?;
+    w.flush()
+        .await
+        .map_err(|e| format!("writing to the server: {e}"))
+}
+
+async fn option_reply(r: &mut Reader, opt: u32) -> std::result::Result<OptionReply, String> {
+    let mut b = [0u8; OPTION_REPLY_HEADER_LEN];
+    read_exact(r, &mut b).await?;
+    let (h, _) = decode_option_reply_header(&b).map_err(|e| format!("bad option reply: {e}"))?;
+    if h.option != opt {
+        return Err(format!(
+            "reply to option {} while waiting for {}",
+            option_name(h.option),
+            option_name(opt)
+        ));
+    }
+    if h.len > 16 << 20 {
+        return Err(format!("option reply of {} bytes", h.len));
+    }
+    let mut data = vec![0u8; h.len as usize];
+    read_exact(r, &mut data).await?;
+    OptionReply::parse(h.reply, &data).map_err(|e| format!("bad option reply: {e}"))
+}

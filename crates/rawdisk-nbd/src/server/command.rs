@@ -1,0 +1,599 @@
+//! What a request does once the reader has it: [`validate`] against the
+//! spec and the session, [`execute`] on the storage (reads plain, sparse or
+//! spliced, writes, zeroes, trims, flushes, block status), and the encoded
+//! reply each one sends.
+
+use std::cell::RefCell;
+use std::io;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use rawdisk_storage::{CacheMode, ExtentKind, Kind, Method, ZeroFlags};
+use tracing::{debug, info, trace};
+
+use super::buffers::PIPE_BYTES;
+use super::handshake::BASE_ALLOCATION_ID;
+use super::{Session, Shared};
+use crate::proto::*;
+use crate::sock::Pipe;
+
+/// Writes of at least this many bytes start their write-back at once under
+/// `write_behind` (nbdcopy writes 256 KiB at a time, qemu-img 2 MiB).
+pub(super) const WRITE_BEHIND_MIN: u64 = 256 << 10;
+/// Reads at least this long ask the storage for holes first and answer them
+/// with hole chunks; below it a lookup costs more than reading zeros.
+const SPARSE_READ_MIN: u64 = 64 << 10;
+/// Extents looked up for one sparse read.
+const SPARSE_READ_RUNS: usize = 64;
+/// A hole lookup slower than this that found only data...
+const SPARSE_LOOKUP_SLOW: Duration = Duration::from_micros(200);
+/// ...makes this many following reads skip the lookup.
+const SPARSE_SKIP_READS: u64 = 64;
+/// Descriptors in one block status reply (the spec's SHOULD limit is 2^20;
+/// clients ask again from where the reply ends).
+const MAX_DESCRIPTORS: usize = 16 << 10;
+/// Page-cache reads of at least this many bytes are spliced to the socket
+/// (splice_read): below it a copy costs less than the splice calls and the
+/// header's own send.
+const SPLICE_MIN: u64 = 64 << 10;
+
+impl Shared {
+    /// Whether a read is worth a hole lookup: not on block devices (no
+    /// SEEK_HOLE there), not on fully allocated files (one fstat tells), not
+    /// right after lookups that were slow and found only data.
+    fn may_have_holes(&self, size: u64) -> bool {
+        let t = &self.target;
+        if t.kind() == Kind::Block {
+            return false;
+        }
+        let skipped = self
+            .sparse_skip
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+        if skipped.is_ok() {
+            return false;
+        }
+        if matches!(t.allocated_bytes(), Ok(a) if a >= size) {
+            // Fully allocated: trust that for the next reads instead of an
+            // fstat per request (it showed in strace of 1 MiB reads). Holes
+            // punched through this server reset the skip (`holes_made`);
+            // one punched by someone else is served as data, which is
+            // always a correct answer.
+            self.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// A trim or zero of ours may have made a hole: look again at the next
+    /// read.
+    fn holes_made(&self) {
+        self.sparse_skip.store(0, Ordering::Relaxed);
+    }
+
+    /// Logs the target's learned capabilities once per change.
+    pub(super) fn note_caps(&self) {
+        let caps = self.target.caps();
+        let gen = caps.generation();
+        let last = self.caps_logged.load(Ordering::Relaxed);
+        if gen != last
+            && self
+                .caps_logged
+                .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            info!("storage capabilities: {}", caps.snapshot());
+        }
+    }
+}
+
+pub(super) type Reject = (u32, &'static str);
+
+/// Checks a request against the spec and the session before any work.
+pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
+    let ext = s.mode.extended();
+    let allowed = match req.command {
+        Command::Read => {
+            CMD_FLAG_FUA
+                | if s.flags & FLAG_SEND_DF != 0 {
+                    CMD_FLAG_DF
+                } else {
+                    0
+                }
+        }
+        Command::Write => CMD_FLAG_FUA | if ext { CMD_FLAG_PAYLOAD_LEN } else { 0 },
+        Command::WriteZeroes => {
+            CMD_FLAG_FUA
+                | CMD_FLAG_NO_HOLE
+                | if s.flags & FLAG_SEND_FAST_ZERO != 0 {
+                    CMD_FLAG_FAST_ZERO
+                } else {
+                    0
+                }
+        }
+        Command::BlockStatus => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
+        Command::Flush | Command::Trim | Command::Cache => CMD_FLAG_FUA,
+        // DISC ends the connection before it gets here; RESIZE is not
+        // offered (no NBD_FLAG_SEND_RESIZE).
+        Command::Disc | Command::Resize | Command::Unknown(_) => {
+            return Err((NBD_EINVAL, "unknown command"))
+        }
+    };
+    if req.flags & !allowed != 0 {
+        return Err((NBD_EINVAL, "command flag not valid for this command"));
+    }
+    let writes = matches!(
+        req.command,
+        Command::Write | Command::WriteZeroes | Command::Trim
+    );
+    if writes && s.flags & FLAG_READ_ONLY != 0 {
+        return Err((NBD_EPERM, "export is read-only"));
+    }
+    if req.command == Command::Flush {
+        return Ok(());
+    }
+    let past_end = match req.offset.checked_add(req.length) {
+        Some(end) => end > s.size,
+        None => true,
+    };
+    if past_end {
+        // Spec (Error values): writes past the end are ENOSPC, reads, trims
+        // and status queries EINVAL.
+        let err = if matches!(req.command, Command::Write | Command::WriteZeroes) {
+            NBD_ENOSPC
+        } else {
+            NBD_EINVAL
+        };
+        return Err((err, "request extends past the end of the export"));
+    }
+    if req.command == Command::Read && req.length > s.max_payload as u64 {
+        return Err((NBD_EINVAL, "read longer than the maximum payload"));
+    }
+    if s.enforce_min_block && s.min_block > 1 && req.command != Command::BlockStatus {
+        // min_block is a power of two.
+        let mask = s.min_block as u64 - 1;
+        let end = req.offset + req.length;
+        if req.offset & mask != 0 || (req.length & mask != 0 && end != s.size) {
+            return Err((NBD_EINVAL, "request not aligned to the minimum block size"));
+        }
+    }
+    if req.command == Command::BlockStatus {
+        if s.base_allocation.is_none() {
+            return Err((NBD_EINVAL, "no metadata context was negotiated"));
+        }
+        if req.length == 0 {
+            return Err((NBD_EINVAL, "block status of an empty range"));
+        }
+    }
+    Ok(())
+}
+
+/// A reply without payload: success.
+pub(super) fn small_ok(s: &Session, to: ReplyTo) -> Vec<u8> {
+    let mut b = Vec::with_capacity(EXTENDED_REPLY_HEADER_LEN);
+    match s.mode {
+        // Spec: simple replies stay allowed for payload-less success when
+        // structured replies are on, and are shorter.
+        ReplyMode::Simple | ReplyMode::Structured => encode_simple_reply(&mut b, to.cookie, 0),
+        ReplyMode::Extended => encode_chunk_none(&mut b, s.mode, to),
+    }
+    b
+}
+
+/// A reply without payload: failure, with a message when the mode has room
+/// for one.
+pub(super) fn small_error(s: &Session, to: ReplyTo, err: u32, msg: &str) -> Vec<u8> {
+    error_reply(s, to, err, msg, None)
+}
+
+fn error_reply(s: &Session, to: ReplyTo, err: u32, msg: &str, offset: Option<u64>) -> Vec<u8> {
+    let mut b = Vec::with_capacity(64 + msg.len());
+    match s.mode {
+        ReplyMode::Simple => encode_simple_reply(&mut b, to.cookie, err),
+        _ => encode_error_chunk(&mut b, s.mode, to, REPLY_FLAG_DONE, err, msg, offset),
+    }
+    b
+}
+
+/// The NBD error for a storage failure.
+fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
+    if let Some(n) = e.errno() {
+        return errno_to_nbd(n);
+    }
+    match e.source.kind() {
+        io::ErrorKind::InvalidInput => NBD_EINVAL,
+        io::ErrorKind::PermissionDenied => NBD_EPERM,
+        io::ErrorKind::OutOfMemory => NBD_ENOMEM,
+        io::ErrorKind::Unsupported => NBD_ENOTSUP,
+        _ => NBD_EIO,
+    }
+}
+
+thread_local! {
+    /// Scratch for chunk headers encoded in place on the blocking threads.
+    static HDR: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(64));
+}
+
+/// Encodes a header with `f` and copies it to `dst` (exactly its length).
+fn put_header(dst: &mut [u8], f: impl FnOnce(&mut Vec<u8>)) {
+    HDR.with(|h| {
+        let mut h = h.borrow_mut();
+        h.clear();
+        f(&mut h);
+        debug_assert_eq!(h.len(), dst.len());
+        dst.copy_from_slice(&h);
+    })
+}
+
+/// One encoded reply: `buf[start..end]`, then for a spliced read the data
+/// waiting in pipes.
+pub(super) struct Encoded {
+    pub(super) buf: Vec<u8>,
+    pub(super) start: usize,
+    pub(super) end: usize,
+    pub(super) spliced: Vec<Spliced>,
+}
+
+/// `len` bytes of read data in `pipe`.
+pub(super) struct Spliced {
+    pub(super) pipe: Pipe,
+    pub(super) len: usize,
+}
+
+impl Encoded {
+    fn bytes(buf: Vec<u8>, start: usize, end: usize) -> Encoded {
+        Encoded {
+            buf,
+            start,
+            end,
+            spliced: Vec::new(),
+        }
+    }
+}
+
+pub(super) fn whole(b: Vec<u8>) -> Encoded {
+    let n = b.len();
+    Encoded::bytes(b, 0, n)
+}
+
+/// The reply to `req` that failed in the storage with `e`.
+pub(super) fn storage_error(
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    op: &str,
+    e: &rawdisk_storage::Error,
+) -> Encoded {
+    let err = storage_errno(e);
+    debug!("{op}: {e} -> {}", error_name(err));
+    let off =
+        (e.offset >= req.offset && e.offset < req.offset + req.length.max(1)).then_some(e.offset);
+    whole(error_reply(s, to, err, &e.to_string(), off))
+}
+
+/// Runs one validated request on the blocking pool; returns the encoded reply.
+pub(super) fn execute(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    data: Option<(Vec<u8>, usize, usize)>,
+) -> Encoded {
+    let t = &*sh.target;
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(s, req, to, op, e);
+    match req.command {
+        Command::Read => read(sh, s, req, to),
+        Command::Write => {
+            let Some((buf, start, n)) = data else {
+                return whole(small_ok(s, to));
+            };
+            let r = t.write_at(&buf[start..start + n], req.offset, fua);
+            if r.is_ok() && sh.cfg.write_behind && !fua && n as u64 >= WRITE_BEHIND_MIN {
+                t.start_writeback(req.offset, n as u64);
+            }
+            sh.pool.put(buf);
+            match r {
+                Ok(()) => whole(small_ok(s, to)),
+                Err(e) => fail("write", &e),
+            }
+        }
+        Command::Flush => match t.flush() {
+            Ok(()) => whole(small_ok(s, to)),
+            Err(e) => fail("flush", &e),
+        },
+        Command::Trim => {
+            if req.length == 0 {
+                return whole(small_ok(s, to));
+            }
+            match t.trim(req.offset, req.length) {
+                Ok(()) => sh.holes_made(),
+                // Trim is advisory; "not supported" is success (and the spec
+                // reserves ENOTSUP for fast zero).
+                Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
+                Err(e) => return fail("trim", &e),
+            }
+            if fua {
+                if let Err(e) = t.flush() {
+                    return fail("trim (FUA flush)", &e);
+                }
+            }
+            whole(small_ok(s, to))
+        }
+        Command::Cache => {
+            if req.length == 0 {
+                return whole(small_ok(s, to));
+            }
+            match t.cache(req.offset, req.length) {
+                Ok(()) => whole(small_ok(s, to)),
+                Err(e) => fail("cache", &e),
+            }
+        }
+        Command::WriteZeroes => {
+            if req.length == 0 {
+                return whole(small_ok(s, to));
+            }
+            let flags = ZeroFlags {
+                may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
+                fast_only: req.flags & CMD_FLAG_FAST_ZERO != 0,
+            };
+            match t.zero(req.offset, req.length, flags) {
+                Ok(outcome) => {
+                    trace!("zero used {:?}", outcome.methods);
+                    sh.holes_made();
+                }
+                Err(e) => {
+                    let mut err = storage_errno(&e);
+                    // Spec: ENOTSUP only answers FAST_ZERO.
+                    if err == NBD_ENOTSUP && !flags.fast_only {
+                        err = NBD_EIO;
+                    }
+                    debug!("write zeroes: {e} -> {}", error_name(err));
+                    return whole(error_reply(s, to, err, &e.to_string(), None));
+                }
+            }
+            if fua {
+                if let Err(e) = t.flush() {
+                    return fail("write zeroes (FUA flush)", &e);
+                }
+            }
+            whole(small_ok(s, to))
+        }
+        Command::BlockStatus => block_status(sh, s, req, to),
+        Command::Disc | Command::Resize | Command::Unknown(_) => {
+            whole(small_error(s, to, NBD_EINVAL, "unknown command"))
+        }
+    }
+}
+
+fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
+    let t = &*sh.target;
+    let n = req.length as usize;
+    let df = req.flags & CMD_FLAG_DF != 0;
+    let read_err = |e: &rawdisk_storage::Error| -> Encoded {
+        let err = storage_errno(e);
+        debug!("read: {e} -> {}", error_name(err));
+        let off =
+            (e.offset >= req.offset && e.offset < req.offset + req.length).then_some(e.offset);
+        whole(error_reply(s, to, err, &e.to_string(), off))
+    };
+    match s.mode {
+        ReplyMode::Simple => {
+            match splice_read(sh, s, req) {
+                Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
+                Some(Err(e)) => return read_err(&e),
+                None => {}
+            }
+            let (mut buf, start) = sh.pool.get(SIMPLE_REPLY_LEN, n);
+            let d = start + SIMPLE_REPLY_LEN;
+            if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
+                sh.pool.put(buf);
+                return read_err(&e);
+            }
+            put_header(&mut buf[start..d], |h| encode_simple_reply(h, to.cookie, 0));
+            Encoded::bytes(buf, start, d + n)
+        }
+        ReplyMode::Structured | ReplyMode::Extended => {
+            if n == 0 {
+                let mut b = Vec::new();
+                encode_chunk_none(&mut b, s.mode, to);
+                return whole(b);
+            }
+            if !df && req.length >= SPARSE_READ_MIN && sh.may_have_holes(s.size) {
+                let t0 = Instant::now();
+                if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
+                    if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
+                        return sparse_read(sh, s, req, to, &ext);
+                    }
+                }
+                // SEEK_HOLE walks the whole data run on tmpfs (page cache
+                // lookups up to the next hole, not just this read's range):
+                // inside a long run, stop asking for a while.
+                if t0.elapsed() > SPARSE_LOOKUP_SLOW {
+                    sh.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
+                }
+            }
+            match splice_read(sh, s, req) {
+                Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
+                Some(Err(e)) => return read_err(&e),
+                None => {}
+            }
+            let p = offset_data_header_len(s.mode);
+            let (mut buf, start) = sh.pool.get(p, n);
+            let d = start + p;
+            if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
+                sh.pool.put(buf);
+                return read_err(&e);
+            }
+            // Everything is read before the chunk goes out, so it may carry
+            // DONE itself (spec: no error can follow).
+            put_header(&mut buf[start..d], |h| {
+                encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n as u64)
+            });
+            Encoded::bytes(buf, start, d + n)
+        }
+    }
+}
+
+/// A read whose data goes to the socket through pipes (Target::read_to_pipe)
+/// instead of a buffer, in pieces that end on PIPE_BYTES boundaries of the
+/// target so that each fills at most one pipe of PIPE_BYTES. None when this
+/// read does not qualify or a pipe is not to be had; the caller then copies.
+fn splice_read(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+) -> Option<Result<Vec<Spliced>, rawdisk_storage::Error>> {
+    let t = &*sh.target;
+    if !s.splice
+        || req.length < SPLICE_MIN
+        || t.cache_mode() == CacheMode::None
+        || !t.caps().get(Method::Splice).may_work()
+    {
+        return None;
+    }
+    let end = req.offset + req.length;
+    let mut out = Vec::with_capacity(req.length.div_ceil(PIPE_BYTES as u64) as usize + 1);
+    let mut pos = req.offset;
+    while pos < end {
+        let piece_end = ((pos / PIPE_BYTES as u64 + 1) * PIPE_BYTES as u64).min(end);
+        let n = (piece_end - pos) as usize;
+        let pipe = sh.pipes.get()?;
+        match t.read_to_pipe(pipe.write_end(), pos, n) {
+            Ok(true) => out.push(Spliced { pipe, len: n }),
+            // This pipe may hold part of the piece: it is dropped, not
+            // pooled; the pieces already filled go back empty-handed too.
+            Ok(false) => return None,
+            Err(e) => return Some(Err(e)),
+        }
+        pos = piece_end;
+    }
+    Some(Ok(out))
+}
+
+/// The header of a read whose data is all in `spliced`; in structured modes
+/// one data chunk carrying DONE (the data is read already: no error can
+/// follow).
+fn spliced_reply(s: &Session, req: &Request, to: ReplyTo, spliced: Vec<Spliced>) -> Encoded {
+    let mut b = Vec::with_capacity(offset_data_header_len(s.mode).max(SIMPLE_REPLY_LEN));
+    match s.mode {
+        ReplyMode::Simple => encode_simple_reply(&mut b, to.cookie, 0),
+        _ => encode_offset_data_header(&mut b, s.mode, to, REPLY_FLAG_DONE, req.offset, req.length),
+    }
+    Encoded {
+        end: b.len(),
+        buf: b,
+        start: 0,
+        spliced,
+    }
+}
+
+/// A read answered with data chunks for data and hole chunks for holes.
+fn sparse_read(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    extents: &[rawdisk_storage::Extent],
+) -> Encoded {
+    let t = &*sh.target;
+    let end = req.offset + req.length;
+    // (offset, len, hole), contiguous from req.offset to end.
+    let mut pieces: Vec<(u64, u64, bool)> = Vec::with_capacity(extents.len() + 1);
+    let mut pos = req.offset;
+    for e in extents {
+        let e_end = e.offset.saturating_add(e.len).min(end);
+        if e.offset > pos || e_end <= pos {
+            // Not contiguous with what we have: treat the rest as data.
+            break;
+        }
+        let hole = e.kind == ExtentKind::Hole;
+        match pieces.last_mut() {
+            Some(last) if last.2 == hole => last.1 += e_end - pos,
+            _ => pieces.push((pos, e_end - pos, hole)),
+        }
+        pos = e_end;
+    }
+    if pos < end {
+        match pieces.last_mut() {
+            Some(last) if !last.2 => last.1 += end - pos,
+            _ => pieces.push((pos, end - pos, false)),
+        }
+    }
+    let hl = s.mode.header_len();
+    let total: usize = pieces
+        .iter()
+        .map(|&(_, len, hole)| if hole { hl + 12 } else { hl + 8 + len as usize })
+        .sum();
+    let (mut buf, start) = sh.pool.get(0, total);
+    let mut at = start;
+    let last = pieces.len() - 1;
+    for (i, &(off, len, hole)) in pieces.iter().enumerate() {
+        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+        if hole {
+            put_header(&mut buf[at..at + hl + 12], |h| {
+                encode_offset_hole(h, s.mode, to, flags, off, len as u32)
+            });
+            at += hl + 12;
+        } else {
+            let p = hl + 8;
+            put_header(&mut buf[at..at + p], |h| {
+                encode_offset_data_header(h, s.mode, to, flags, off, len)
+            });
+            let d = at + p;
+            if let Err(e) = t.read_at(&mut buf[d..d + len as usize], off) {
+                sh.pool.put(buf);
+                let err = storage_errno(&e);
+                debug!("read: {e} -> {}", error_name(err));
+                let eoff = (e.offset >= req.offset && e.offset < end).then_some(e.offset);
+                return whole(error_reply(s, to, err, &e.to_string(), eoff));
+            }
+            at = d + len as usize;
+        }
+    }
+    Encoded::bytes(buf, start, at)
+}
+
+fn block_status(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
+    let t = &*sh.target;
+    let id = s.base_allocation.unwrap_or(BASE_ALLOCATION_ID);
+    let max_runs = if req.flags & CMD_FLAG_REQ_ONE != 0 {
+        1
+    } else {
+        MAX_DESCRIPTORS
+    };
+    let mut ds: Vec<Descriptor> = match t.extents(req.offset, req.length, max_runs) {
+        Ok(ext) => ext
+            .iter()
+            .filter(|e| e.len > 0)
+            .map(|e| Descriptor {
+                length: e.len,
+                status: match e.kind {
+                    ExtentKind::Hole => (STATE_HOLE | STATE_ZERO) as u64,
+                    ExtentKind::Data => 0,
+                },
+            })
+            .collect(),
+        Err(e) => {
+            // Spec: a server MAY describe the range as plain data instead of
+            // failing when the error is not the client's fault.
+            debug!("block status: {e}; reporting data");
+            Vec::new()
+        }
+    };
+    if ds.is_empty() {
+        ds.push(Descriptor {
+            length: req.length,
+            status: 0,
+        });
+    }
+    if !s.mode.extended() {
+        // Compact requests are 32-bit, so extents within them are too; clamp
+        // anyway rather than emit a wrapped length.
+        for d in &mut ds {
+            d.length = d.length.min(u32::MAX as u64 & !511);
+        }
+    }
+    let mut b = Vec::with_capacity(s.mode.header_len() + 8 + 16 * ds.len());
+    encode_block_status(&mut b, s.mode, to, REPLY_FLAG_DONE, id, &ds);
+    whole(b)
+}

@@ -1,0 +1,407 @@
+//! The NBD server: fixed newstyle handshake, then a transmission phase that
+//! runs many requests per connection in parallel and answers them out of
+//! order.
+//!
+//! Where things are: this file holds the configuration, the accept loop and
+//! the setup of each connection; `handshake` the option negotiation;
+//! `transmission` the request reader, its scheduling and the reply writer;
+//! `command` validation, execution and replies of each command; `buffers`
+//! the read-ahead buffer and the buffer and pipe pools.
+//!
+//! Per connection (see docs/architecture.md):
+//! - the connection task reads and decodes requests (and, for writes, reads
+//!   the payload straight into the buffer the storage call will use);
+//! - storage calls run on tokio's blocking pool, small ones gathered into
+//!   one job, and each encodes its reply into one buffer (header and data
+//!   together); a lone request or a mid-sized page-cache write runs on the
+//!   connection task itself, which then writes its reply;
+//! - one writer task owns the socket's write half and sends finished replies
+//!   in completion order, so replies never interleave.
+//!
+//! Memory is bounded before it is allocated: a request takes a slot of the
+//! per-connection request limit and its bytes from the per-connection and
+//! server-wide byte limits, and gives them back only when its reply has been
+//! written. Every connection shares one `Arc<Target>`, so a flush on any
+//! connection (fdatasync) covers writes completed on all of them, which is
+//! what NBD_FLAG_CAN_MULTI_CONN promises.
+
+mod buffers;
+mod command;
+mod handshake;
+mod transmission;
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rawdisk_storage::{CacheMode, Target};
+use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tracing::{debug, warn, Instrument};
+
+use crate::proto::*;
+use crate::sock::RawSock;
+use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
+
+/// Limits and identity of one export.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The export's name; "" is the default export.
+    pub export_name: String,
+    /// Sent as NBD_INFO_DESCRIPTION and in NBD_REP_SERVER when not empty.
+    pub description: String,
+    /// Refuse writes even if the target is writable.
+    pub read_only: bool,
+    /// Connections beyond this are closed right after accept.
+    pub max_connections: usize,
+    /// Requests in flight per connection; reading stops at the limit.
+    pub max_requests_per_conn: usize,
+    /// Payload and reply bytes in flight per connection.
+    pub max_bytes_per_conn: usize,
+    /// Payload and reply bytes in flight over all connections.
+    pub max_bytes_total: usize,
+    /// A client must reach the transmission phase within this time.
+    pub handshake_timeout: Duration,
+    /// Options per handshake before the server hangs up.
+    pub max_options: usize,
+    /// Largest option data accepted (spec: a server may refuse big options).
+    pub max_option_len: u32,
+    /// Maximum payload advertised in NBD_INFO_BLOCK_SIZE and enforced.
+    pub max_payload: u32,
+    /// After shutdown is requested, connections get this long to finish
+    /// their in-flight requests before they are dropped.
+    pub shutdown_grace: Duration,
+    /// Start writing back each page-cache write of WRITE_BEHIND_MIN or more
+    /// as soon as it is done (sync_file_range WRITE), so that a client's
+    /// final FLUSH finds little left to write. A bulk import that ends with
+    /// a flush gains; a stream of writes that is never flushed pays for
+    /// device writes it would otherwise not have made in that time.
+    pub write_behind: bool,
+    /// Receive page-cache writes of MAP_WRITE_MIN or more straight into the
+    /// target's mapped page cache (`Target::map_write`). A client that
+    /// vanishes mid-payload then leaves the part that arrived written;
+    /// without it a write lands only once its whole payload is in.
+    pub map_writes: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            export_name: String::new(),
+            description: String::new(),
+            read_only: false,
+            max_connections: 64,
+            max_requests_per_conn: 256,
+            max_bytes_per_conn: 128 << 20,
+            max_bytes_total: 512 << 20,
+            handshake_timeout: Duration::from_secs(30),
+            max_options: 64,
+            max_option_len: 64 << 10,
+            max_payload: 32 << 20,
+            shutdown_grace: Duration::from_secs(10),
+            write_behind: false,
+            map_writes: false,
+        }
+    }
+}
+/// A listening socket the server accepts on.
+pub enum Listener {
+    Unix(tokio::net::UnixListener),
+    Tcp(tokio::net::TcpListener),
+}
+
+/// One export served to any number of connections.
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    target: Arc<Target>,
+    cfg: ServerConfig,
+    read_only: bool,
+    min_block: u32,
+    preferred_block: u32,
+    conns: Arc<Semaphore>,
+    bytes_total: Arc<Semaphore>,
+    bytes_per_conn: usize,
+    pool: BufPool,
+    pipes: PipePool,
+    caps_logged: AtomicU64,
+    next_conn: AtomicU64,
+    sparse_skip: AtomicU64,
+}
+
+impl Server {
+    pub fn new(target: Arc<Target>, mut cfg: ServerConfig) -> Server {
+        // The limits must admit the largest request, or it would wait forever.
+        let biggest = cfg.max_payload as usize + 2 * DATA_ALIGN;
+        cfg.max_bytes_total = cfg.max_bytes_total.max(biggest);
+        let bytes_per_conn = cfg.max_bytes_per_conn.max(biggest);
+        cfg.max_requests_per_conn = cfg.max_requests_per_conn.max(1);
+        let read_only = cfg.read_only || target.is_read_only();
+        let (min_block, preferred_block) = block_sizes(&target, cfg.max_payload);
+        let caps_gen = target.caps().generation();
+        Server {
+            shared: Arc::new(Shared {
+                conns: Arc::new(Semaphore::new(cfg.max_connections.max(1))),
+                bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
+                bytes_per_conn,
+                pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
+                pipes: PipePool::new(),
+                caps_logged: AtomicU64::new(caps_gen),
+                next_conn: AtomicU64::new(1),
+                sparse_skip: AtomicU64::new(0),
+                target,
+                cfg,
+                read_only,
+                min_block,
+                preferred_block,
+            }),
+        }
+    }
+
+    /// (minimum, preferred, maximum payload) as advertised in
+    /// NBD_INFO_BLOCK_SIZE.
+    pub fn block_sizes(&self) -> (u32, u32, u32) {
+        let s = &self.shared;
+        (s.min_block, s.preferred_block, s.cfg.max_payload)
+    }
+
+    /// Accepts connections until `shutdown` becomes true, then lets every
+    /// connection finish its in-flight requests, flushes the target and
+    /// returns.
+    pub async fn serve(
+        &self,
+        listener: Listener,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> io::Result<()> {
+        let sh = &self.shared;
+        let mut tasks = JoinSet::new();
+        loop {
+            let accepted = tokio::select! {
+                _ = shutdown.wait_for(|v| *v) => break,
+                a = accept(&listener) => a,
+            };
+            while tasks.try_join_next().is_some() {}
+            let (rd, wr, sink, peer) = match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = sh.conns.clone().try_acquire_owned() else {
+                warn!(
+                    "refusing connection from {peer}: already serving {} connections",
+                    sh.cfg.max_connections
+                );
+                continue;
+            };
+            let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
+            let span = tracing::debug_span!("conn", id);
+            let fut = connection(
+                sh.clone(),
+                rd,
+                wr,
+                Some(sink),
+                peer,
+                shutdown.clone(),
+                permit,
+            );
+            tasks.spawn(fut.instrument(span));
+        }
+        drop(listener);
+        let grace = sh.cfg.shutdown_grace;
+        let drained =
+            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
+        if drained.is_err() {
+            warn!(
+                "{} connection(s) still busy after {grace:?}; closing them",
+                tasks.len()
+            );
+            tasks.shutdown().await;
+        }
+        let target = sh.target.clone();
+        if !sh.read_only {
+            match tokio::task::spawn_blocking(move || target.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(io::Error::other(format!("final flush: {e}"))),
+                Err(e) => return Err(io::Error::other(format!("final flush: {e}"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves one already-connected stream (tests, the fuzz target, pipes)
+    /// and returns when the connection ends. Any byte stream works: with no
+    /// socket underneath, reads are copied instead of spliced and
+    /// `map_writes` does not apply.
+    pub async fn serve_stream<S>(&self, stream: S, shutdown: watch::Receiver<bool>)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let sh = &self.shared;
+        let Ok(permit) = sh.conns.clone().try_acquire_owned() else {
+            warn!("refusing stream: connection limit reached");
+            return;
+        };
+        let (rd, wr) = tokio::io::split(stream);
+        connection(sh.clone(), rd, wr, None, "stream".into(), shutdown, permit).await;
+    }
+}
+
+type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
+type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
+
+async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, RawSock, String)> {
+    match l {
+        Listener::Unix(l) => {
+            let (s, _) = l.accept().await?;
+            crate::sock::grow_unix_send_buffer(&s);
+            let (r, w, sink) = crate::sock::split(s.into_std()?.into())?;
+            Ok((Box::new(r), Box::new(w), sink, "unix socket".into()))
+        }
+        Listener::Tcp(l) => {
+            let (s, peer) = l.accept().await?;
+            // Spec (Protocol phases): both sides SHOULD disable Nagle, or a
+            // reply header can wait for an ACK of the previous packet.
+            if let Err(e) = s.set_nodelay(true) {
+                warn!("TCP_NODELAY on {peer}: {e}");
+            }
+            let (r, w, sink) = crate::sock::split(s.into_std()?.into())?;
+            Ok((Box::new(r), Box::new(w), sink, peer.to_string()))
+        }
+    }
+}
+
+/// Minimum and preferred block size. Through the page cache any byte range
+/// works (minimum 1); under O_DIRECT the storage needs dio_align-aligned
+/// I/O and serves anything else through a read-modify-write, so that is the
+/// honest minimum. Preferred: the device's optimal I/O size when it is a
+/// usable power of two, else 4096.
+fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
+    let g = target.geometry();
+    let mut min = 1u32;
+    if target.cache_mode() == CacheMode::None {
+        min = g.dio_align.max(g.logical_sector).max(1);
+        // Spec (Size constraints): a power of two no larger than 64 KiB.
+        if !min.is_power_of_two() || min > 65536 {
+            min = 4096;
+        }
+    }
+    let floor = min.max(4096);
+    let mut pref = g.opt_io.max(floor);
+    if !pref.is_power_of_two() || pref > max_payload {
+        pref = floor;
+    }
+    (min, pref)
+}
+
+// ---------------------------------------------------------------------------
+// Connection
+// ---------------------------------------------------------------------------
+
+/// What the handshake settled for the transmission phase.
+#[derive(Debug, Clone)]
+struct Session {
+    mode: ReplyMode,
+    flags: u16,
+    size: u64,
+    /// Context id of base:allocation if the client selected it for this export.
+    base_allocation: Option<u32>,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in NBD_OPT_GO and so promised
+    /// to honour the minimum block size (spec: Size constraints).
+    enforce_min_block: bool,
+    min_block: u32,
+    max_payload: u32,
+    /// The connection is a socket that read data can be spliced into.
+    splice: bool,
+}
+
+fn protocol_error(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+async fn connection<R, W>(
+    sh: Arc<Shared>,
+    rd: R,
+    wr: W,
+    sink: Option<RawSock>,
+    peer: String,
+    mut shutdown: watch::Receiver<bool>,
+    _conn_permit: OwnedSemaphorePermit,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    debug!("connection from {peer}");
+    let mut rd = Input::new(rd);
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    let negotiate = handshake::handshake(&sh, &mut rd, &mut wr);
+    let hs = tokio::select! {
+        r = tokio::time::timeout(sh.cfg.handshake_timeout, negotiate) => r,
+        _ = shutdown.wait_for(|v| *v) => {
+            debug!("shutting down during handshake");
+            return;
+        }
+    };
+    let session = match hs {
+        Err(_) => {
+            warn!(
+                "{peer}: handshake not finished within {:?}; closing",
+                sh.cfg.handshake_timeout
+            );
+            return;
+        }
+        Ok(Err(e)) => {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                debug!("{peer}: closed during handshake");
+            } else {
+                warn!("{peer}: handshake failed: {e}");
+            }
+            return;
+        }
+        Ok(Ok(None)) => {
+            debug!("{peer}: client aborted the handshake");
+            return;
+        }
+        Ok(Ok(Some(s))) => s,
+    };
+    let mut session = session;
+    session.splice = sink.is_some();
+    debug!(
+        "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",
+        match session.mode {
+            ReplyMode::Simple => "simple",
+            ReplyMode::Structured => "structured",
+            ReplyMode::Extended => "extended-header",
+        },
+        transmission_flag_names(session.flags)
+            .collect::<Vec<_>>()
+            .join("|"),
+        session.size,
+        if session.base_allocation.is_some() {
+            "on"
+        } else {
+            "off"
+        },
+        session.min_block,
+        if session.enforce_min_block {
+            "agreed"
+        } else {
+            "not requested"
+        },
+    );
+    let result = transmission::transmission(sh, rd, wr, session, sink, shutdown).await;
+    match result {
+        Ok(()) => debug!("{peer}: connection closed"),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            debug!("{peer}: client went away")
+        }
+        Err(e) => warn!("{peer}: connection ended: {e}"),
+    }
+}

@@ -1,0 +1,627 @@
+//! The transmission phase of one connection.
+//!
+//! The connection's task is the [`Reader`]: for each request it takes the
+//! permits, receives the header and payload, and schedules the request: run
+//! right here, gathered with other small ones into a [`Batch`] for one
+//! blocking job, or handed to the blocking pool alone. A writer task sends
+//! the replies of the blocking jobs in completion order.
+//!
+//! The reader waits in one place, [`Batch::wait`], which first hands the
+//! held batch to the blocking pool (held requests own slots and bytes the
+//! wait may need) and races the wait against shutdown. Everything else the
+//! reader does completes from what is already buffered, except writing the
+//! reply of a request it ran itself, which happens with nothing held.
+
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+
+use rawdisk_storage::CacheMode;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tracing::{debug, trace, Instrument};
+
+use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
+use super::command::{
+    execute, small_error, small_ok, storage_error, validate, whole, Encoded, WRITE_BEHIND_MIN,
+};
+use super::{protocol_error, Session, Shared};
+use crate::proto::*;
+use crate::sock::RawSock;
+
+/// At most this many small requests run as one blocking job...
+const BATCH_MAX: usize = 16;
+/// ...and only reads and writes up to this length.
+const BATCH_MAX_LEN: u64 = 64 << 10;
+/// Page-cache writes of at least this many bytes are received straight into
+/// the target's mapped page cache (`Target::map_write`): one copy instead of
+/// two, and no trip through the blocking pool.
+const MAP_WRITE_MIN: u64 = 64 << 10;
+/// Largest read or write run on the connection's reader when it is alone
+/// (qemu-img convert writes 2 MiB at a time).
+const INLINE_MAX_LEN: u64 = 4 << 20;
+/// Largest page-cache write run on the reader while others are in flight:
+/// up to here the payload is still in the receiving CPU's cache; above it,
+/// receiving one payload while the pool writes another is worth more
+/// (docs/benchmarks.md, Writes on the reader).
+const OWN_WRITE_MAX: u64 = 256 << 10;
+/// How much a look for a queued request may read after a big payload: a
+/// header and a little of its payload, which then costs one extra copy.
+const PEEK_AHEAD: usize = 4 << 10;
+
+/// Resources a request holds until its reply is on the socket.
+struct Permits {
+    _slot: OwnedSemaphorePermit,
+    _conn_bytes: Option<OwnedSemaphorePermit>,
+    _total_bytes: Option<OwnedSemaphorePermit>,
+}
+
+/// A finished reply on its way to the writer.
+struct Out {
+    reply: Encoded,
+    _permits: Permits,
+}
+
+/// A validated request with everything it needs to run.
+struct Job {
+    req: Request,
+    to: ReplyTo,
+    data: Option<(Vec<u8>, usize, usize)>,
+    permits: Permits,
+}
+
+/// Ok(None): the connection ends without an error (shutdown, the client
+/// hung up between requests or mid-payload, or sent NBD_CMD_DISC).
+type Step<T> = io::Result<Option<T>>;
+
+/// End of input: a clean end when the peer closed, else the error.
+fn ended<T>(e: io::Error) -> Step<T> {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        Ok(None)
+    } else {
+        Err(e)
+    }
+}
+
+/// Runs the transmission phase until the client disconnects, the
+/// connection fails or shutdown is requested; then waits until every
+/// request in flight has its reply written.
+pub(super) async fn transmission<R, W>(
+    sh: Arc<Shared>,
+    rd: Input<R>,
+    wr: BufWriter<W>,
+    s: Session,
+    sink: Option<RawSock>,
+    shutdown: watch::Receiver<bool>,
+) -> io::Result<()>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let s = Arc::new(s);
+    // Unbounded is safe: every message holds a request slot, so at most
+    // max_requests_per_conn messages exist.
+    let (tx, rx) = mpsc::unbounded_channel::<Out>();
+    // Shared by the writer task (replies from blocking threads) and the
+    // reader (replies of requests it ran itself); the lock keeps replies
+    // from interleaving on the socket.
+    let wr = Arc::new(tokio::sync::Mutex::new(wr));
+    let writer = tokio::spawn(writer(wr.clone(), rx, sh.clone(), sink.clone()).in_current_span());
+    let ext = s.mode.extended();
+    let mut reader = Reader {
+        slots: Arc::new(Semaphore::new(sh.cfg.max_requests_per_conn)),
+        conn_bytes: Arc::new(Semaphore::new(sh.bytes_per_conn)),
+        batch: Batch {
+            jobs: Vec::with_capacity(BATCH_MAX),
+            sh: sh.clone(),
+            s: s.clone(),
+            tx,
+            shutdown,
+        },
+        sh,
+        s,
+        rd,
+        wr,
+        sink,
+        ext,
+        hlen: request_header_len(ext),
+        read_ahead: READ_AHEAD,
+    };
+    let mut result = reader.run().await;
+    // In-flight requests hold clones of tx: the writer ends after their
+    // replies are sent. The read half stays open until then.
+    let Reader { batch, .. } = reader;
+    batch.close();
+    match writer.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            if result.is_ok() {
+                result = Err(e);
+            }
+        }
+        Err(e) => {
+            if result.is_ok() {
+                result = Err(io::Error::other(e));
+            }
+        }
+    }
+    result
+}
+
+/// Requests gathered to run as one blocking job, and the reader's only way
+/// to wait.
+struct Batch {
+    jobs: Vec<Job>,
+    sh: Arc<Shared>,
+    s: Arc<Session>,
+    tx: mpsc::UnboundedSender<Out>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Batch {
+    /// Where the reader waits (for a permit, a header, a payload): hands the
+    /// held requests to the blocking pool first, since they hold slots and
+    /// bytes the wait may need, then waits for `fut` or shutdown (None).
+    async fn wait<T>(&mut self, fut: impl Future<Output = T>) -> Option<T> {
+        self.dispatch();
+        tokio::select! {
+            v = fut => Some(v),
+            _ = self.shutdown.wait_for(|v| *v) => None,
+        }
+    }
+
+    /// Holds a small request back for the next blocking job.
+    fn push(&mut self, job: Job) {
+        self.jobs.push(job);
+        if self.jobs.len() >= BATCH_MAX {
+            self.dispatch();
+        }
+    }
+
+    /// Sends `job` to the blocking pool on its own, behind what is held.
+    fn alone(&mut self, job: Job) {
+        self.dispatch();
+        self.jobs.push(job);
+        self.dispatch();
+    }
+
+    /// Hands the held requests to one blocking thread, which runs them in
+    /// order and queues each reply as soon as it is done.
+    fn dispatch(&mut self) {
+        if self.jobs.is_empty() {
+            return;
+        }
+        let jobs = std::mem::replace(&mut self.jobs, Vec::with_capacity(BATCH_MAX));
+        let (sh, s, tx) = (self.sh.clone(), self.s.clone(), self.tx.clone());
+        tokio::task::spawn_blocking(move || {
+            for j in jobs {
+                let reply = execute(&sh, &s, &j.req, j.to, j.data);
+                let _ = tx.send(Out {
+                    reply,
+                    _permits: j.permits,
+                });
+            }
+            sh.note_caps();
+        });
+    }
+
+    /// Queues a reply decided without running anything.
+    fn reply(&self, reply: Encoded, permits: Permits) {
+        let _ = self.tx.send(Out {
+            reply,
+            _permits: permits,
+        });
+    }
+
+    /// Dispatches what is held and lets go of the reply channel.
+    fn close(mut self) {
+        self.dispatch();
+    }
+}
+
+/// Fills `dst` from what `rd` has buffered, or else waits for the socket
+/// through [`Batch::wait`]. None: shutdown.
+async fn fill<R: AsyncRead + Unpin>(
+    rd: &mut Input<R>,
+    batch: &mut Batch,
+    dst: &mut [u8],
+    ahead: usize,
+) -> Option<io::Result<()>> {
+    if rd.buffered() >= dst.len() {
+        dst.copy_from_slice(rd.take(dst.len()));
+        return Some(Ok(()));
+    }
+    batch.wait(rd.read_exact(dst, ahead)).await
+}
+
+/// What receiving a request's payload left to do.
+enum Received {
+    /// A mapped write stored the whole payload and its reply is queued.
+    Answered,
+    /// The request to run, and the answer already decided when the head of
+    /// a mapped write failed.
+    Job(Job, Option<Encoded>),
+}
+
+/// The connection's reader: requests in, jobs out.
+struct Reader<R, W> {
+    sh: Arc<Shared>,
+    s: Arc<Session>,
+    rd: Input<R>,
+    wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
+    /// The socket itself, for mapped writes and spliced reads.
+    sink: Option<RawSock>,
+    batch: Batch,
+    slots: Arc<Semaphore>,
+    conn_bytes: Arc<Semaphore>,
+    ext: bool,
+    hlen: usize,
+    /// Bytes to read ahead with a header: many small requests per syscall,
+    /// but after a big payload none, since read-ahead would be payload bytes
+    /// copied twice (socket -> buffer -> payload buffer).
+    read_ahead: usize,
+}
+
+impl<R, W> Reader<R, W>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    async fn run(&mut self) -> io::Result<()> {
+        // The writer is gone only after a write failed: that error is the
+        // connection's.
+        while !self.batch.tx.is_closed() {
+            if self.next().await?.is_none() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one request and schedules it.
+    async fn next(&mut self) -> Step<()> {
+        let Some(slot) = self.take_slot().await else {
+            return Ok(None);
+        };
+        let Some(req) = self.read_header().await? else {
+            return Ok(None);
+        };
+        if req.command == Command::Disc {
+            // Spec: finish what is in flight, then close; no reply.
+            return Ok(None);
+        }
+        let to = ReplyTo {
+            cookie: req.cookie,
+            offset: req.offset,
+        };
+        let payload = req.payload_len(self.ext);
+        self.read_ahead = if payload >= READ_AHEAD as u64 / 4 {
+            0
+        } else {
+            READ_AHEAD
+        };
+        if payload > self.s.max_payload as u64 {
+            // Reading it would cost unbounded memory or time, and skipping it
+            // unread would parse data as requests: answer, then hang up.
+            let msg = format!(
+                "payload of {payload} bytes exceeds the maximum of {}",
+                self.s.max_payload
+            );
+            let reply = whole(small_error(&self.s, to, NBD_EINVAL, &msg));
+            self.batch.reply(reply, slot_only(slot));
+            return Err(protocol_error(msg));
+        }
+        let check = validate(&self.s, &req);
+        // Bytes this request will hold: its payload, or the read reply.
+        let need = match (&check, req.command) {
+            (Ok(()), Command::Read) => req.length as usize + 2 * DATA_ALIGN,
+            _ if payload > 0 => payload as usize + DATA_ALIGN,
+            _ => 0,
+        };
+        let Some(permits) = self.take_bytes(slot, need).await else {
+            return Ok(None);
+        };
+        let (job, failed) = match self.receive(req, to, check.is_ok(), permits).await? {
+            None => return Ok(None),
+            Some(Received::Answered) => return Ok(Some(())),
+            Some(Received::Job(job, failed)) => (job, failed),
+        };
+        let refused = failed.or_else(|| {
+            let (err, msg) = check.err()?;
+            debug!(
+                "{} offset {} length {}: {}: {msg}",
+                req.command.name(),
+                req.offset,
+                req.length,
+                error_name(err)
+            );
+            Some(whole(small_error(&self.s, to, err, msg)))
+        });
+        if let Some(reply) = refused {
+            if let Some((buf, _, _)) = job.data {
+                self.sh.pool.put(buf);
+            }
+            self.batch.reply(reply, job.permits);
+            return Ok(Some(()));
+        }
+        self.schedule(job).await.map(Some)
+    }
+
+    /// A request slot; without one, waits for a reply to free one.
+    async fn take_slot(&mut self) -> Option<OwnedSemaphorePermit> {
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
+            return Some(p);
+        }
+        let p = self.batch.wait(self.slots.clone().acquire_owned()).await?;
+        Some(p.expect("semaphore never closed"))
+    }
+
+    /// `need` bytes from the connection's and the server's byte limits,
+    /// waiting for replies to give them back when they are spent.
+    async fn take_bytes(&mut self, slot: OwnedSemaphorePermit, need: usize) -> Option<Permits> {
+        if need == 0 {
+            return Some(slot_only(slot));
+        }
+        let n = need as u32;
+        let c = self.conn_bytes.clone().try_acquire_many_owned(n).ok();
+        let t = self.sh.bytes_total.clone().try_acquire_many_owned(n).ok();
+        // Half of a pair is given back before waiting for the whole pair.
+        let ready = match (c, t) {
+            (Some(c), Some(t)) => Some((c, t)),
+            _ => None,
+        };
+        let (c, t) = match ready {
+            Some(p) => p,
+            None => {
+                let (conn, total) = (self.conn_bytes.clone(), self.sh.bytes_total.clone());
+                let both = async move {
+                    let c = conn.acquire_many_owned(n).await;
+                    let t = total.acquire_many_owned(n).await;
+                    let never = "semaphore never closed";
+                    (c.expect(never), t.expect(never))
+                };
+                self.batch.wait(both).await?
+            }
+        };
+        Some(Permits {
+            _slot: slot,
+            _conn_bytes: Some(c),
+            _total_bytes: Some(t),
+        })
+    }
+
+    /// The next request header.
+    async fn read_header(&mut self) -> Step<Request> {
+        let mut hdr = [0u8; EXTENDED_REQUEST_LEN];
+        let hdr = &mut hdr[..self.hlen];
+        match fill(&mut self.rd, &mut self.batch, hdr, self.read_ahead).await {
+            None => return Ok(None),
+            // EOF between requests is a client hanging up without DISC.
+            Some(Err(e)) => return ended(e),
+            Some(Ok(())) => {}
+        }
+        // Without a valid header there is no way to find the next one: hard
+        // disconnect (spec: violation of a MUST).
+        let (req, _) = decode_request(hdr, self.ext)
+            .map_err(|e| protocol_error(format!("bad request header: {e}")))?;
+        trace!(
+            "{} flags {:#x} offset {} length {} cookie {:#x}",
+            req.command.name(),
+            req.flags,
+            req.offset,
+            req.length,
+            req.cookie
+        );
+        Ok(Some(req))
+    }
+
+    /// Receives the payload of `req` (a write's data; nothing for other
+    /// commands). A page-cache write of a good size goes straight from the
+    /// socket into the page cache, here on the reader (not with FUA: that
+    /// needs the RWF_DSYNC write); any other payload lands in a pooled
+    /// buffer for the storage call.
+    async fn receive(
+        &mut self,
+        mut req: Request,
+        to: ReplyTo,
+        valid: bool,
+        permits: Permits,
+    ) -> Step<Received> {
+        let payload = req.payload_len(self.ext);
+        let head = self.rd.buffered().min(payload as usize) as u64;
+        let mut failed = None;
+        let mapped = self.sh.cfg.map_writes
+            && payload >= MAP_WRITE_MIN
+            && payload - head >= MAP_WRITE_MIN
+            && req.command == Command::Write
+            && valid
+            && req.flags & CMD_FLAG_FUA == 0;
+        let mapping = if mapped {
+            self.sink.as_ref().and_then(|sock| {
+                let mw = self
+                    .sh
+                    .target
+                    .map_write(req.offset + head, (payload - head) as usize)?;
+                Some((sock, mw))
+            })
+        } else {
+            None
+        };
+        if let Some((sock, mut mw)) = mapping {
+            // What the reader already read ahead of the payload (at most 64
+            // KiB, after small requests) is written first; if that fails,
+            // the rest is read the ordinary way and the head's error is the
+            // answer.
+            if head > 0 {
+                let t = &self.sh.target;
+                if let Err(e) = t.write_at(self.rd.take(head as usize), req.offset, false) {
+                    failed = Some(storage_error(&self.s, &req, to, "write", &e));
+                }
+                req.offset += head;
+                req.length -= head;
+            }
+            if failed.is_none() {
+                let Some(r) = self.batch.wait(sock.recv_mapped(&mut mw)).await else {
+                    return Ok(None);
+                };
+                let got = mw.received() as u64;
+                drop(mw);
+                match r {
+                    Ok(()) => {
+                        if self.sh.cfg.write_behind && payload >= WRITE_BEHIND_MIN {
+                            self.sh.target.start_writeback(to.offset, payload);
+                        }
+                        self.batch.reply(whole(small_ok(&self.s, to)), permits);
+                        return Ok(Some(Received::Answered));
+                    }
+                    // A page that could not be faulted in (no space, an
+                    // I/O error): the rest is written the ordinary way,
+                    // which reports the error.
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                        debug!("mapped write at {}: {e} after {got} bytes", req.offset);
+                        req.offset += got;
+                        req.length -= got;
+                    }
+                    Err(e) => return ended(e),
+                }
+            }
+        }
+        let payload = req.payload_len(self.ext);
+        let mut data = None;
+        if payload > 0 {
+            let n = payload as usize;
+            let (mut buf, start) = self.sh.pool.get(0, n);
+            let dst = &mut buf[start..start + n];
+            match fill(&mut self.rd, &mut self.batch, dst, self.read_ahead).await {
+                None => return Ok(None),
+                // Client vanished mid-payload: nothing to write.
+                Some(Err(e)) => return ended(e),
+                Some(Ok(())) => data = Some((buf, start, n)),
+            }
+        }
+        let job = Job {
+            req,
+            to,
+            data,
+            permits,
+        };
+        Ok(Some(Received::Job(job, failed)))
+    }
+
+    /// Decides where `job` runs: here, in the held batch, or alone on the
+    /// blocking pool.
+    async fn schedule(&mut self, job: Job) -> io::Result<()> {
+        let req = job.req;
+        // Small page-cache reads and writes cost less than handing one to a
+        // blocking thread: while more requests are already buffered, gather
+        // them and hand them over together. Anything else goes alone, so big
+        // or slow requests still run in parallel.
+        let small = matches!(req.command, Command::Read | Command::Write)
+            && req.length <= BATCH_MAX_LEN
+            && req.flags & CMD_FLAG_FUA == 0;
+        // A read or write with nothing else in flight or buffered (queue
+        // depth 1) runs here: the pool and writer task would add two thread
+        // wake-ups of latency (docs/benchmarks.md, Queue depth 1). Not a
+        // zero, trim or flush, which may take milliseconds and would hold up
+        // a request the client sends a moment later.
+        let idle = self.batch.jobs.is_empty()
+            && self.slots.available_permits() + 1 == self.sh.cfg.max_requests_per_conn
+            && matches!(req.command, Command::Read | Command::Write)
+            && req.length <= INLINE_MAX_LEN;
+        // A mid-sized page-cache write runs here whatever else is in flight:
+        // its payload is still in this CPU's cache, and buffered writes to
+        // one inode serialize on its lock anyway (docs/benchmarks.md, Writes
+        // on the reader). Not under O_DIRECT, where the pool's threads are
+        // the device's queue depth.
+        let own_write = self.sh.target.cache_mode() == CacheMode::Writeback
+            && req.command == Command::Write
+            && req.flags & CMD_FLAG_FUA == 0
+            && req.length > BATCH_MAX_LEN
+            && req.length <= OWN_WRITE_MAX;
+        // Whether the client sent more is only known by looking (any byte
+        // buffered, even part of a header, is a next request): else queued
+        // big writes, each header arriving after the previous payload, would
+        // run here one after the other. An own write runs here regardless.
+        if idle && !own_write && self.rd.buffered() == 0 {
+            self.rd.top_up(self.read_ahead.max(PEEK_AHEAD)).await?;
+        }
+        if own_write || (idle && self.rd.buffered() == 0) {
+            self.run_here(job).await
+        } else if small {
+            self.batch.push(job);
+            Ok(())
+        } else {
+            self.batch.alone(job);
+            Ok(())
+        }
+    }
+
+    /// Runs `job` on the reader and writes its reply from here.
+    async fn run_here(&mut self, job: Job) -> io::Result<()> {
+        // Nothing may wait behind it (an idle request has nothing held).
+        self.batch.dispatch();
+        let reply = execute(&self.sh, &self.s, &job.req, job.to, job.data);
+        self.sh.note_caps();
+        let mut w = self.wr.lock().await;
+        let sent = async {
+            put_reply(&self.sh, &mut w, self.sink.as_ref(), reply).await?;
+            w.flush().await
+        }
+        .await;
+        drop(w);
+        drop(job.permits);
+        sent
+    }
+}
+
+fn slot_only(slot: OwnedSemaphorePermit) -> Permits {
+    Permits {
+        _slot: slot,
+        _conn_bytes: None,
+        _total_bytes: None,
+    }
+}
+
+/// Sends the replies of blocking jobs as they arrive, several per flush when
+/// several are ready, until every sender is gone.
+async fn writer<W: AsyncWrite + Unpin>(
+    wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    sh: Arc<Shared>,
+    sink: Option<RawSock>,
+) -> io::Result<()> {
+    while let Some(out) = rx.recv().await {
+        let mut wr = wr.lock().await;
+        put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
+        // Coalesce whatever else is ready into the same flush.
+        while let Ok(out) = rx.try_recv() {
+            put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
+        }
+        wr.flush().await?;
+    }
+    wr.lock().await.shutdown().await
+}
+
+/// Queues one reply on the buffered writer; a spliced read's header is
+/// flushed and its data spliced from the pipes to the socket behind it.
+async fn put_reply<W: AsyncWrite + Unpin>(
+    sh: &Shared,
+    wr: &mut BufWriter<W>,
+    sink: Option<&RawSock>,
+    reply: Encoded,
+) -> io::Result<()> {
+    wr.write_all(&reply.buf[reply.start..reply.end]).await?;
+    sh.pool.put(reply.buf);
+    if reply.spliced.is_empty() {
+        return Ok(());
+    }
+    let sink = sink.expect("spliced replies only on sessions with a splice sink");
+    wr.flush().await?;
+    for sp in reply.spliced {
+        sink.send_from(&sp.pipe, sp.len).await?;
+        // Only an emptied pipe goes back: an error above drops the rest
+        // with whatever they still hold.
+        sh.pipes.put(sp.pipe);
+    }
+    Ok(())
+}
