@@ -5,7 +5,7 @@
 //! every short read (fewer bytes than asked). A big write payload arrives
 //! through a Unix socket in pieces, so each piece cost a trip through the
 //! scheduler and an `epoll_wait`, most of which found more data waiting
-//! (docs/benchmarks.md, Socket readiness). Here readiness is dropped only
+//! (docs/benchmarks.md, Read path). Here readiness is dropped only
 //! on EAGAIN, which is what qemu-nbd's and nbdkit's receive loops do.
 
 use std::io;
@@ -206,7 +206,7 @@ impl Drop for Pipe {
 /// Lets the server run further ahead of a client on a Unix socket: its
 /// send buffer bounds the reply bytes queued before the client reads them
 /// (AF_UNIX charges the sender only), and the default 208 KiB is a fifth of
-/// one 1 MiB read (docs/benchmarks.md, Unix socket send buffer).
+/// one 1 MiB read (docs/benchmarks.md, Read path).
 /// SO_SNDBUFFORCE needs CAP_NET_ADMIN; without it SO_SNDBUF is capped at
 /// net.core.wmem_max (the kernel then doubles either value).
 pub(crate) fn grow_unix_send_buffer(s: &tokio::net::UnixStream) {

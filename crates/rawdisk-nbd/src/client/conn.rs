@@ -81,8 +81,7 @@ impl Conn {
                     .await
                     .map_err(connect_err)?;
                 // Write payloads queue in this side's send buffer (AF_UNIX
-                // charges the sender; docs/benchmarks.md, Unix socket send
-                // buffer).
+                // charges the sender; docs/benchmarks.md, Copy).
                 crate::sock::grow_unix_send_buffer(&s);
                 let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
                     .map_err(connect_err)?;

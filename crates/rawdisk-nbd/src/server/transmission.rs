@@ -43,7 +43,7 @@ const INLINE_MAX_LEN: u64 = 4 << 20;
 /// Largest page-cache write run on the reader while others are in flight:
 /// up to here the payload is still in the receiving CPU's cache; above it,
 /// receiving one payload while the pool writes another is worth more
-/// (docs/benchmarks.md, Writes on the reader).
+/// (docs/benchmarks.md, Write path).
 const OWN_WRITE_MAX: u64 = 256 << 10;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
@@ -521,7 +521,7 @@ where
             && req.flags & CMD_FLAG_FUA == 0;
         // A read or write with nothing else in flight or buffered (queue
         // depth 1) runs here: the pool and writer task would add two thread
-        // wake-ups of latency (docs/benchmarks.md, Queue depth 1). Not a
+        // wake-ups of latency (docs/benchmarks.md, Latency). Not a
         // zero, trim or flush, which may take milliseconds and would hold up
         // a request the client sends a moment later.
         let idle = self.batch.jobs.is_empty()
@@ -530,8 +530,8 @@ where
             && req.length <= INLINE_MAX_LEN;
         // A mid-sized page-cache write runs here whatever else is in flight:
         // its payload is still in this CPU's cache, and buffered writes to
-        // one inode serialize on its lock anyway (docs/benchmarks.md, Writes
-        // on the reader). Not under O_DIRECT, where the pool's threads are
+        // one inode serialize on its lock anyway (docs/benchmarks.md, Write
+        // path). Not under O_DIRECT, where the pool's threads are
         // the device's queue depth.
         let own_write = self.sh.target.cache_mode() == CacheMode::Writeback
             && req.command == Command::Write
