@@ -6,7 +6,10 @@
 //!   a byte of it unless asked.
 //! * [`map`]: allocation map in `qemu-img map`'s JSON and human forms.
 //! * [`info`]: size, allocation and properties, in `qemu-img info`'s idiom.
+//! * [`checksum`]: the blkhash digest (blksum's value), sparse-aware and
+//!   parallel.
 
+pub mod checksum;
 pub mod copy;
 pub mod create;
 pub mod endpoint;
@@ -16,6 +19,7 @@ pub mod map;
 pub mod output;
 pub mod probe;
 pub mod progress;
+mod scan;
 pub mod sysinfo;
 
 pub use error::{Error, Result};

@@ -37,6 +37,8 @@ enum Command {
     Info(cmd::info::Args),
     /// Copy between files, block devices and NBD exports.
     Copy(cmd::copy::Args),
+    /// Print the blkhash checksum (blksum's value) of a target or NBD export.
+    Checksum(cmd::checksum::Args),
 }
 
 /// Exit code for a bad command line (as clap and qemu-img use).
@@ -81,6 +83,7 @@ fn main() -> ExitCode {
         Command::Map(a) => cmd::map::run(a),
         Command::Info(a) => cmd::info::run(a),
         Command::Copy(a) => cmd::copy::run(a),
+        Command::Checksum(a) => cmd::checksum::run(a),
     };
     match result {
         Ok(code) => code,

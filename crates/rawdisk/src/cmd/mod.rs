@@ -1,4 +1,5 @@
 //! One module per subcommand. Each defines its clap `Args` and a `run`.
+pub mod checksum;
 pub mod copy;
 pub mod create;
 pub mod info;
