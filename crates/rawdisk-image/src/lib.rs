@@ -8,8 +8,10 @@
 //! * [`info`]: size, allocation and properties, in `qemu-img info`'s idiom.
 //! * [`checksum`]: the blkhash digest (blksum's value), sparse-aware and
 //!   parallel.
+//! * [`compare`]: `qemu-img compare` for raw images and NBD exports.
 
 pub mod checksum;
+pub mod compare;
 pub mod copy;
 pub mod create;
 pub mod endpoint;

@@ -39,6 +39,8 @@ enum Command {
     Copy(cmd::copy::Args),
     /// Print the blkhash checksum (blksum's value) of a target or NBD export.
     Checksum(cmd::checksum::Args),
+    /// Compare two images (exit 0 identical, 1 different, 2 error).
+    Compare(cmd::compare::Args),
 }
 
 /// Exit code for a bad command line (as clap and qemu-img use).
@@ -84,6 +86,7 @@ fn main() -> ExitCode {
         Command::Info(a) => cmd::info::run(a),
         Command::Copy(a) => cmd::copy::run(a),
         Command::Checksum(a) => cmd::checksum::run(a),
+        Command::Compare(a) => cmd::compare::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,5 +1,6 @@
 //! One module per subcommand. Each defines its clap `Args` and a `run`.
 pub mod checksum;
+pub mod compare;
 pub mod copy;
 pub mod create;
 pub mod info;
