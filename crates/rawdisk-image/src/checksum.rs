@@ -34,6 +34,7 @@ use serde::Serialize;
 use crate::copy::is_zero;
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf};
 use crate::error::{Error, Result};
+use crate::output::serialize_secs;
 use crate::progress::Progress;
 use crate::scan::{self, ExtentCursor};
 
@@ -138,12 +139,8 @@ pub struct ChecksumReport {
     #[serde(rename = "bytes-zero-read")]
     pub bytes_zero_read: u64,
     pub threads: usize,
-    #[serde(rename = "elapsed-seconds", serialize_with = "secs")]
+    #[serde(rename = "elapsed-seconds", serialize_with = "serialize_secs")]
     pub elapsed: Duration,
-}
-
-fn secs<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
 }
 
 impl ChecksumReport {

@@ -9,6 +9,7 @@
 //! * [`checksum`]: the blkhash digest (blksum's value), sparse-aware and
 //!   parallel.
 //! * [`compare`]: `qemu-img compare` for raw images and NBD exports.
+//! * [`resize`]: grow (with preallocation) or shrink a file.
 
 pub mod checksum;
 pub mod compare;
@@ -21,6 +22,7 @@ pub mod map;
 pub mod output;
 pub mod probe;
 pub mod progress;
+pub mod resize;
 mod scan;
 pub mod sysinfo;
 

@@ -6,6 +6,7 @@ pub mod create;
 pub mod info;
 pub mod map;
 pub mod probe;
+pub mod resize;
 pub mod serve;
 
 use rawdisk_storage::{CacheMode, Prealloc};
