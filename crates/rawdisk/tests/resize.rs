@@ -5,6 +5,7 @@ mod common;
 use common::*;
 
 use std::path::Path;
+use std::process::Command;
 
 const MIB: u64 = 1 << 20;
 
@@ -109,4 +110,42 @@ fn block_devices_only_keep_their_size() {
         "{}",
         r.stderr
     );
+}
+
+#[test]
+#[ignore = "needs root"]
+fn interrupted_grow_restores_the_old_size() {
+    use std::os::unix::fs::MetadataExt;
+    let fs = rawdisk_testkit::Fs::tmpfs(3 << 30);
+    let img = fs.path("big.img");
+    std::fs::File::create(&img).unwrap().set_len(MIB).unwrap();
+    rawdisk_testkit::write_pattern(&img, 0, MIB, 6);
+    let child = rawdisk()
+        .args([
+            "resize",
+            "--preallocation",
+            "full",
+            img.to_str().unwrap(),
+            "+2G",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Signal once it is writing the tail.
+    let t0 = std::time::Instant::now();
+    while std::fs::metadata(&img).unwrap().blocks() < 8192 {
+        assert!(t0.elapsed().as_secs() < 20, "resize never started writing");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let st = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let r = to_run(child.wait_with_output().unwrap()).fails_one_line(1);
+    assert!(r.stderr.contains("interrupted"), "{}", r.stderr);
+    assert!(r.stderr.contains("restored the old size"), "{}", r.stderr);
+    assert_eq!(len(&img), MIB);
+    rawdisk_testkit::check_pattern(&img, 0, MIB, 6);
 }
