@@ -283,8 +283,13 @@ const ZERO_STEP: u64 = 1 << 30;
 type StorageResult<T> = std::result::Result<T, rawdisk_storage::Error>;
 
 /// EINTR-like error for a create stopped by the user at `off`.
-fn check_cancel(opts: &CreateOptions, op: &'static str, off: u64, len: u64) -> StorageResult<()> {
-    match &opts.cancel {
+fn check_cancel(
+    cancel: Option<&AtomicBool>,
+    op: &'static str,
+    off: u64,
+    len: u64,
+) -> StorageResult<()> {
+    match cancel {
         Some(c) if c.load(Ordering::Relaxed) => Err(rawdisk_storage::Error::new(
             op,
             off,
@@ -295,42 +300,70 @@ fn check_cancel(opts: &CreateOptions, op: &'static str, off: u64, len: u64) -> S
     }
 }
 
+/// Growing a file from `from` (its current size) to `size` with one
+/// preallocation mode: the engine `create` (from 0) and `resize` share.
+/// Bytes below `from` are never written.
+pub(crate) struct Grow<'a> {
+    pub from: u64,
+    pub size: u64,
+    pub prealloc: Prealloc,
+    pub cancel: Option<&'a AtomicBool>,
+}
+
 /// Returns (method, fell back, bytes written).
 fn preallocate(
     t: &Target,
     opts: &CreateOptions,
     progress: &dyn Progress,
 ) -> StorageResult<(Option<Method>, bool, u64)> {
-    let size = opts.size;
-    match opts.prealloc {
+    grow(
+        t,
+        &Grow {
+            from: 0,
+            size: opts.size,
+            prealloc: opts.prealloc,
+            cancel: opts.cancel.as_deref(),
+        },
+        progress,
+    )
+}
+
+/// Returns (method, fell back, bytes written).
+pub(crate) fn grow(
+    t: &Target,
+    g: &Grow<'_>,
+    progress: &dyn Progress,
+) -> StorageResult<(Option<Method>, bool, u64)> {
+    let (from, size) = (g.from, g.size);
+    match g.prealloc {
         Prealloc::Off => {
             let r = t.preallocate(size, Prealloc::Off)?;
             Ok((r.method, false, 0))
         }
         Prealloc::Full => {
-            let written = write_zeros_from(t, opts, 0, progress)?;
+            let written = write_zeros_from(t, g, from, progress)?;
             Ok((Some(Method::WriteZeros), false, written))
         }
         Prealloc::Falloc => {
-            if size == 0 {
-                t.preallocate(0, Prealloc::Off)?;
+            if size <= from {
+                t.preallocate(size, Prealloc::Off)?;
                 return Ok((None, false, 0));
             }
-            let first = size.min(FALLOC_TRIAL);
+            let first = from + (size - from).min(FALLOC_TRIAL);
             let r = t.preallocate(first, Prealloc::Falloc)?;
             if r.method == Some(Method::WriteZeros) {
                 // No fallocate here: the engine wrote the trial step; write
                 // the rest as `full` does.
-                let rest = write_zeros_from(t, opts, first, progress)?;
-                return Ok((Some(Method::WriteZeros), true, first + rest));
+                let rest = write_zeros_from(t, g, first, progress)?;
+                return Ok((Some(Method::WriteZeros), true, first - from + rest));
             }
             if first < size {
-                progress.start("allocating", size);
-                progress.advance(first);
+                progress.start("allocating", size - from);
+                progress.advance(first - from);
                 let mut end = first;
                 let res = (|| {
                     while end < size {
-                        check_cancel(opts, "preallocate (fallocate)", end, size - end)?;
+                        check_cancel(g.cancel, "preallocate (fallocate)", end, size - end)?;
                         let next = (end + FALLOC_STEP).min(size);
                         let r = t.preallocate(next, Prealloc::Falloc)?;
                         progress.advance(next - end);
@@ -345,7 +378,7 @@ fn preallocate(
                 })();
                 progress.finish();
                 if res? {
-                    let rest = write_zeros_from(t, opts, end, progress)?;
+                    let rest = write_zeros_from(t, g, end, progress)?;
                     return Ok((Some(Method::WriteZeros), true, rest));
                 }
             }
@@ -358,11 +391,11 @@ fn preallocate(
 /// [from, size), flush. Returns the bytes written.
 fn write_zeros_from(
     t: &Target,
-    opts: &CreateOptions,
+    g: &Grow<'_>,
     from: u64,
     progress: &dyn Progress,
 ) -> StorageResult<u64> {
-    let size = opts.size;
+    let size = g.size;
     // Knowing the final size up front lets the file system allocate in large
     // extents instead of growing the file write by write.
     t.preallocate(size, Prealloc::Off)?;
@@ -379,7 +412,7 @@ fn write_zeros_from(
     let res = (|| {
         let mut off = from;
         while off < size {
-            check_cancel(opts, "preallocate (write zeros)", off, size - off)?;
+            check_cancel(g.cancel, "preallocate (write zeros)", off, size - off)?;
             let n = (size - off).min(WRITE_CHUNK as u64) as usize;
             t.write_at(&buf[..n], off, false)?;
             progress.advance(n as u64);
@@ -420,7 +453,7 @@ fn create_on_device(opts: &CreateOptions, progress: &dyn Progress) -> Result<Cre
         let res = (|| {
             let mut off = 0;
             while off < dev {
-                check_cancel(opts, "zero", off, dev - off)?;
+                check_cancel(opts.cancel.as_deref(), "zero", off, dev - off)?;
                 let n = (dev - off).min(ZERO_STEP);
                 let out = t.zero(
                     off,

@@ -6,7 +6,13 @@
 //!   a byte of it unless asked.
 //! * [`map`]: allocation map in `qemu-img map`'s JSON and human forms.
 //! * [`info`]: size, allocation and properties, in `qemu-img info`'s idiom.
+//! * [`checksum`]: the blkhash digest (blksum's value), sparse-aware and
+//!   parallel.
+//! * [`compare`]: `qemu-img compare` for raw images and NBD exports.
+//! * [`resize`]: grow (with preallocation) or shrink a file.
 
+pub mod checksum;
+pub mod compare;
 pub mod copy;
 pub mod create;
 pub mod endpoint;
@@ -16,6 +22,8 @@ pub mod map;
 pub mod output;
 pub mod probe;
 pub mod progress;
+pub mod resize;
+mod scan;
 pub mod sysinfo;
 
 pub use error::{Error, Result};

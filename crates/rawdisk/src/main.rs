@@ -37,6 +37,12 @@ enum Command {
     Info(cmd::info::Args),
     /// Copy between files, block devices and NBD exports.
     Copy(cmd::copy::Args),
+    /// Grow or shrink an image file.
+    Resize(cmd::resize::Args),
+    /// Print the blkhash checksum (blksum's value) of a target or NBD export.
+    Checksum(cmd::checksum::Args),
+    /// Compare two images (exit 0 identical, 1 different, 2 error).
+    Compare(cmd::compare::Args),
 }
 
 /// Exit code for a bad command line (as clap and qemu-img use).
@@ -81,6 +87,9 @@ fn main() -> ExitCode {
         Command::Map(a) => cmd::map::run(a),
         Command::Info(a) => cmd::info::run(a),
         Command::Copy(a) => cmd::copy::run(a),
+        Command::Resize(a) => cmd::resize::run(a),
+        Command::Checksum(a) => cmd::checksum::run(a),
+        Command::Compare(a) => cmd::compare::run(a),
     };
     match result {
         Ok(code) => code,

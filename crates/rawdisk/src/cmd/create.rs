@@ -82,7 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// A flag set on SIGINT or SIGTERM: the create stops at its next chunk and
 /// removes what it wrote (instead of dying with a half-written image).
-fn cancel_on_signal() -> Arc<AtomicBool> {
+pub(crate) fn cancel_on_signal() -> Arc<AtomicBool> {
     let flag = Arc::new(AtomicBool::new(false));
     let f = flag.clone();
     let rt = match tokio::runtime::Builder::new_current_thread()

@@ -1,9 +1,12 @@
 //! One module per subcommand. Each defines its clap `Args` and a `run`.
+pub mod checksum;
+pub mod compare;
 pub mod copy;
 pub mod create;
 pub mod info;
 pub mod map;
 pub mod probe;
+pub mod resize;
 pub mod serve;
 
 use rawdisk_storage::{CacheMode, Prealloc};

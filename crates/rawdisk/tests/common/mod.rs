@@ -137,3 +137,44 @@ pub fn tempdir() -> tempfile::TempDir {
         .tempdir()
         .expect("tempdir")
 }
+
+/// nbdkit's file plugin exporting `path` read-only on a Unix socket, killed
+/// on drop.
+pub struct NbdkitExport {
+    child: std::process::Child,
+    _dir: tempfile::TempDir,
+    pub uri: String,
+}
+
+impl Drop for NbdkitExport {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn nbdkit_export(path: &Path) -> NbdkitExport {
+    let dir = tempdir();
+    let sock = dir.path().join("nbd.sock");
+    let child = Command::new("nbdkit")
+        .args(["-f", "-r", "-U"])
+        .arg(&sock)
+        .arg("file")
+        .arg(path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start nbdkit");
+    for _ in 0..500 {
+        if sock.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(sock.exists(), "nbdkit did not create its socket");
+    NbdkitExport {
+        child,
+        uri: format!("nbd+unix:///?socket={}", sock.display()),
+        _dir: dir,
+    }
+}

@@ -1,0 +1,95 @@
+//! Walking an endpoint's allocation forward, for the commands that read a
+//! whole image (checksum, compare): which runs read as zeros without being
+//! read (holes: SEEK_DATA/SEEK_HOLE on files, `base:allocation` on NBD), and
+//! the number of worker threads to read and hash with.
+
+use std::collections::VecDeque;
+
+use crate::endpoint::{self, Endpoint, MapExtent};
+
+/// Extents are fetched this far ahead, so the planner's lock is rarely held
+/// across an extents call.
+const LOOKAHEAD: u64 = 8 << 30;
+
+/// The runs of one endpoint in `[0, end)`, fetched lazily, asked for at
+/// offsets that never go backwards.
+pub(crate) struct ExtentCursor<'a> {
+    ep: &'a Endpoint,
+    end: u64,
+    queue: VecDeque<MapExtent>,
+}
+
+impl<'a> ExtentCursor<'a> {
+    pub fn new(ep: &'a Endpoint, end: u64) -> ExtentCursor<'a> {
+        ExtentCursor {
+            ep,
+            end: end.min(ep.size()),
+            queue: VecDeque::new(),
+        }
+    }
+
+    /// The run holding `off` (< end): whether it reads as zeros, and where it
+    /// ends. `off` must not be below an offset asked for before.
+    pub fn run_at(&mut self, off: u64) -> Result<(bool, u64), endpoint::Error> {
+        debug_assert!(off < self.end);
+        while let Some(f) = self.queue.front() {
+            if f.offset + f.len <= off {
+                self.queue.pop_front();
+            } else {
+                break;
+            }
+        }
+        if self.queue.is_empty() {
+            let want = (self.end - off).min(LOOKAHEAD);
+            let mut p = off;
+            for e in self.ep.extents(off, want)? {
+                if e.offset != p || e.len == 0 {
+                    break;
+                }
+                p += e.len;
+                self.queue.push_back(e);
+            }
+            if p == off {
+                // Nothing usable (a file that shrank, a server that answered
+                // nothing): read the rest rather than loop.
+                self.queue.push_back(MapExtent {
+                    offset: off,
+                    len: self.end - off,
+                    data: true,
+                    zero: false,
+                });
+            }
+        }
+        let f = self.queue.front().expect("refilled");
+        Ok((f.zero, (f.offset + f.len).min(self.end)))
+    }
+
+    /// Where the zeros starting at `off` end (`off` itself when the run at
+    /// `off` has data), looking at most up to `limit`.
+    pub fn zero_until(&mut self, off: u64, limit: u64) -> Result<u64, endpoint::Error> {
+        let limit = limit.min(self.end);
+        let mut p = off;
+        while p < limit {
+            let (zero, e) = self.run_at(p)?;
+            if !zero {
+                break;
+            }
+            p = e;
+        }
+        Ok(p.min(limit))
+    }
+}
+
+/// Worker threads for reading and hashing or comparing: one per core (the
+/// work is CPU-bound once the data is in memory), and for NBD at least 4, so
+/// some reads are in flight while others are hashed.
+pub(crate) fn workers(threads: usize, nbd: bool) -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2);
+    match threads {
+        0 if nbd => cores.clamp(4, 64),
+        0 => cores.clamp(1, 64),
+        n => n.clamp(1, 256),
+    }
+}
