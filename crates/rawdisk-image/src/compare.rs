@@ -54,15 +54,24 @@ pub enum Outcome {
     SizeMismatch,
 }
 
-#[derive(Debug, Clone)]
+/// What `compare` found; `--output json` prints it with qemu-img's
+/// kebab-case names (`outcome` is "identical", "size-mismatch" or
+/// `{"mismatch": SECTOR_OFFSET}`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CompareReport {
     pub outcome: Outcome,
     pub size_a: u64,
     pub size_b: u64,
     /// The first byte that differs, when there is a mismatch.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub first_byte: Option<u64>,
     pub bytes_read: u64,
     pub bytes_skipped: u64,
+    #[serde(
+        rename = "elapsed-seconds",
+        serialize_with = "crate::output::serialize_secs"
+    )]
     pub elapsed: Duration,
 }
 
@@ -85,6 +94,10 @@ impl CompareReport {
     }
 
     /// The exit status qemu-img uses: 0 identical, 1 different.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+    }
+
     pub fn exit_code(&self) -> u8 {
         match self.outcome {
             Outcome::Identical => 0,

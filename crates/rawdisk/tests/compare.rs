@@ -245,3 +245,27 @@ fn block_device_against_its_backing_content() {
     assert_eq!(r, qemu(devs, copys, &[]));
     assert_eq!(r.0, 1);
 }
+
+#[test]
+fn json_output_names_outcome_sizes_and_first_byte() {
+    let d = tempdir();
+    let dir = d.path();
+    let runs = [(0, 64 * KIB), (3 * MIB, MIB)];
+    let a = image(dir, "a.img", 4 * MIB, &runs, 7);
+    let b = image(dir, "b.img", 4 * MIB, &runs, 7);
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let (code, out) = ours(a, b, &["--output", "json"]);
+    let j: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(j["outcome"], "identical", "{j}");
+    assert_eq!(j["size-a"], 4 * MIB);
+    assert!(j.get("first-byte").is_none(), "{j}");
+
+    poke(Path::new(b), 3 * MIB + 1234, b"!");
+    let (code, out) = ours(a, b, &["--output", "json"]);
+    let j: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(j["outcome"]["mismatch"], 3 * MIB + 1024, "{j}");
+    assert_eq!(j["first-byte"], 3 * MIB + 1234, "{j}");
+    assert_eq!(j["size-b"], 4 * MIB);
+}

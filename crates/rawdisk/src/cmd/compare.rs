@@ -1,4 +1,4 @@
-//! `rawdisk compare [-s] [-p] A B`
+//! `rawdisk compare [-s] [-p] [-q] [--output human|json] A B`
 //!
 //! Prints what `qemu-img compare` prints and exits as it does: 0 when the
 //! images read the same, 1 when they differ, 2 on an error (one line on
@@ -8,6 +8,8 @@ use std::process::ExitCode;
 
 use rawdisk_image::compare::{self, CompareOptions};
 use rawdisk_image::progress::Bar;
+
+use super::OutputArg;
 
 /// Compare two raw images, as `qemu-img compare` does: files, block devices
 /// or NBD URIs.
@@ -20,7 +22,8 @@ use rawdisk_image::progress::Bar;
 #[derive(clap::Args)]
 #[command(after_help = "Example:\n  \
     rawdisk compare disk.img nbd://backup-host/disk\n  \
-    rawdisk compare -s a.img /dev/vg/b")]
+    rawdisk compare -s a.img /dev/vg/b\n  \
+    rawdisk compare --output json a.img b.img")]
 pub struct Args {
     /// Strict: images of different sizes differ.
     #[arg(short, long)]
@@ -31,6 +34,10 @@ pub struct Args {
     /// Print nothing; the exit status says the result.
     #[arg(short, long)]
     quiet: bool,
+    /// Output format; json prints the outcome, both sizes, the first
+    /// differing byte and what was read (the exit status is the same).
+    #[arg(long, value_enum, default_value = "human")]
+    output: OutputArg,
     /// First image: file, block device or NBD URI.
     a: String,
     /// Second image: file, block device or NBD URI.
@@ -54,7 +61,10 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     match compare::compare(&a.a, &a.b, &opts, &bar) {
         Ok(r) => {
             if !a.quiet {
-                print!("{}", r.to_human());
+                match a.output {
+                    OutputArg::Human => print!("{}", r.to_human()),
+                    OutputArg::Json => print!("{}", r.to_json()),
+                }
             }
             Ok(ExitCode::from(r.exit_code()))
         }
