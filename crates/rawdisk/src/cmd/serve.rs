@@ -92,7 +92,7 @@ pub struct Args {
     tls_psk: Option<PathBuf>,
     /// Require a client certificate that chains to DIR/ca-cert.pem and is
     /// not revoked by DIR/ca-crl.pem.
-    #[arg(long, requires = "tls_certificates")]
+    #[arg(long)]
     tls_verify_peer: bool,
     /// File or block device to export.
     target: PathBuf,
@@ -198,6 +198,11 @@ enum TlsSetup {
 
 /// The server's TLS from the --tls* flags; None when TLS is off.
 fn server_tls(args: &Args) -> Result<Option<ServerTls>, TlsSetup> {
+    if args.tls_verify_peer && args.tls_certificates.is_none() {
+        return Err(TlsSetup::Usage(
+            "--tls-verify-peer needs --tls-certificates DIR",
+        ));
+    }
     let creds = args.tls_certificates.is_some() || args.tls_psk.is_some();
     // Credentials alone mean require: giving them and still serving
     // plaintext clients would be a trap.
