@@ -180,7 +180,7 @@ def test_libnbd_psk_writes(workdir, serve, pki, tcp):
     assert_target_is(path, model)
 
 
-def test_nbdinfo_and_nbdcopy(workdir, serve, pki):
+def test_nbdinfo_nbdsh_and_nbdcopy(workdir, serve, pki):
     path, model, srv = start(serve, workdir, False, "--tls-certificates", pki["srv"])
     uri = tls_uri(srv, f"tls-certificates={pki['cli-nocert']}")
     info = subprocess.run(["nbdinfo", "--json", uri], capture_output=True, text=True, timeout=60)
@@ -188,6 +188,13 @@ def test_nbdinfo_and_nbdcopy(workdir, serve, pki):
     assert json.loads(info.stdout)["exports"][0]["export-size"] == SIZE
     src, src_model = make_image(workdir, "src.img", SIZE, seed=77)
     subprocess.run(["nbdcopy", "--flush", src, uri], check=True, timeout=120)
+    assert_target_is(path, src_model)
+    script = (f"h.set_uri_allow_local_file(True); h.connect_uri({uri!r}); "
+              "assert h.get_tls_negotiated(); h.pwrite(b'\\xee' * 4096, 8191); h.flush()")
+    # nbdsh runs `python3` from PATH; python3-libnbd belongs to /usr/bin's.
+    env = dict(os.environ, PATH="/usr/bin:" + os.environ.get("PATH", ""))
+    subprocess.run(["nbdsh", "-c", script], check=True, timeout=60, env=env)
+    src_model[8191:8191 + 4096] = b"\xee" * 4096
     assert_target_is(path, src_model)
     out = os.path.join(workdir, "out.img")
     subprocess.run(["nbdcopy", uri, out], check=True, timeout=120)

@@ -189,6 +189,14 @@ struct Harness {
 
 impl Harness {
     fn start(tls: ServerTls, timeout: Duration) -> Harness {
+        Harness::start_cfg(ServerConfig {
+            handshake_timeout: timeout,
+            tls: Some(tls),
+            ..Default::default()
+        })
+    }
+
+    fn start_cfg(cfg: ServerConfig) -> Harness {
         let dir = tempfile::Builder::new()
             .prefix("rawdisk-tls-srv-")
             .tempdir()
@@ -197,11 +205,6 @@ impl Harness {
         let model: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8 | 1).collect();
         std::fs::write(&path, &model).unwrap();
         let target = Arc::new(Target::open(&path, &OpenOptions::default()).unwrap());
-        let cfg = ServerConfig {
-            handshake_timeout: timeout,
-            tls: Some(tls),
-            ..Default::default()
-        };
         let (stop_tx, stop_rx) = watch::channel(false);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -336,7 +339,7 @@ fn x509_write_read_multi_conn() {
     let uri = h.uri("nbds://", &certs);
     let c = connect(&uri, 4).unwrap();
     assert_eq!(c.info().connections, 4);
-    assert!(c.info().extended_headers || c.info().structured_replies);
+    assert!(c.info().extended_headers, "extended headers over TLS");
     write_read_compare(&mut h, &c);
     // tls-hostname names what the certificate must carry.
     let named = h.uri("nbds://", &format!("{certs}&tls-hostname=localhost"));
@@ -708,4 +711,35 @@ fn stalled_tls_handshake_times_out() {
     );
     let good = cert_uri(&h, &pki, "cli-nocert");
     assert_serves(&h, &good);
+}
+
+#[test]
+fn tls_handshake_holds_a_connection_slot() {
+    let pki = Pki::new();
+    let tls = ServerTls::x509(&pki.dir("srv"), false, true).unwrap();
+    let h = Harness::start_cfg(ServerConfig {
+        handshake_timeout: Duration::from_secs(2),
+        max_connections: 1,
+        tls: Some(tls),
+        ..Default::default()
+    });
+    let mut stalled = h.greeted();
+    starttls(&mut stalled);
+    stalled.write_all(&[0x16, 0x03]).unwrap();
+    // The only slot is taken: the next connection is closed at accept,
+    // before any greeting.
+    let mut refused = TcpStream::connect(("127.0.0.1", h.port)).unwrap();
+    refused
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut b = [0u8; 18];
+    assert!(
+        matches!(refused.read(&mut b), Ok(0) | Err(_)),
+        "a connection beyond the cap got a greeting"
+    );
+    assert!(
+        closed_within(&mut stalled, 8),
+        "stalled handshake not timed out"
+    );
+    assert_serves(&h, &cert_uri(&h, &pki, "cli-nocert"));
 }
