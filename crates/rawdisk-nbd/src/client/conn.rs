@@ -109,7 +109,7 @@ impl Conn {
             let stream = tokio::io::join(r.into_inner(), w);
             let (stream, info) = tls.connect(stream).await.map_err(hs_err)?;
             tracing::debug!("{target}: TLS {info}");
-            let (tr, tw) = tokio::io::split(stream);
+            let (tr, tw) = crate::tls::split(stream);
             r = BufReader::with_capacity(256 * 1024, Box::new(tr));
             w = Box::new(tw);
         }

@@ -120,7 +120,7 @@ where
     let stream = tokio::io::join(rd.into_inner(), wr.into_inner());
     let (stream, info) = tls.accept(stream).await?;
     debug!("{peer}: TLS {info}");
-    let (r, w) = tokio::io::split(stream);
+    let (r, w) = crate::tls::split(stream);
     let mut rd = Input::new(Box::new(r) as BoxRead);
     let mut wr = BufWriter::with_capacity(64 << 10, Box::new(w) as BoxWrite);
     // Spec: everything negotiated before TLS is forgotten (CVE-2021-3716:
