@@ -11,7 +11,7 @@ use std::process::Command as Proc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
+use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode, SslVersion};
 use rawdisk_nbd::client::{Client, ConnectOptions};
 use rawdisk_nbd::proto::*;
 use rawdisk_nbd::server::{Listener, Server, ServerConfig};
@@ -742,4 +742,35 @@ fn tls_handshake_holds_a_connection_slot() {
         "stalled handshake not timed out"
     );
     assert_serves(&h, &cert_uri(&h, &pki, "cli-nocert"));
+}
+
+#[test]
+fn psk_over_tls12_suites() {
+    // GnuTLS peers negotiate TLS 1.3; a TLS 1.2-only PSK client must work
+    // too, with the PSK suites the server enables.
+    let pki = Pki::new();
+    let tls = ServerTls::psk(&pki.dir("keys.psk"), true).unwrap();
+    let h = Harness::start(tls, Duration::from_secs(5));
+    let mut s = h.greeted();
+    starttls(&mut s);
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_max_proto_version(Some(SslVersion::TLS1_2)).unwrap();
+    b.set_cipher_list("PSK").unwrap();
+    b.set_psk_client_callback(|_, _, identity, key| {
+        identity[..6].copy_from_slice(b"alice\0");
+        let k: Vec<u8> = (0..PSK_KEY.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&PSK_KEY[i..i + 2], 16).unwrap())
+            .collect();
+        key[..k.len()].copy_from_slice(&k);
+        Ok(k.len())
+    });
+    let mut t = b
+        .build()
+        .connect("localhost", s)
+        .expect("TLS 1.2 PSK handshake");
+    assert_eq!(t.ssl().version_str(), "TLSv1.2");
+    assert!(t.ssl().current_cipher().unwrap().name().contains("PSK"));
+    go(&mut t);
+    read_simple(&mut t, &h.model);
 }
