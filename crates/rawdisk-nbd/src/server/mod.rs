@@ -3,7 +3,8 @@
 //! order.
 //!
 //! Where things are: this file holds the configuration, the accept loop and
-//! the setup of each connection; `handshake` the option negotiation;
+//! the setup of each connection; `handshake` the option negotiation and the
+//! upgrade to TLS (`crate::tls`);
 //! `transmission` the request reader, its scheduling and the reply writer;
 //! `command` validation, execution and replies of each command; `buffers`
 //! the read-ahead buffer and the buffer and pipe pools.
@@ -381,6 +382,8 @@ async fn connection<R, W>(
     }
 }
 
+/// The transmission phase of one negotiated connection, with its logging.
+/// `sink` is the raw socket for splice and mapped writes: None over TLS.
 async fn transmit<R, W>(
     sh: Arc<Shared>,
     rd: Input<R>,
