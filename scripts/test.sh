@@ -32,6 +32,11 @@ want losetup util-linux
 want blkdiscard util-linux
 want fallocate util-linux
 want cmp diffutils
+# TLS: the openssl crate builds against the system's libssl; the tests make
+# their certificates with the openssl command.
+want openssl openssl
+want pkg-config pkg-config
+pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev)
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
 /usr/bin/python3 -m pytest --version >/dev/null 2>&1 || need+=(python3-pytest)
 if [ ${#need[@]} -gt 0 ]; then

@@ -7,4 +7,5 @@ pub mod fuzzing;
 pub mod proto;
 pub mod server;
 mod sock;
+pub mod tls;
 pub mod uri;

@@ -1,14 +1,15 @@
 //! NBD URIs as the NBD URI specification defines them (`doc/uri.md` in the
 //! NBD project, <https://github.com/NetworkBlockDevice/nbd/blob/master/doc/uri.md>):
-//! `nbd://host[:port]/export` and `nbd+unix:///export?socket=PATH`.
-//!
-//! This client has no TLS: the TLS schemes (`nbds`, `nbds+unix`) and the
-//! `tls-*` query parameters are refused with an error that says so, as the
-//! URI spec asks of clients without TLS ("Clients which do not support
-//! TLS"), rather than silently connecting in clear text.
+//! `nbd://host[:port]/export` and `nbd+unix:///export?socket=PATH`, and
+//! their TLS forms `nbds://` and `nbds+unix://` with the spec's `tls-*`
+//! query parameters plus libnbd's `tls-certificates` and `tls-psk-file`.
+//! The `tls-*` parameters are refused on `nbd://`: TLS there would be
+//! opportunistic, and a URI that names credentials means TLS or nothing.
 
 use std::fmt;
 use std::path::PathBuf;
+
+pub use crate::tls::TlsParams;
 
 /// The IANA-assigned NBD port, the default when a TCP URI has none.
 pub const DEFAULT_PORT: u16 = 10809;
@@ -32,13 +33,15 @@ pub struct NbdUri {
     pub transport: Transport,
     /// The export name: the path without its leading `/`, percent-decoded.
     pub export: String,
+    /// `nbds://`, `nbds+unix://`: TLS or no connection.
+    pub tls: Option<TlsParams>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UriError {
     #[error("'{0}' is not an NBD URI (expected nbd://host[:port]/export or nbd+unix:///export?socket=PATH)")]
     NotNbd(String),
-    #[error("'{uri}': TLS is not supported by rawdisk's NBD client ({what})")]
+    #[error("'{uri}': {what} needs a TLS URI (nbds:// or nbds+unix://)")]
     Tls { uri: String, what: String },
     #[error("'{uri}': unsupported NBD transport '{scheme}' (use nbd:// or nbd+unix://)")]
     Unsupported { uri: String, scheme: String },
@@ -72,16 +75,12 @@ impl NbdUri {
             .split_once("://")
             .ok_or_else(|| UriError::NotNbd(uri.to_string()))?;
         let scheme_lc = scheme.to_ascii_lowercase();
-        let unix = match scheme_lc.as_str() {
-            "nbd" => false,
-            "nbd+unix" => true,
-            "nbds" | "nbds+unix" | "nbds+vsock" => {
-                return Err(UriError::Tls {
-                    uri: uri.to_string(),
-                    what: format!("scheme '{scheme}' requires TLS"),
-                })
-            }
-            s if s.starts_with("nbd+") => {
+        let (unix, tls) = match scheme_lc.as_str() {
+            "nbd" => (false, false),
+            "nbd+unix" => (true, false),
+            "nbds" => (false, true),
+            "nbds+unix" => (true, true),
+            s if s.starts_with("nbd+") || s.starts_with("nbds+") => {
                 return Err(UriError::Unsupported {
                     uri: uri.to_string(),
                     scheme: scheme.to_string(),
@@ -111,6 +110,11 @@ impl NbdUri {
         }
 
         let mut socket: Option<String> = None;
+        let mut tls_params = TlsParams {
+            verify_peer: true,
+            ..Default::default()
+        };
+        let mut tls_type: Option<String> = None;
         if let Some(q) = query {
             for pair in q.split('&').filter(|p| !p.is_empty()) {
                 let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -127,12 +131,23 @@ impl NbdUri {
                             "'socket' is only valid with nbd+unix:// (did you mean nbd+unix:///export?socket=PATH?)",
                         ))
                     }
-                    k if k.starts_with("tls-") => {
+                    k if k.starts_with("tls-") && !tls => {
                         return Err(UriError::Tls {
                             uri: uri.to_string(),
                             what: format!("query parameter '{k}'"),
                         })
                     }
+                    "tls-certificates" => tls_params.certificates = Some(PathBuf::from(v)),
+                    "tls-psk-file" => tls_params.psk_file = Some(PathBuf::from(v)),
+                    "tls-hostname" => tls_params.hostname = Some(v),
+                    "tls-verify-peer" => {
+                        tls_params.verify_peer = match v.as_str() {
+                            "1" | "true" | "on" | "yes" => true,
+                            "0" | "false" | "off" | "no" => false,
+                            _ => return Err(invalid("tls-verify-peer takes 0 or 1")),
+                        }
+                    }
+                    "tls-type" => tls_type = Some(v),
                     k if k.starts_with("x-") => {
                         // Experimental parameters of other clients (spec: "x-"
                         // prefix); nothing here understands them.
@@ -143,11 +158,31 @@ impl NbdUri {
             }
         }
 
-        // userinfo only matters for TLS authentication, which we do not do.
+        // userinfo: the PSK identity (URI spec: "NBD URI authority").
         let hostport = match authority.rsplit_once('@') {
-            Some((_, hp)) => hp,
+            Some((user, hp)) => {
+                let user = user.split_once(':').map_or(user, |(u, _)| u);
+                tls_params.username = Some(percent_decode(user).map_err(|e| invalid(&e))?);
+                hp
+            }
             None => authority,
         };
+        match tls_type.as_deref() {
+            None => {}
+            Some("x509") if tls_params.psk_file.is_none() => {}
+            Some("psk") if tls_params.psk_file.is_some() => {}
+            Some("x509") => return Err(invalid("tls-type=x509 with tls-psk-file")),
+            Some("psk") => return Err(invalid("tls-type=psk needs tls-psk-file=FILE")),
+            Some("anon") => {
+                return Err(invalid("tls-type=anon is not supported (use x509 or psk)"))
+            }
+            Some(t) => return Err(invalid(&format!("unknown tls-type '{t}' (x509 or psk)"))),
+        }
+        if tls_params.certificates.is_some() && tls_params.psk_file.is_some() {
+            return Err(invalid(
+                "tls-certificates and tls-psk-file are alternatives: give one",
+            ));
+        }
 
         let transport = if unix {
             if !hostport.is_empty() {
@@ -173,7 +208,11 @@ impl NbdUri {
             }
             Transport::Tcp { host, port }
         };
-        Ok(NbdUri { transport, export })
+        Ok(NbdUri {
+            transport,
+            export,
+            tls: tls.then_some(tls_params),
+        })
     }
 }
 
@@ -250,6 +289,29 @@ fn percent_encode(s: &str, keep: &[u8]) -> String {
 impl fmt::Display for NbdUri {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let export = percent_encode(&self.export, b"/");
+        let s = if self.tls.is_some() { "s" } else { "" };
+        let user = match self.tls.as_ref().and_then(|t| t.username.as_deref()) {
+            Some(u) => format!("{}@", percent_encode(u, b"")),
+            None => String::new(),
+        };
+        let mut query = Vec::new();
+        if let Transport::Unix { path } = &self.transport {
+            query.push(("socket", path.to_string_lossy().into_owned()));
+        }
+        if let Some(t) = &self.tls {
+            if let Some(d) = &t.certificates {
+                query.push(("tls-certificates", d.to_string_lossy().into_owned()));
+            }
+            if let Some(p) = &t.psk_file {
+                query.push(("tls-psk-file", p.to_string_lossy().into_owned()));
+            }
+            if let Some(h) = &t.hostname {
+                query.push(("tls-hostname", h.clone()));
+            }
+            if !t.verify_peer {
+                query.push(("tls-verify-peer", "0".into()));
+            }
+        }
         match &self.transport {
             Transport::Tcp { host, port } => {
                 let host = if host.contains(':') {
@@ -258,17 +320,18 @@ impl fmt::Display for NbdUri {
                     host.clone()
                 };
                 if *port == DEFAULT_PORT {
-                    write!(f, "nbd://{host}/{export}")
+                    write!(f, "nbd{s}://{user}{host}/{export}")?;
                 } else {
-                    write!(f, "nbd://{host}:{port}/{export}")
+                    write!(f, "nbd{s}://{user}{host}:{port}/{export}")?;
                 }
             }
-            Transport::Unix { path } => write!(
-                f,
-                "nbd+unix:///{export}?socket={}",
-                percent_encode(&path.to_string_lossy(), b"/")
-            ),
+            Transport::Unix { .. } => write!(f, "nbd{s}+unix://{user}/{export}")?,
         }
+        for (i, (k, v)) in query.iter().enumerate() {
+            let sep = if i == 0 { '?' } else { '&' };
+            write!(f, "{sep}{k}={}", percent_encode(v, b"/"))?;
+        }
+        Ok(())
     }
 }
 
@@ -283,6 +346,7 @@ mod tests {
                 port,
             },
             export: export.into(),
+            tls: None,
         }
     }
 
@@ -310,7 +374,8 @@ mod tests {
                 transport: Transport::Unix {
                     path: "sock".into()
                 },
-                export: "disk".into()
+                export: "disk".into(),
+                tls: None,
             }
         );
     }
@@ -359,21 +424,61 @@ mod tests {
     }
 
     #[test]
-    fn tls_refused_clearly() {
+    fn tls_parameters_need_a_tls_scheme() {
         for u in [
-            "nbds://h/e",
-            "nbds+unix:///e?socket=/s",
             "nbd://h/e?tls-type=x509",
             "nbd+unix:///e?socket=/s&tls-verify-peer=0",
+            "nbd://h/e?tls-certificates=/pki",
         ] {
             let e = NbdUri::parse(u).unwrap_err();
             assert!(matches!(e, UriError::Tls { .. }), "{u}: {e}");
-            assert!(e.to_string().contains("TLS"), "{e}");
+            assert!(e.to_string().contains("nbds://"), "{e}");
         }
-        assert!(matches!(
-            NbdUri::parse("nbd+vsock:///e").unwrap_err(),
-            UriError::Unsupported { .. }
-        ));
+        for u in ["nbd+vsock:///e", "nbds+vsock:///e"] {
+            assert!(
+                matches!(NbdUri::parse(u).unwrap_err(), UriError::Unsupported { .. }),
+                "{u}"
+            );
+        }
+    }
+
+    #[test]
+    fn tls_uris() {
+        let u = NbdUri::parse("nbds://h/e").unwrap();
+        assert_eq!(u.transport, tcp("h", 10809, "e").transport);
+        let t = u.tls.unwrap();
+        assert!(t.verify_peer && t.certificates.is_none() && t.username.is_none());
+
+        let u = NbdUri::parse("nbds+unix://alice@/disk?socket=/s&tls-psk-file=/k%20s&tls-type=psk")
+            .unwrap();
+        assert_eq!(u.transport, Transport::Unix { path: "/s".into() });
+        let t = u.tls.as_ref().unwrap();
+        assert_eq!(t.username.as_deref(), Some("alice"));
+        assert_eq!(t.psk_file.as_deref(), Some(std::path::Path::new("/k s")));
+
+        let u =
+            NbdUri::parse("NBDS://h:99/e?tls-certificates=/pki&tls-hostname=srv&tls-verify-peer=0")
+                .unwrap();
+        let t = u.tls.as_ref().unwrap();
+        assert_eq!(
+            t.certificates.as_deref(),
+            Some(std::path::Path::new("/pki"))
+        );
+        assert_eq!(t.hostname.as_deref(), Some("srv"));
+        assert!(!t.verify_peer);
+
+        for bad in [
+            "nbds://h/e?tls-certificates=/a&tls-psk-file=/b",
+            "nbds://h/e?tls-type=anon",
+            "nbds://h/e?tls-type=psk",
+            "nbds://h/e?tls-type=x509&tls-psk-file=/b",
+            "nbds://h/e?tls-type=srp",
+            "nbds://h/e?tls-verify-peer=maybe",
+            "nbds://h/e?tls-priority=NORMAL",
+            "nbds+unix:///e",
+        ] {
+            assert!(NbdUri::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -408,6 +513,9 @@ mod tests {
             "nbd://h:1234/a%20b",
             "nbd://[::1]:99/",
             "nbd+unix:///e?socket=/tmp/x.sock",
+            "nbds://h/e",
+            "nbds://bob@h:99/e?tls-psk-file=/k&tls-verify-peer=0",
+            "nbds+unix:///e?socket=/s&tls-certificates=/pki&tls-hostname=srv",
         ] {
             let p = NbdUri::parse(u).unwrap();
             assert_eq!(p.to_string(), u);

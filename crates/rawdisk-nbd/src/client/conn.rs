@@ -12,9 +12,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::handshake::handshake;
+use super::handshake::{greet, handshake, starttls};
 use super::{BlockStatus, ConnectOptions, Error, ExportInfo, Result};
 use crate::proto::*;
+use crate::tls::ClientTls;
 use crate::uri::{NbdUri, Transport};
 
 pub(super) type Reader = BufReader<Box<dyn AsyncRead + Send + Unpin>>;
@@ -61,6 +62,7 @@ impl Conn {
         uri: &NbdUri,
         opts: &ConnectOptions,
         target: &str,
+        tls: Option<&ClientTls>,
     ) -> Result<(Arc<Conn>, ExportInfo)> {
         let connect_err = |e: std::io::Error| Error::Connect {
             target: target.to_string(),
@@ -90,13 +92,30 @@ impl Conn {
         };
         let mut r = BufReader::with_capacity(256 * 1024, r);
         let mut w = w;
-        let (info, context_id) =
-            handshake(&mut r, &mut w, &uri.export, opts)
-                .await
-                .map_err(|message| Error::Handshake {
-                    target: target.to_string(),
-                    message,
-                })?;
+        let hs_err = |message| Error::Handshake {
+            target: target.to_string(),
+            message,
+        };
+        let no_zeroes = greet(&mut r, &mut w).await.map_err(hs_err)?;
+        if let Some(tls) = tls {
+            starttls(&mut r, &mut w).await.map_err(hs_err)?;
+            // Spec: nothing but TLS follows the ACK; a server that sent more
+            // in plaintext is not one to trust.
+            if !r.buffer().is_empty() {
+                return Err(hs_err(
+                    "the server sent plaintext after accepting NBD_OPT_STARTTLS".into(),
+                ));
+            }
+            let stream = tokio::io::join(r.into_inner(), w);
+            let (stream, info) = tls.connect(stream).await.map_err(hs_err)?;
+            tracing::debug!("{target}: TLS {info}");
+            let (tr, tw) = crate::tls::split(stream);
+            r = BufReader::with_capacity(256 * 1024, Box::new(tr));
+            w = Box::new(tw);
+        }
+        let (info, context_id) = handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
+            .await
+            .map_err(|m| hs_err(after_tls(tls.is_some(), m)))?;
         let conn = Arc::new(Conn {
             writer: tokio::sync::Mutex::new(Some(w)),
             state: Mutex::new(State {
@@ -264,6 +283,19 @@ impl Drop for Poison<'_> {
         if self.armed {
             self.conn.kill("a request was abandoned half-sent");
         }
+    }
+}
+
+/// With TLS 1.3 the server checks the client's certificate after the
+/// client has finished its side of the handshake: a refusal then shows up
+/// as the first option failing, sometimes as a bare EPIPE or EOF.
+fn after_tls(tls: bool, message: String) -> String {
+    let bare = message.starts_with("writing to the server")
+        || message == "the server closed the connection";
+    if tls && bare {
+        format!("{message} right after the TLS handshake (did the server refuse this client's certificate?)")
+    } else {
+        message
     }
 }
 

@@ -1,7 +1,7 @@
-//! The client's fixed newstyle handshake: client flags, extended headers or
-//! structured replies when wanted, base:allocation, then NBD_OPT_GO with
-//! block-size information, falling back to NBD_OPT_EXPORT_NAME for old
-//! servers.
+//! The client's fixed newstyle handshake: client flags, NBD_OPT_STARTTLS
+//! first for a TLS URI, extended headers or structured replies when wanted,
+//! base:allocation, then NBD_OPT_GO with block-size information, falling
+//! back to NBD_OPT_EXPORT_NAME for old servers.
 
 use tokio::io::AsyncWriteExt;
 
@@ -9,12 +9,9 @@ use super::conn::{read_exact, Reader, Writer};
 use super::{ConnectOptions, ExportInfo};
 use crate::proto::*;
 
-pub(super) async fn handshake(
-    r: &mut Reader,
-    w: &mut Writer,
-    export: &str,
-    opts: &ConnectOptions,
-) -> std::result::Result<(ExportInfo, Option<u32>), String> {
+/// Reads the greeting and sends the client flags; returns whether the
+/// server leaves out the zero padding of the NBD_OPT_EXPORT_NAME reply.
+pub(super) async fn greet(r: &mut Reader, w: &mut Writer) -> std::result::Result<bool, String> {
     let io = |e: std::io::Error| format!("writing to the server: {e}");
     let mut b = [0u8; GREETING_LEN];
     read_exact(r, &mut b).await?;
@@ -34,7 +31,39 @@ pub(super) async fn handshake(
         FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 },
     );
     w.write_all(&out).await.map_err(io)?;
+    Ok(no_zeroes)
+}
 
+/// NBD_OPT_STARTTLS, as the first option (spec: a client that wants TLS
+/// whatever the server's mode SHOULD send it first). An error reply ends
+/// the connection: a TLS URI means TLS or nothing.
+pub(super) async fn starttls(r: &mut Reader, w: &mut Writer) -> std::result::Result<(), String> {
+    send_option(w, &ClientOption::StartTls).await?;
+    match option_reply(r, OPT_STARTTLS).await? {
+        OptionReply::Ack => Ok(()),
+        OptionReply::Error { reply, message } => {
+            let why = match reply {
+                REP_ERR_UNSUP | REP_ERR_POLICY => "the server does not offer TLS".to_string(),
+                r => reply_type_name(r).to_string(),
+            };
+            Err(if message.is_empty() {
+                format!("NBD_OPT_STARTTLS refused: {why}")
+            } else {
+                format!("NBD_OPT_STARTTLS refused: {why}: {message}")
+            })
+        }
+        other => Err(format!("unexpected reply {other:?} to NBD_OPT_STARTTLS")),
+    }
+}
+
+/// The option haggling after the greeting (and TLS, if any).
+pub(super) async fn handshake(
+    r: &mut Reader,
+    w: &mut Writer,
+    export: &str,
+    opts: &ConnectOptions,
+    no_zeroes: bool,
+) -> std::result::Result<(ExportInfo, Option<u32>), String> {
     let mut extended = false;
     let mut structured = false;
     if opts.extended_headers {
@@ -170,7 +199,7 @@ pub(super) async fn handshake(
 
 fn rep_error(what: &str, export: &str, reply: u32, message: &str) -> String {
     let name = match reply {
-        REP_ERR_TLS_REQD => "the server requires TLS, which rawdisk does not support",
+        REP_ERR_TLS_REQD => "the server requires TLS: connect with an nbds:// or nbds+unix:// URI",
         REP_ERR_UNKNOWN => "no such export",
         REP_ERR_SHUTDOWN => "the server is shutting down",
         r => reply_type_name(r),
@@ -192,7 +221,9 @@ async fn optional(
     send_option(w, &opt).await?;
     match option_reply(r, code).await? {
         OptionReply::Ack => Ok(true),
-        OptionReply::Error { reply, message } if reply == REP_ERR_SHUTDOWN => {
+        OptionReply::Error { reply, message }
+            if reply == REP_ERR_SHUTDOWN || reply == REP_ERR_TLS_REQD =>
+        {
             Err(rep_error("option", option_name(code), reply, &message))
         }
         // An optional feature the server refuses is simply not available.

@@ -25,7 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::proto::*;
-use crate::uri::NbdUri;
+use crate::tls::ClientTls;
+use crate::uri::{NbdUri, Transport};
 use conn::{Conn, Done};
 
 // ---------------------------------------------------------------------------
@@ -252,20 +253,38 @@ impl Client {
     /// opens the extra connections too.
     pub async fn connect(uri: &NbdUri, opts: &ConnectOptions) -> Result<Client> {
         let target = uri.to_string();
-        let first = tokio::time::timeout(opts.timeout, Conn::open(uri, opts, &target))
-            .await
-            .map_err(|_| Error::Connect {
-                target: target.clone(),
-                message: format!("timed out after {:?}", opts.timeout),
-            })??;
+        // Credentials are read once and shared by every connection.
+        let tls = match &uri.tls {
+            Some(p) => {
+                let host = match &uri.transport {
+                    Transport::Tcp { host, .. } => Some(host.as_str()),
+                    Transport::Unix { .. } => None,
+                };
+                let t = ClientTls::new(p, host).map_err(|e| Error::Connect {
+                    target: target.clone(),
+                    message: e.to_string(),
+                })?;
+                Some(Arc::new(t))
+            }
+            None => None,
+        };
+        let first =
+            tokio::time::timeout(opts.timeout, Conn::open(uri, opts, &target, tls.as_deref()))
+                .await
+                .map_err(|_| Error::Connect {
+                    target: target.clone(),
+                    message: format!("timed out after {:?}", opts.timeout),
+                })??;
         let mut info = first.1;
         let mut conns = vec![first.0];
         if info.can_multi_conn() && opts.connections > 1 {
             let mut set = tokio::task::JoinSet::new();
             for _ in 1..opts.connections {
                 let (uri, opts, target) = (uri.clone(), opts.clone(), target.clone());
+                let tls = tls.clone();
                 set.spawn(async move {
-                    tokio::time::timeout(opts.timeout, Conn::open(&uri, &opts, &target)).await
+                    let open = Conn::open(&uri, &opts, &target, tls.as_deref());
+                    tokio::time::timeout(opts.timeout, open).await
                 });
             }
             while let Some(r) = set.join_next().await {

@@ -45,6 +45,11 @@ impl<R: AsyncRead + Unpin> Input<R> {
         }
     }
 
+    /// The stream underneath; bytes read ahead and not consumed are dropped.
+    pub(super) fn into_inner(self) -> R {
+        self.r
+    }
+
     /// Bytes read ahead and not consumed yet.
     pub(super) fn buffered(&self) -> usize {
         self.end - self.pos

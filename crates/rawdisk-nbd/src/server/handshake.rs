@@ -1,14 +1,15 @@
 //! The fixed newstyle handshake: greeting, client flags, then option
 //! haggling until NBD_OPT_GO or NBD_OPT_EXPORT_NAME settles a [`Session`]
-//! (spec: "Newstyle negotiation" and "Option types").
+//! (spec: "Newstyle negotiation" and "Option types"), with an upgrade to
+//! TLS on NBD_OPT_STARTTLS (spec: "TLS support").
 
 use std::io;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tracing::{debug, trace};
 
-use super::buffers::Input;
-use super::{protocol_error, Session, Shared};
+use super::buffers::{Input, READ_AHEAD};
+use super::{protocol_error, BoxRead, BoxWrite, Session, Shared};
 use crate::proto::*;
 
 /// Context id handed out for base:allocation.
@@ -44,20 +45,46 @@ async fn send<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut Vec<u8>) -> io::Resul
     Ok(())
 }
 
-/// The option haggling phase. Ok(None): the client aborted.
+/// The streams the transmission phase runs on: the accepted ones, or after
+/// NBD_OPT_STARTTLS the TLS session over them, on the generic stream path
+/// (the raw-socket fast paths would bypass TLS).
+pub(super) enum Link<R, W> {
+    Plain(Input<R>, BufWriter<W>),
+    Tls(Input<BoxRead>, BufWriter<BoxWrite>),
+}
+
+/// Where the option haggling stands with respect to TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TlsPhase {
+    /// The server has no TLS (spec: NOTLS mode).
+    Off,
+    /// TLS is configured and not started yet; `required`: FORCEDTLS.
+    Offered { required: bool },
+    /// Options now travel over TLS.
+    Active,
+}
+
+enum Outcome {
+    Aborted,
+    Session(Session),
+    StartTls,
+}
+
+/// The whole handshake, including a TLS upgrade. Ok(None): the client
+/// aborted. The caller's handshake timeout covers the TLS handshake too.
 pub(super) async fn handshake<R, W>(
     sh: &Shared,
-    rd: &mut Input<R>,
-    wr: &mut W,
-) -> io::Result<Option<Session>>
+    mut rd: Input<R>,
+    mut wr: BufWriter<W>,
+    peer: &str,
+) -> io::Result<Option<(Session, Link<R, W>)>>
 where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
 {
-    let cfg = &sh.cfg;
     let mut out = Vec::with_capacity(512);
     encode_greeting(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
-    send(wr, &mut out).await?;
+    send(&mut wr, &mut out).await?;
 
     let mut b4 = [0u8; 4];
     rd.read_exact(&mut b4, 0).await?;
@@ -67,7 +94,63 @@ where
         return Err(protocol_error(format!("unknown client flags {cflags:#x}")));
     }
     let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    // Spec (TLS support): without fixed newstyle from both sides, NOTLS.
+    let phase = match &sh.cfg.tls {
+        Some(t) if cflags & FLAG_C_FIXED_NEWSTYLE != 0 => TlsPhase::Offered {
+            required: t.required(),
+        },
+        Some(t) if t.required() => {
+            return Err(protocol_error(
+                "TLS is required but the client does not speak fixed newstyle",
+            ))
+        }
+        _ => TlsPhase::Off,
+    };
+    match options(sh, &mut rd, &mut wr, no_zeroes, phase).await? {
+        Outcome::Aborted => return Ok(None),
+        Outcome::Session(s) => return Ok(Some((s, Link::Plain(rd, wr)))),
+        Outcome::StartTls => {}
+    }
+    let tls = sh
+        .cfg
+        .tls
+        .as_ref()
+        .expect("STARTTLS accepted only with TLS configured");
+    // discard_pipelined left nothing read ahead: TLS starts at the socket.
+    let stream = tokio::io::join(rd.into_inner(), wr.into_inner());
+    let (stream, info) = tls.accept(stream).await?;
+    debug!("{peer}: TLS {info}");
+    let (r, w) = crate::tls::split(stream);
+    let mut rd = Input::new(Box::new(r) as BoxRead);
+    let mut wr = BufWriter::with_capacity(64 << 10, Box::new(w) as BoxWrite);
+    // Spec: everything negotiated before TLS is forgotten (CVE-2021-3716:
+    // a server that kept structured replies across STARTTLS).
+    match options(sh, &mut rd, &mut wr, no_zeroes, TlsPhase::Active).await? {
+        Outcome::Aborted => Ok(None),
+        Outcome::Session(s) => Ok(Some((s, Link::Tls(rd, wr)))),
+        Outcome::StartTls => unreachable!("a second NBD_OPT_STARTTLS is refused"),
+    }
+}
 
+/// Plaintext a client pipelined after NBD_OPT_STARTTLS, before it could
+/// have seen the ACK, is read and dropped, up to this much; more and the
+/// connection is closed.
+const PIPELINED_MAX: usize = 1 << 20;
+
+/// The option haggling phase.
+async fn options<R, W>(
+    sh: &Shared,
+    rd: &mut Input<R>,
+    wr: &mut W,
+    no_zeroes: bool,
+    phase: TlsPhase,
+) -> io::Result<Outcome>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let cfg = &sh.cfg;
+    let mut out = Vec::with_capacity(512);
     let mut mode = ReplyMode::Simple;
     // (export name, selected base:allocation) from the last SET_META_CONTEXT.
     let mut meta: Option<(String, bool)> = None;
@@ -98,6 +181,20 @@ where
         data.resize(h.len as usize, 0);
         rd.read_exact(&mut data, 0).await?;
         trace!("option {name} ({} bytes)", h.len);
+
+        if phase == (TlsPhase::Offered { required: true })
+            && h.option != OPT_STARTTLS
+            && h.option != OPT_ABORT
+        {
+            // Spec (FORCEDTLS): every other option is refused, and
+            // NBD_OPT_EXPORT_NAME, which cannot be refused, ends the session.
+            if h.option == OPT_EXPORT_NAME {
+                return Err(protocol_error("NBD_OPT_EXPORT_NAME before TLS"));
+            }
+            let msg = format!("{name}: TLS is required (send NBD_OPT_STARTTLS)");
+            reply_err(wr, &mut out, h.option, REP_ERR_TLS_REQD, &msg).await?;
+            continue;
+        }
 
         let opt = match ClientOption::parse(h.option, &data) {
             Ok(o) => o,
@@ -130,13 +227,14 @@ where
                 encode_export_name_reply(&mut out, size, flags, no_zeroes);
                 send(wr, &mut out).await?;
                 let base_allocation = meta_for(&meta, &export);
-                return Ok(Some(session(sh, mode, flags, size, base_allocation, false)));
+                let s = session(sh, mode, flags, size, base_allocation, false);
+                return Ok(Outcome::Session(s));
             }
             ClientOption::Abort => {
                 OptionReply::Ack.encode(h.option, &mut out);
                 // The client may already be gone (spec: handle both).
                 let _ = send(wr, &mut out).await;
-                return Ok(None);
+                return Ok(Outcome::Aborted);
             }
             ClientOption::List => {
                 OptionReply::Server {
@@ -147,16 +245,22 @@ where
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
             }
-            ClientOption::StartTls => {
-                reply_err(
-                    wr,
-                    &mut out,
-                    h.option,
-                    REP_ERR_POLICY,
-                    "TLS is not configured on this server",
-                )
-                .await?;
-            }
+            ClientOption::StartTls => match phase {
+                TlsPhase::Off => {
+                    let msg = "TLS is not configured on this server";
+                    reply_err(wr, &mut out, h.option, REP_ERR_POLICY, msg).await?;
+                }
+                TlsPhase::Active => {
+                    let msg = "TLS is already active";
+                    reply_err(wr, &mut out, h.option, REP_ERR_INVALID, msg).await?;
+                }
+                TlsPhase::Offered { .. } => {
+                    discard_pipelined(rd).await?;
+                    OptionReply::Ack.encode(h.option, &mut out);
+                    send(wr, &mut out).await?;
+                    return Ok(Outcome::StartTls);
+                }
+            },
             ClientOption::StructuredReply | ClientOption::ExtendedHeaders => {
                 let want = if h.option == OPT_EXTENDED_HEADERS {
                     ReplyMode::Extended
@@ -263,14 +367,8 @@ where
                 if go {
                     let base_allocation = meta_for(&meta, &req.name);
                     let agreed = req.info.contains(&INFO_BLOCK_SIZE);
-                    return Ok(Some(session(
-                        sh,
-                        mode,
-                        flags,
-                        size,
-                        base_allocation,
-                        agreed,
-                    )));
+                    let s = session(sh, mode, flags, size, base_allocation, agreed);
+                    return Ok(Outcome::Session(s));
                 }
             }
             ClientOption::Unknown { option, .. } => {
@@ -283,6 +381,32 @@ where
         "more than {} options without entering transmission",
         cfg.max_options
     )))
+}
+
+/// Reads and drops what the client sent after NBD_OPT_STARTTLS and before
+/// our ACK: a client that follows the spec waits for the ACK before its TLS
+/// ClientHello, so whatever is already here is plaintext pipelined past
+/// STARTTLS. Bytes still in flight get to TLS, which rejects them.
+async fn discard_pipelined<R: AsyncRead + Unpin>(rd: &mut Input<R>) -> io::Result<()> {
+    let mut dropped = 0;
+    loop {
+        let n = rd.buffered();
+        rd.take(n);
+        dropped += n;
+        if dropped > PIPELINED_MAX {
+            return Err(protocol_error(format!(
+                "more than {PIPELINED_MAX} bytes of plaintext after NBD_OPT_STARTTLS"
+            )));
+        }
+        rd.top_up(READ_AHEAD).await?;
+        if rd.buffered() == 0 {
+            break;
+        }
+    }
+    if dropped > 0 {
+        debug!("discarded {dropped} plaintext bytes pipelined after NBD_OPT_STARTTLS");
+    }
+    Ok(())
 }
 
 fn df_flag(mode: ReplyMode) -> u16 {

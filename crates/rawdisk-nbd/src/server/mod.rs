@@ -3,7 +3,8 @@
 //! order.
 //!
 //! Where things are: this file holds the configuration, the accept loop and
-//! the setup of each connection; `handshake` the option negotiation;
+//! the setup of each connection; `handshake` the option negotiation and the
+//! upgrade to TLS (`crate::tls`);
 //! `transmission` the request reader, its scheduling and the reply writer;
 //! `command` validation, execution and replies of each command; `buffers`
 //! the read-ahead buffer and the buffer and pipe pools.
@@ -44,6 +45,7 @@ use tracing::{debug, warn, Instrument};
 use crate::proto::*;
 use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
+use handshake::Link;
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -84,6 +86,8 @@ pub struct ServerConfig {
     /// vanishes mid-payload then leaves the part that arrived written;
     /// without it a write lands only once its whole payload is in.
     pub map_writes: bool,
+    /// TLS credentials and whether TLS is required; None: no TLS.
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Default for ServerConfig {
@@ -103,6 +107,7 @@ impl Default for ServerConfig {
             shutdown_grace: Duration::from_secs(10),
             write_behind: false,
             map_writes: false,
+            tls: None,
         }
     }
 }
@@ -339,9 +344,9 @@ async fn connection<R, W>(
     W: AsyncWrite + Unpin + Send + 'static,
 {
     debug!("connection from {peer}");
-    let mut rd = Input::new(rd);
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
-    let negotiate = handshake::handshake(&sh, &mut rd, &mut wr);
+    let rd = Input::new(rd);
+    let wr = BufWriter::with_capacity(64 << 10, wr);
+    let negotiate = handshake::handshake(&sh, rd, wr, &peer);
     let hs = tokio::select! {
         r = tokio::time::timeout(sh.cfg.handshake_timeout, negotiate) => r,
         _ = shutdown.wait_for(|v| *v) => {
@@ -349,7 +354,7 @@ async fn connection<R, W>(
             return;
         }
     };
-    let session = match hs {
+    let (session, link) = match hs {
         Err(_) => {
             warn!(
                 "{peer}: handshake not finished within {:?}; closing",
@@ -371,7 +376,26 @@ async fn connection<R, W>(
         }
         Ok(Ok(Some(s))) => s,
     };
-    let mut session = session;
+    match link {
+        Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, peer, shutdown).await,
+        Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, peer, shutdown).await,
+    }
+}
+
+/// The transmission phase of one negotiated connection, with its logging.
+/// `sink` is the raw socket for splice and mapped writes: None over TLS.
+async fn transmit<R, W>(
+    sh: Arc<Shared>,
+    rd: Input<R>,
+    wr: BufWriter<W>,
+    mut session: Session,
+    sink: Option<RawSock>,
+    peer: String,
+    shutdown: watch::Receiver<bool>,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
     session.splice = sink.is_some();
     debug!(
         "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",

@@ -1,7 +1,8 @@
 //! `rawdisk serve [--socket PATH | --bind HOST:PORT] [--read-only]
 //! [--export-name NAME] [--cache writeback|none] [--write-behind] [--map-writes]
-//! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH] [-v]
-//! TARGET`
+//! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
+//! [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]
+//! [--tls-verify-peer] [-v] TARGET`
 //!
 //! Prints the URI to connect to on stdout, one line, once the listener is
 //! accepting. SIGINT/SIGTERM: stop accepting, finish in-flight requests,
@@ -18,6 +19,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_nbd::tls::ServerTls;
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
@@ -74,6 +76,24 @@ pub struct Args {
     /// Threads doing storage calls [default: 16, 64 with --cache none].
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
+    /// TLS (NBD_OPT_STARTTLS): `on` offers it and still serves plaintext
+    /// clients, `require` refuses them. Giving --tls-certificates or
+    /// --tls-psk without --tls means `require`.
+    #[arg(long, value_enum, value_name = "MODE")]
+    tls: Option<TlsArg>,
+    /// X.509 credentials in nbdkit's and qemu's layout: DIR/server-cert.pem,
+    /// DIR/server-key.pem, and for --tls-verify-peer DIR/ca-cert.pem and an
+    /// optional DIR/ca-crl.pem.
+    #[arg(long, value_name = "DIR", conflicts_with = "tls_psk")]
+    tls_certificates: Option<PathBuf>,
+    /// Pre-shared keys: lines `username:hexkey` (the psktool format of
+    /// GnuTLS and nbdkit).
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
+    /// Require a client certificate that chains to DIR/ca-cert.pem and is
+    /// not revoked by DIR/ca-crl.pem.
+    #[arg(long)]
+    tls_verify_peer: bool,
     /// File or block device to export.
     target: PathBuf,
 }
@@ -85,6 +105,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
+    let tls = match server_tls(&args) {
+        Ok(t) => t,
+        Err(TlsSetup::Usage(msg)) => {
+            eprintln!("rawdisk: {msg} (see 'rawdisk --help')");
+            return Ok(ExitCode::from(crate::EXIT_USAGE));
+        }
+        Err(TlsSetup::Load(e)) => return Err(e),
+    };
     let cache = args.cache.into();
     let created = match args.create {
         Some(size) => create_target(&args.target, size, args.preallocation.into(), cache)?,
@@ -122,6 +150,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         write_behind: args.write_behind,
         map_writes: args.map_writes,
+        tls,
         ..Default::default()
     };
 
@@ -147,6 +176,59 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(serve(args, target, cfg, activated))
+}
+
+/// `--tls`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TlsArg {
+    /// No TLS: NBD_OPT_STARTTLS is refused.
+    Off,
+    /// TLS offered; plaintext clients are served too.
+    On,
+    /// Only NBD_OPT_STARTTLS and NBD_OPT_ABORT are answered before TLS.
+    Require,
+}
+
+enum TlsSetup {
+    /// A bad combination of flags (exit 2).
+    Usage(&'static str),
+    /// Credentials that cannot be loaded.
+    Load(anyhow::Error),
+}
+
+/// The server's TLS from the --tls* flags; None when TLS is off.
+fn server_tls(args: &Args) -> Result<Option<ServerTls>, TlsSetup> {
+    if args.tls_verify_peer && args.tls_certificates.is_none() {
+        return Err(TlsSetup::Usage(
+            "--tls-verify-peer needs --tls-certificates DIR",
+        ));
+    }
+    let creds = args.tls_certificates.is_some() || args.tls_psk.is_some();
+    // Credentials alone mean require: giving them and still serving
+    // plaintext clients would be a trap.
+    let require = match args.tls {
+        Some(TlsArg::Off) => {
+            if creds {
+                tracing::info!("--tls off: the TLS credentials are not used");
+            }
+            return Ok(None);
+        }
+        None if !creds => return Ok(None),
+        Some(TlsArg::On) => false,
+        Some(TlsArg::Require) | None => true,
+    };
+    let loaded = match (&args.tls_certificates, &args.tls_psk) {
+        (Some(dir), _) => ServerTls::x509(dir, args.tls_verify_peer, require),
+        (None, Some(file)) => ServerTls::psk(file, require),
+        (None, None) => {
+            return Err(TlsSetup::Usage(
+                "--tls on/require needs --tls-certificates DIR or --tls-psk FILE",
+            ))
+        }
+    };
+    loaded
+        .map(Some)
+        .map_err(|e| TlsSetup::Load(anyhow::Error::new(e).context("cannot set up TLS")))
 }
 
 /// Async workers for the sockets: one per CPU the process may use. At least
@@ -260,6 +342,15 @@ async fn serve(
         }
     };
 
+    // The URI spec's schemes for "TLS or nothing".
+    let uri = match &cfg.tls {
+        Some(t) if t.required() => uri.replacen("nbd", "nbds", 1),
+        _ => uri,
+    };
+    if let Some(t) = &cfg.tls {
+        let mode = if t.required() { "required" } else { "offered" };
+        tracing::info!("TLS {mode}: {}", t.describe());
+    }
     let read_only = cfg.read_only || target.is_read_only();
     let server = Server::new(target.clone(), cfg);
     let (min, pref, max) = server.block_sizes();

@@ -1,0 +1,611 @@
+//! TLS for NBD (spec: "TLS support"), server and client, with the system's
+//! OpenSSL: X.509 certificates in the directory layout nbdkit, qemu and
+//! libnbd share, and pre-shared keys in GnuTLS's `psktool` file format.
+//!
+//! Why OpenSSL and not rustls: the GnuTLS peers (libnbd, qemu, nbdkit) speak
+//! PSK, which mainline rustls does not (docs/architecture.md, TLS).
+//!
+//! The session is upgraded in place after NBD_OPT_STARTTLS: the plaintext
+//! read and write halves are joined into one stream and handed to OpenSSL.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, TryLockError};
+use std::task::{Context, Poll, Waker};
+
+use openssl::ex_data::Index;
+use openssl::ssl::{
+    Ssl, SslAcceptor, SslConnector, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslRef,
+    SslVerifyMode, SslVersion,
+};
+use openssl::x509::store::X509Lookup;
+use openssl::x509::verify::X509VerifyFlags;
+use openssl::x509::X509NameRef;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_openssl::SslStream;
+
+/// A credential could not be loaded; the message names the file and why.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct TlsError(String);
+
+fn ssl_err(what: impl fmt::Display) -> impl FnOnce(openssl::error::ErrorStack) -> TlsError {
+    move |e| TlsError(format!("{what}: {e}"))
+}
+
+/// TLS 1.2 is the floor the spec sets ("TLS versions").
+const MIN_VERSION: SslVersion = SslVersion::TLS1_2;
+/// TLS 1.2 PSK suites, for peers that do not offer TLS 1.3 (TLS 1.3 uses
+/// the PSK with its own suites).
+const PSK_CIPHERS: &str = "ECDHE-PSK:DHE-PSK:PSK:!NULL:!3DES:!RC4";
+
+/// The PSK identity the server looked up, kept on the connection to log it.
+fn psk_identity_index() -> Result<Index<Ssl, String>, TlsError> {
+    Ssl::new_ex_index().map_err(ssl_err("TLS: allocating connection data"))
+}
+
+/// Keys of a `psktool` file: `username:hexkey` lines.
+pub fn load_psk_file(path: &Path) -> Result<HashMap<String, Vec<u8>>, TlsError> {
+    let text = fs::read_to_string(path)
+        .map_err(|e| TlsError(format!("cannot read PSK file '{}': {e}", path.display())))?;
+    let mut keys = HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim_end_matches('\r');
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |why: &str| TlsError(format!("'{}' line {}: {why}", path.display(), n + 1));
+        let (user, hex) = line
+            .split_once(':')
+            .ok_or_else(|| bad("expected username:hexkey"))?;
+        if user.is_empty() {
+            return Err(bad("empty username"));
+        }
+        let key =
+            decode_hex(hex).ok_or_else(|| bad("the key is not an even number of hex digits"))?;
+        if key.is_empty() {
+            return Err(bad("empty key"));
+        }
+        keys.insert(user.to_string(), key);
+    }
+    if keys.is_empty() {
+        return Err(TlsError(format!(
+            "PSK file '{}' has no keys",
+            path.display()
+        )));
+    }
+    Ok(keys)
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .collect()
+}
+
+fn file_in(dir: &Path, name: &str) -> PathBuf {
+    dir.join(name)
+}
+
+fn must_exist(p: &Path) -> Result<(), TlsError> {
+    match fs::metadata(p) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(TlsError(format!("cannot read '{}': {e}", p.display()))),
+    }
+}
+
+/// Trust `ca-cert.pem` (and the CRL `ca-crl.pem` when present) for peer
+/// certificates.
+fn trust_ca(b: &mut SslContextBuilder, dir: &Path) -> Result<(), TlsError> {
+    let ca = file_in(dir, "ca-cert.pem");
+    must_exist(&ca)?;
+    b.set_ca_file(&ca)
+        .map_err(ssl_err(format!("loading '{}'", ca.display())))?;
+    let crl = file_in(dir, "ca-crl.pem");
+    if crl.exists() {
+        let store = b.cert_store_mut();
+        let lookup = store
+            .add_lookup(X509Lookup::file())
+            .map_err(ssl_err("TLS: certificate store"))?;
+        lookup
+            .load_crl_file(&crl, SslFiletype::PEM)
+            .map_err(ssl_err(format!("loading '{}'", crl.display())))?;
+        store
+            .set_flags(X509VerifyFlags::CRL_CHECK)
+            .map_err(ssl_err("TLS: certificate store"))?;
+    }
+    Ok(())
+}
+
+/// Our own certificate (chain) and its key.
+fn load_identity(b: &mut SslContextBuilder, cert: &Path, key: &Path) -> Result<(), TlsError> {
+    b.set_certificate_chain_file(cert)
+        .map_err(ssl_err(format!("loading '{}'", cert.display())))?;
+    b.set_private_key_file(key, SslFiletype::PEM)
+        .map_err(ssl_err(format!("loading '{}'", key.display())))?;
+    b.check_private_key().map_err(ssl_err(format!(
+        "'{}' does not match '{}'",
+        key.display(),
+        cert.display()
+    )))
+}
+
+/// A client's directory: `ca-cert.pem`, and `client-cert.pem` with
+/// `client-key.pem` when both are there.
+fn load_client_x509(b: &mut SslContextBuilder, dir: &Path) -> Result<(), TlsError> {
+    trust_ca(b, dir)?;
+    let cert = file_in(dir, "client-cert.pem");
+    let key = file_in(dir, "client-key.pem");
+    if cert.exists() && key.exists() {
+        load_identity(b, &cert, &key)?;
+    }
+    Ok(())
+}
+
+/// libnbd's compiled-in certificate directories (nbd_set_tls_certificates):
+/// /etc/pki/libnbd for root, else $HOME/.pki/libnbd or
+/// $HOME/.config/pki/libnbd; the first that holds a `ca-cert.pem`.
+fn default_certificates() -> Option<PathBuf> {
+    let mut dirs = Vec::new();
+    if rustix::process::geteuid().is_root() {
+        dirs.push(PathBuf::from("/etc/pki/libnbd"));
+    } else if let Some(home) = std::env::var_os("HOME") {
+        let home = PathBuf::from(home);
+        dirs.push(home.join(".pki/libnbd"));
+        dirs.push(home.join(".config/pki/libnbd"));
+    }
+    dirs.into_iter().find(|d| d.join("ca-cert.pem").exists())
+}
+
+/// "CN=client,O=example" from a certificate's subject.
+fn name_string(n: &X509NameRef) -> String {
+    n.entries()
+        .map(|e| {
+            let key = e.object().nid().short_name().unwrap_or("?");
+            let val = String::from_utf8_lossy(e.data().as_slice());
+            format!("{key}={val}")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// What one finished handshake agreed, for the log.
+pub(crate) fn describe(ssl: &SslRef, psk_user: Option<&str>) -> String {
+    let peer = match (psk_user, ssl.peer_certificate()) {
+        (Some(u), _) => format!("PSK user {u:?}"),
+        (None, Some(c)) => format!("certificate {}", name_string(c.subject_name())),
+        (None, None) => "no client certificate".into(),
+    };
+    format!(
+        "{} {}, peer {peer}",
+        ssl.version_str(),
+        ssl.current_cipher().map_or("(no cipher)", |c| c.name())
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Splitting a TLS stream
+
+/// Read and write halves of one TLS stream for two tasks (the request
+/// reader and the reply writer). OpenSSL's session is one object, so each
+/// call takes a lock; a half that finds it taken yields and is woken when
+/// the other half is done, instead of blocking its worker thread on a
+/// futex the way tokio::io::split's mutex does (which made small requests
+/// over TLS cost a context switch each).
+pub(crate) fn split<S>(s: S) -> (TlsHalf<S>, TlsHalf<S>) {
+    let inner = Arc::new(Halves {
+        stream: Mutex::new(s),
+        parked: [Mutex::new(None), Mutex::new(None)],
+    });
+    (
+        TlsHalf {
+            inner: inner.clone(),
+            side: 0,
+        },
+        TlsHalf { inner, side: 1 },
+    )
+}
+
+struct Halves<S> {
+    stream: Mutex<S>,
+    /// The waker of each half that found the stream taken.
+    parked: [Mutex<Option<Waker>>; 2],
+}
+
+/// One half of [`split`]: side 0 reads, side 1 writes.
+pub(crate) struct TlsHalf<S> {
+    inner: Arc<Halves<S>>,
+    side: usize,
+}
+
+impl<S> TlsHalf<S> {
+    fn with<R>(
+        &self,
+        cx: &mut Context<'_>,
+        f: impl FnOnce(&mut S, &mut Context<'_>) -> Poll<R>,
+    ) -> Poll<R> {
+        let h = &*self.inner;
+        let mut f = Some(f);
+        for attempt in 0..2 {
+            let guard = match h.stream.try_lock() {
+                Ok(g) => Some(g),
+                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut g) = guard {
+                let r = (f.take().expect("called once"))(&mut g, cx);
+                drop(g);
+                let other = lock(&h.parked[1 - self.side]).take();
+                if let Some(w) = other {
+                    w.wake();
+                }
+                return r;
+            }
+            // Park, then try once more: the holder may have finished before
+            // it could see us parked.
+            if attempt == 0 {
+                *lock(&h.parked[self.side]) = Some(cx.waker().clone());
+            }
+        }
+        Poll::Pending
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for TlsHalf<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.with(cx, |s, cx| {
+            let start = buf.filled().len();
+            match Pin::new(&mut *s).poll_read(cx, buf) {
+                Poll::Ready(Ok(())) if buf.filled().len() > start => {}
+                other => return other,
+            }
+            // One call yields one TLS record; take the records already
+            // here too, so the reader sees every queued request at once
+            // (as it does on a plain socket) and can batch them. A Pending
+            // here only leaves a waker behind; an error or EOF shows again
+            // on the next read.
+            while buf.remaining() > 0 {
+                let n = buf.filled().len();
+                match Pin::new(&mut *s).poll_read(cx, buf) {
+                    Poll::Ready(Ok(())) if buf.filled().len() > n => {}
+                    _ => break,
+                }
+            }
+            Poll::Ready(Ok(()))
+        })
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for TlsHalf<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.with(cx, |s, cx| Pin::new(s).poll_write(cx, data))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.with(cx, |s, cx| Pin::new(s).poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.with(cx, |s, cx| Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Server
+
+/// The server's TLS credentials and policy.
+#[derive(Clone)]
+pub struct ServerTls {
+    ctx: SslContext,
+    require: bool,
+    psk_user: Option<Index<Ssl, String>>,
+    what: String,
+}
+
+impl fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("require", &self.require)
+            .field("credentials", &self.what)
+            .finish()
+    }
+}
+
+impl ServerTls {
+    /// X.509 from `dir`: `server-cert.pem`, `server-key.pem`, and with
+    /// `verify_peer` client certificates checked against `ca-cert.pem` and
+    /// the optional `ca-crl.pem`.
+    pub fn x509(dir: &Path, verify_peer: bool, require: bool) -> Result<ServerTls, TlsError> {
+        let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server())
+            .map_err(ssl_err("TLS: server context"))?;
+        let cert = file_in(dir, "server-cert.pem");
+        let key = file_in(dir, "server-key.pem");
+        must_exist(&cert)?;
+        must_exist(&key)?;
+        load_identity(&mut b, &cert, &key)?;
+        if verify_peer {
+            trust_ca(&mut b, dir)?;
+            let ca = file_in(dir, "ca-cert.pem");
+            let names = openssl::x509::X509Name::load_client_ca_file(&ca)
+                .map_err(ssl_err(format!("loading '{}'", ca.display())))?;
+            b.set_client_ca_list(names);
+            b.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
+        }
+        common_server(&mut b)?;
+        Ok(ServerTls {
+            ctx: b.build().into_context(),
+            require,
+            psk_user: None,
+            what: format!(
+                "X.509 from '{}'{}",
+                dir.display(),
+                if verify_peer {
+                    ", client certificates verified"
+                } else {
+                    ""
+                }
+            ),
+        })
+    }
+
+    /// Pre-shared keys from a `psktool` file.
+    pub fn psk(file: &Path, require: bool) -> Result<ServerTls, TlsError> {
+        let keys = Arc::new(load_psk_file(file)?);
+        let idx = psk_identity_index()?;
+        let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server())
+            .map_err(ssl_err("TLS: server context"))?;
+        b.set_cipher_list(PSK_CIPHERS)
+            .map_err(ssl_err("TLS: PSK cipher list"))?;
+        // OpenSSL uses this callback for TLS 1.2 PSK suites and, with the
+        // SHA-256 TLS 1.3 suites, for TLS 1.3 external PSKs too.
+        b.set_psk_server_callback(move |ssl, identity, out| {
+            let user = identity.and_then(|i| std::str::from_utf8(i).ok());
+            let Some((user, key)) = user.and_then(|u| keys.get_key_value(u)) else {
+                tracing::debug!(
+                    "TLS: unknown PSK identity {:?}",
+                    identity.map(String::from_utf8_lossy)
+                );
+                return Ok(0);
+            };
+            if key.len() > out.len() {
+                tracing::warn!("TLS: the PSK of {user:?} is longer than OpenSSL accepts");
+                return Ok(0);
+            }
+            out[..key.len()].copy_from_slice(key);
+            ssl.set_ex_data(idx, user.clone());
+            Ok(key.len())
+        });
+        common_server(&mut b)?;
+        Ok(ServerTls {
+            ctx: b.build().into_context(),
+            require,
+            psk_user: Some(idx),
+            what: format!("PSK from '{}'", file.display()),
+        })
+    }
+
+    /// Whether plaintext clients are refused (NBD_REP_ERR_TLS_REQD).
+    pub fn required(&self) -> bool {
+        self.require
+    }
+
+    /// A one-line description of the credentials, for the start-up log.
+    pub fn describe(&self) -> &str {
+        &self.what
+    }
+
+    /// Runs the server side of the TLS handshake over `s`.
+    pub(crate) async fn accept<S>(&self, s: S) -> io::Result<(SslStream<S>, String)>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let ssl = Ssl::new(&self.ctx).map_err(io::Error::other)?;
+        let mut stream = SslStream::new(ssl, s).map_err(io::Error::other)?;
+        if let Err(e) = Pin::new(&mut stream).accept().await {
+            return Err(handshake_error(e));
+        }
+        let ssl = stream.ssl();
+        let user = self.psk_user.and_then(|i| ssl.ex_data(i)).cloned();
+        let info = describe(ssl, user.as_deref());
+        Ok((stream, info))
+    }
+}
+
+fn common_server(b: &mut SslContextBuilder) -> Result<(), TlsError> {
+    b.set_min_proto_version(Some(MIN_VERSION))
+        .map_err(ssl_err("TLS: minimum version"))?;
+    read_ahead(b);
+    // One session per connection and no resumption: tickets would only be
+    // bytes on the wire.
+    b.set_num_tickets(0)
+        .map_err(ssl_err("TLS: session tickets"))?;
+    Ok(())
+}
+
+/// OpenSSL reads whatever the socket holds, not a record header and then
+/// its body: two recv calls per record otherwise.
+fn read_ahead(b: &mut SslContextBuilder) {
+    b.set_read_ahead(true);
+}
+
+/// An OpenSSL handshake error as an io::Error that says what failed.
+fn handshake_error(e: openssl::ssl::Error) -> io::Error {
+    if let Some(io) = e.io_error() {
+        if io.kind() == io::ErrorKind::UnexpectedEof {
+            return io::Error::new(io::ErrorKind::UnexpectedEof, "closed during TLS handshake");
+        }
+    }
+    let msg = match e.ssl_error() {
+        Some(stack) => stack
+            .errors()
+            .iter()
+            .map(|x| x.reason().unwrap_or("unknown error").to_string())
+            .collect::<Vec<_>>()
+            .join("; "),
+        None => e.to_string(),
+    };
+    let msg = if msg.is_empty() {
+        "the peer closed the connection".to_string()
+    } else {
+        msg
+    };
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("TLS handshake failed: {msg}"),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Client
+
+/// TLS settings of a `nbds://` URI (the NBD URI spec's `tls-*` query
+/// parameters, and libnbd's `tls-certificates` and `tls-psk-file`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsParams {
+    /// `tls-certificates=DIR`: `ca-cert.pem`, optional `client-cert.pem` and
+    /// `client-key.pem`. Without it (and without a PSK) libnbd's default
+    /// directories, then the system's CAs.
+    pub certificates: Option<PathBuf>,
+    /// `tls-psk-file=FILE`: `username:hexkey` lines.
+    pub psk_file: Option<PathBuf>,
+    /// The URI's user part: the PSK identity.
+    pub username: Option<String>,
+    /// `tls-hostname=NAME`: the name the server certificate must carry.
+    pub hostname: Option<String>,
+    /// `tls-verify-peer=0` turns server certificate checks off.
+    pub verify_peer: bool,
+}
+
+/// A client's TLS context, built once per URI and shared by its connections.
+pub struct ClientTls {
+    ctx: SslContext,
+    /// Name checked against the server certificate (None: chain only).
+    hostname: Option<String>,
+}
+
+impl fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("hostname", &self.hostname)
+            .finish()
+    }
+}
+
+impl ClientTls {
+    /// `host`: the URI's host, the default for the certificate's name.
+    pub fn new(p: &TlsParams, host: Option<&str>) -> Result<ClientTls, TlsError> {
+        let mut b = SslConnector::builder(SslMethod::tls_client())
+            .map_err(ssl_err("TLS: client context"))?;
+        b.set_min_proto_version(Some(MIN_VERSION))
+            .map_err(ssl_err("TLS: minimum version"))?;
+        read_ahead(&mut b);
+        let mut hostname = p.hostname.clone().or_else(|| host.map(String::from));
+        match (&p.certificates, &p.psk_file) {
+            (Some(_), Some(_)) => {
+                return Err(TlsError(
+                    "tls-certificates and tls-psk-file are alternatives: give one".into(),
+                ))
+            }
+            (_, Some(file)) => {
+                let keys = load_psk_file(file)?;
+                let user = match &p.username {
+                    Some(u) => u.clone(),
+                    None => std::env::var("USER")
+                        .or_else(|_| std::env::var("LOGNAME"))
+                        .map_err(|_| {
+                            TlsError(
+                                "tls-psk-file: name the PSK user in the URI (nbds://USER@host/)"
+                                    .into(),
+                            )
+                        })?,
+                };
+                let key = keys.get(&user).cloned().ok_or_else(|| {
+                    TlsError(format!("'{}' has no key for user {user:?}", file.display()))
+                })?;
+                b.set_cipher_list(PSK_CIPHERS)
+                    .map_err(ssl_err("TLS: PSK cipher list"))?;
+                b.set_psk_client_callback(move |_ssl, _hint, identity, out| {
+                    // The identity goes out NUL-terminated.
+                    if user.len() + 1 > identity.len() || key.len() > out.len() {
+                        return Ok(0);
+                    }
+                    identity[..user.len()].copy_from_slice(user.as_bytes());
+                    identity[user.len()] = 0;
+                    out[..key.len()].copy_from_slice(&key);
+                    Ok(key.len())
+                });
+                // A PSK handshake has no certificate to check a name against.
+                hostname = None;
+            }
+            (Some(dir), None) => {
+                load_client_x509(&mut b, dir)?;
+            }
+            // libnbd's default directories, so one set of files serves
+            // both; else the system's CAs (SslConnector's default).
+            (None, None) => {
+                if let Some(dir) = default_certificates() {
+                    load_client_x509(&mut b, &dir)?;
+                }
+            }
+        }
+        if !p.verify_peer {
+            b.set_verify(SslVerifyMode::NONE);
+            hostname = None;
+        }
+        Ok(ClientTls {
+            ctx: b.build().into_context(),
+            hostname,
+        })
+    }
+
+    /// Runs the client side of the TLS handshake over `s`; the message says
+    /// what failed.
+    pub(crate) async fn connect<S>(&self, s: S) -> Result<(SslStream<S>, String), String>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let mut ssl = Ssl::new(&self.ctx).map_err(|e| e.to_string())?;
+        if let Some(h) = &self.hostname {
+            match h.parse::<std::net::IpAddr>() {
+                Ok(ip) => ssl.param_mut().set_ip(ip),
+                Err(_) => {
+                    // SNI, and the name the certificate must carry.
+                    ssl.set_hostname(h).map_err(|e| e.to_string())?;
+                    ssl.param_mut().set_host(h)
+                }
+            }
+            .map_err(|e| format!("TLS hostname {h:?}: {e}"))?;
+        }
+        let mut stream = SslStream::new(ssl, s).map_err(|e| e.to_string())?;
+        if let Err(e) = Pin::new(&mut stream).connect().await {
+            let verify = stream.ssl().verify_result();
+            let mut msg = handshake_error(e).to_string();
+            if verify != openssl::x509::X509VerifyResult::OK {
+                msg = format!("{msg} (server certificate: {})", verify.error_string());
+            }
+            return Err(msg);
+        }
+        let info = describe(stream.ssl(), None);
+        Ok((stream, info))
+    }
+}
