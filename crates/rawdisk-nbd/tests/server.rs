@@ -1545,10 +1545,11 @@ fn hostile_clients_get_errors_or_a_clean_close() {
         "compact header on extended connection"
     );
 
-    // A write larger than the maximum payload: answered with an error and
-    // closed; its payload is never parsed as requests.
+    // A write larger than the maximum payload, and too large to be read and
+    // dropped: answered with an error and closed; its payload is never
+    // parsed as requests.
     let (mut c, _) = h.open(ReplyMode::Simple);
-    let len = 64 * MIB;
+    let len = 64 * MIB + 4096;
     let mut evil = Vec::new();
     for i in 0..(4 * MIB / 28) {
         // Payload that looks like valid write requests to offset 0.
