@@ -157,6 +157,24 @@ def test_silent_connections_cannot_lock_out_clients(workdir, serve, sockets):
     assert_export_is(srv.uri, model)
 
 
+@pytest.mark.rawdisk_only("the reason in NBD_REP_ERR_POLICY")
+def test_a_client_over_the_cap_is_told_why(workdir, serve):
+    path, model = make_image(workdir, "disk.img", 4 * MiB, seed=53)
+    srv = serve(path, extra=["--max-connections", "1"])
+    h = connect(srv.uri)
+    try:
+        with pytest.raises(nbd.Error) as e:
+            connect(srv.uri, name="over")
+        # libnbd 1.14 names the refusal, not its message.
+        assert "policy" in str(e.value), e.value
+        assert h.pread(4096, 0) == model[:4096]
+    finally:
+        h.shutdown()
+        del h
+    assert "refusing connection" in srv.stderr()
+    assert_export_is(srv.uri, model)
+
+
 @pytest.mark.rawdisk_only("nbdkit 1.32 has no handshake timeout")
 def test_handshake_timeout_defaults_to_10_seconds(workdir, serve, sockets):
     path, model = make_image(workdir, "disk.img", 4 * MiB, seed=44)

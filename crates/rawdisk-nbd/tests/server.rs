@@ -1598,9 +1598,30 @@ fn connection_limit() {
     let (mut a, _) = h.open(ReplyMode::Structured);
     let mut b = h.conn();
     b.greeting();
-    // The third is closed at once, without a greeting.
+    // The third is refused: each option gets NBD_REP_ERR_POLICY with the
+    // reason, until the client aborts.
     let mut c = h.conn();
+    c.start();
+    let r = c.opt(&ClientOption::StructuredReply);
+    assert!(is_error(&r[0], REP_ERR_POLICY), "{r:?}");
+    let r = c.opt(&ClientOption::Go(InfoRequest {
+        name: String::new(),
+        info: vec![],
+    }));
+    match &r[..] {
+        [OptionReply::Error { reply, message }] => {
+            assert_eq!(*reply, REP_ERR_POLICY);
+            assert!(message.contains("too many connections"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.opt(&ClientOption::Abort), [OptionReply::Ack]);
     assert!(c.closed_by_server());
+    // One that says nothing is closed after a second.
+    let mut c = h.conn();
+    let t0 = Instant::now();
+    assert!(c.closed_by_server());
+    assert!(t0.elapsed() < Duration::from_secs(3));
     drop(b);
     // A slot frees up once a connection ends.
     let t0 = Instant::now();

@@ -35,6 +35,7 @@ mod buffers;
 mod command;
 mod handshake;
 mod limits;
+mod refuse;
 mod transmission;
 
 use std::io;
@@ -148,6 +149,8 @@ struct Shared {
     handshakes: Handshakes,
     bytes_total: Arc<Semaphore>,
     unsent: Arc<Semaphore>,
+    /// Connections over the cap being told why (refuse.rs).
+    refusing: Arc<Semaphore>,
     stats: Stats,
     refusals: RateLimit,
     evictions: RateLimit,
@@ -178,6 +181,7 @@ impl Server {
                 handshakes: Handshakes::new(cfg.max_connections.div_ceil(2)),
                 bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
                 unsent: Arc::new(Semaphore::new(cfg.max_unsent_total)),
+                refusing: Arc::new(Semaphore::new(refuse::REFUSING_MAX)),
                 stats: Stats::default(),
                 refusals: RateLimit::new(),
                 evictions: RateLimit::new(),
@@ -230,6 +234,7 @@ impl Server {
                 }
             };
             let Some(permit) = sh.admit(&peer) else {
+                sh.refuse(rd, wr);
                 continue;
             };
             let span = tracing::debug_span!("conn", id = permit.id);
@@ -299,9 +304,9 @@ struct Admission {
 }
 
 impl Shared {
-    /// A place for a new connection, or None. Refusals and evictions are
-    /// logged at most once a second, with a count. Before the greeting the
-    /// protocol has no way to send an error: the connection is closed.
+    /// A place for a new connection, or None (then `refuse` tells the
+    /// client why). Refusals and evictions are logged at most once a
+    /// second, with a count.
     fn admit(&self, peer: &str) -> Option<Admission> {
         let Ok(conn) = self.conns.clone().try_acquire_owned() else {
             self.stats.refused();
