@@ -207,6 +207,20 @@ def test_idle_timeout_closes_only_idle_connections(workdir, serve, sockets):
     assert "idle" in srv.stderr()
 
 
+@pytest.mark.rawdisk_only("--idle-timeout")
+def test_idle_timeout_also_closes_clients_that_stopped_reading(workdir, serve, sockets):
+    """A client that keeps its socket open but reads no reply holds its
+    place under the connection cap until the idle timeout ends it."""
+    path, model = make_image(workdir, "disk.img", SIZE, seed=54)
+    srv = serve(path, extra=["--idle-timeout", "1s"])
+    fds = fd_count(srv)
+    non_reader(srv, sockets)
+    assert wait_for(lambda: "read no reply" in srv.stderr(), 10), srv.stderr()[-2000:]
+    assert wait_for(lambda: fd_count(srv) <= fds, 10), \
+        f"{fd_count(srv)} descriptors open, {fds} before the client came"
+    assert_export_is(srv.uri, model)
+
+
 def test_idle_connections_stay_by_default(workdir, serve, sockets):
     path, model = make_image(workdir, "disk.img", 4 * MiB, seed=46)
     srv = serve(path)

@@ -78,7 +78,8 @@ pub struct ServerConfig {
     /// A client must reach the transmission phase within this time.
     pub handshake_timeout: Duration,
     /// Close a connection in transmission after this long with nothing in
-    /// flight and no byte received; None: never.
+    /// flight and no byte received, or with replies the client does not
+    /// take; None: never.
     pub idle_timeout: Option<Duration>,
     /// Options per handshake before the server hangs up.
     pub max_options: usize,

@@ -723,10 +723,10 @@ where
         let permits = job.permits.produced();
         self.sh.note_caps();
         let mut w = self.wr.lock().await;
-        let sent = async {
+        let sent = within(self.sh.cfg.idle_timeout, async {
             put_reply(&self.sh, &mut w, self.sink.as_ref(), reply).await?;
             w.flush().await
-        }
+        })
         .await;
         drop(w);
         drop(permits);
@@ -753,14 +753,36 @@ async fn writer<W: AsyncWrite + Unpin>(
 ) -> io::Result<()> {
     while let Some(out) = rx.recv().await {
         let mut wr = wr.lock().await;
-        put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
-        // Coalesce whatever else is ready into the same flush.
-        while let Ok(out) = rx.try_recv() {
+        within(sh.cfg.idle_timeout, async {
             put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
-        }
-        wr.flush().await?;
+            // Coalesce whatever else is ready into the same flush.
+            while let Ok(out) = rx.try_recv() {
+                put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
+            }
+            wr.flush().await
+        })
+        .await?;
     }
     wr.lock().await.shutdown().await
+}
+
+/// Replies that cannot be sent within the idle timeout mean a client that
+/// stopped reading: the connection ends (TimedOut), which frees what its
+/// replies hold and its place under the connection cap.
+async fn within(
+    limit: Option<Duration>,
+    f: impl Future<Output = io::Result<()>>,
+) -> io::Result<()> {
+    let Some(t) = limit else {
+        return f.await;
+    };
+    match tokio::time::timeout(t, f).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the client read no reply for {t:?}"),
+        )),
+    }
 }
 
 /// Queues one reply on the buffered writer; a spliced read's header is

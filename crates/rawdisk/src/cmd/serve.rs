@@ -57,8 +57,9 @@ pub struct Args {
     /// of them may be in the handshake at once.
     #[arg(long, value_name = "N", default_value_t = 100)]
     max_connections: usize,
-    /// Close a connection that has had nothing in flight and sent nothing
-    /// for this long (90, 90s, 15m, 2h) [default: never].
+    /// Close a connection that has had nothing in flight and sent nothing,
+    /// or has read none of its replies, for this long (90, 90s, 15m, 2h)
+    /// [default: never].
     #[arg(long, value_name = "DURATION", value_parser = duration_arg)]
     idle_timeout: Option<Duration>,
     /// Start writing back every write of 256 KiB or more right away
