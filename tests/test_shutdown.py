@@ -1,7 +1,10 @@
-"""Graceful shutdown: on SIGTERM (or SIGINT) the server finishes what is in
-flight, flushes and exits 0; every write it acknowledged is in the file,
-and nothing else changed."""
+"""Graceful shutdown: on SIGTERM (or SIGINT, SIGHUP) the server finishes what
+is in flight, answers what it will not start with NBD_ESHUTDOWN, flushes and
+exits 0; every write it acknowledged is in the file, and nothing else
+changed. SIGUSR1 logs the server's totals and changes nothing."""
 
+import errno
+import os
 import signal
 import time
 
@@ -98,4 +101,110 @@ def test_sigterm_with_an_idle_client_exits_promptly(workdir, serve):
     assert srv.terminate(15) == 0, srv.stderr()
     assert time.monotonic() - start < 10
     del h
+    assert_target_is(path, model)
+
+
+# -- other signals -------------------------------------------------------------
+
+@pytest.mark.rawdisk_only("nbdkit waits for connected clients to leave")
+def test_sighup_shuts_down_like_sigterm(workdir, serve):
+    """Exit 0, writes flushed, socket and pid file removed (nbdkit also
+    exits 0 on SIGHUP)."""
+    path, model = make_image(workdir, "disk.img", 8 * MiB, seed=65)
+    pid_file = os.path.join(workdir, "srv.pid")
+    srv = serve(path, pid_file=pid_file)
+    assert os.path.exists(pid_file) and os.path.exists(srv.sock)
+    h = connect(srv.uri)
+    data = random_bytes(MiB, seed=66)
+    h.pwrite(data, 3 * MiB)
+    model[3 * MiB:4 * MiB] = data
+    srv.proc.send_signal(signal.SIGHUP)
+    assert srv.wait_exit(15) == 0, srv.stderr()
+    del h
+    assert "SIGHUP" in srv.stderr()
+    assert not os.path.exists(pid_file), "pid file left behind"
+    assert not os.path.exists(srv.sock), "socket left behind"
+    assert_target_is(path, model)
+
+
+@pytest.mark.rawdisk_only("SIGUSR1 statistics")
+def test_sigusr1_logs_totals_and_serving_goes_on(workdir, serve):
+    path, model = make_image(workdir, "disk.img", 8 * MiB, seed=67)
+    srv = serve(path)
+    h = connect(srv.uri)
+    for i in range(3):
+        assert h.pread(64 * KiB, i * MiB) == model[i * MiB:i * MiB + 64 * KiB]
+    data = random_bytes(128 * KiB, seed=68)
+    h.pwrite(data, 5 * MiB)
+    model[5 * MiB:5 * MiB + len(data)] = data
+    # Past the end: reaches the server only with libnbd's checks off.
+    h2 = connect(srv.uri, strict=False)
+    with pytest.raises(nbd.Error):
+        h2.pread(4096, 8 * MiB)
+    srv.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "SIGUSR1" not in srv.stderr():
+        assert time.monotonic() < deadline, srv.stderr()
+        time.sleep(0.05)
+    line = next(x for x in srv.stderr().splitlines() if "SIGUSR1" in x)
+    assert "2 accepted" in line, line
+    assert "read 4 (200704 bytes)" in line, line
+    assert "write 1 (131072 bytes)" in line, line
+    assert "NBD_EINVAL 1" in line, line
+    srv.assert_alive()
+    assert h.pread(len(data), 5 * MiB) == data
+    h2.shutdown()
+    h.shutdown()
+    del h, h2
+    assert_target_is(path, model)
+
+
+# -- requests queued at SIGTERM --------------------------------------------------
+
+@pytest.mark.rawdisk_only("NBD_ESHUTDOWN for what is not started")
+def test_sigterm_answers_every_request_it_has_read(workdir, serve):
+    """16 FUA writes of 8 MiB in flight at SIGTERM: every one is answered,
+    done or NBD_ESHUTDOWN, before the connection closes; a done write is in
+    the file, a refused one left no byte behind."""
+    size = 136 * MiB
+    path, model = make_image(workdir, "disk.img", size, seed=69, sparse=True)
+    old = bytes(model)
+    srv = serve(path)
+    h = connect(srv.uri)
+    writes = {}
+    for i in range(16):
+        off = i * 8 * MiB + 4096
+        data = random_bytes(8 * MiB, seed=700 + i)
+        c = h.aio_pwrite(nbd.Buffer.from_bytearray(bytearray(data)), off, flags=nbd.CMD_FLAG_FUA)
+        writes[c] = (off, data)
+    first = None
+    while first is None:
+        h.poll(1000)
+        first = next((c for c in writes if h.aio_command_completed(c)), None)
+    srv.proc.send_signal(signal.SIGTERM)
+    result = {first: 0}
+    pending = set(writes) - {first}
+    deadline = time.monotonic() + 30
+    while pending and time.monotonic() < deadline and not h.aio_is_dead():
+        h.poll(100)
+        for c in list(pending):
+            try:
+                if h.aio_command_completed(c):
+                    result[c] = 0
+                    pending.discard(c)
+            except nbd.Error as e:
+                result[c] = e.errnum
+                pending.discard(c)
+    result.update((c, None) for c in pending)
+    assert srv.wait_exit(30) == 0, srv.stderr()
+    del h
+    assert all(e in (0, errno.ESHUTDOWN) for e in result.values()), \
+        f"{sum(e not in (0, errno.ESHUTDOWN) for e in result.values())} of 16 writes got no " \
+        f"answer: {sorted(result.values())}"
+    refused = [c for c, e in result.items() if e == errno.ESHUTDOWN]
+    assert len(refused) < 16
+    for c, (off, data) in writes.items():
+        if result[c] == 0:
+            model[off:off + len(data)] = data
+    assert model != bytearray(old)
     assert_target_is(path, model)

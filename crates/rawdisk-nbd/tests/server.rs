@@ -1545,10 +1545,11 @@ fn hostile_clients_get_errors_or_a_clean_close() {
         "compact header on extended connection"
     );
 
-    // A write larger than the maximum payload: answered with an error and
-    // closed; its payload is never parsed as requests.
+    // A write larger than the maximum payload, and too large to be read and
+    // dropped: answered with an error and closed; its payload is never
+    // parsed as requests.
     let (mut c, _) = h.open(ReplyMode::Simple);
-    let len = 64 * MIB;
+    let len = 64 * MIB + 4096;
     let mut evil = Vec::new();
     for i in 0..(4 * MIB / 28) {
         // Payload that looks like valid write requests to offset 0.
@@ -1597,9 +1598,30 @@ fn connection_limit() {
     let (mut a, _) = h.open(ReplyMode::Structured);
     let mut b = h.conn();
     b.greeting();
-    // The third is closed at once, without a greeting.
+    // The third is refused: each option gets NBD_REP_ERR_POLICY with the
+    // reason, until the client aborts.
     let mut c = h.conn();
+    c.start();
+    let r = c.opt(&ClientOption::StructuredReply);
+    assert!(is_error(&r[0], REP_ERR_POLICY), "{r:?}");
+    let r = c.opt(&ClientOption::Go(InfoRequest {
+        name: String::new(),
+        info: vec![],
+    }));
+    match &r[..] {
+        [OptionReply::Error { reply, message }] => {
+            assert_eq!(*reply, REP_ERR_POLICY);
+            assert!(message.contains("too many connections"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.opt(&ClientOption::Abort), [OptionReply::Ack]);
     assert!(c.closed_by_server());
+    // One that says nothing is closed after a second.
+    let mut c = h.conn();
+    let t0 = Instant::now();
+    assert!(c.closed_by_server());
+    assert!(t0.elapsed() < Duration::from_secs(3));
     drop(b);
     // A slot frees up once a connection ends.
     let t0 = Instant::now();

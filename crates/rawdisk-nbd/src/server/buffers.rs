@@ -81,6 +81,46 @@ impl<R: AsyncRead + Unpin> Input<R> {
         Ok(())
     }
 
+    /// Reads until at least `n` bytes (at most the buffer's size) are
+    /// buffered, and at most `ahead` more. Cancel-safe, unlike
+    /// [`Input::read_exact`]: what arrived stays buffered, so a wait for a
+    /// request header can be given up (shutdown, idle) and resumed.
+    pub(super) async fn fill_to(&mut self, n: usize, ahead: usize) -> io::Result<()> {
+        if self.buffered() >= n {
+            return Ok(());
+        }
+        if self.pos > 0 {
+            self.buf.copy_within(self.pos..self.end, 0);
+            self.end -= self.pos;
+            self.pos = 0;
+        }
+        let limit = (n + ahead).min(self.buf.len());
+        while self.end < n {
+            match self.r.read(&mut self.buf[self.end..limit]).await? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                k => self.end += k,
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and drops the next `n` bytes (a payload the server refuses).
+    pub(super) async fn skip(&mut self, n: u64) -> io::Result<()> {
+        let held = (self.buffered() as u64).min(n);
+        self.pos += held as usize;
+        let mut left = n - held;
+        while left > 0 {
+            self.pos = 0;
+            self.end = 0;
+            let k = left.min(self.buf.len() as u64) as usize;
+            match self.r.read(&mut self.buf[..k]).await? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                got => left -= got as u64,
+            }
+        }
+        Ok(())
+    }
+
     /// Consumes `n` of the buffered bytes (at most [`Input::buffered`]).
     pub(super) fn take(&mut self, n: usize) -> &[u8] {
         let n = n.min(self.buffered());
@@ -176,6 +216,11 @@ impl BufPool {
         (buf, start)
     }
 
+    /// Frees every kept buffer (no connection left to reuse them).
+    pub(super) fn clear(&self) {
+        self.bufs.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
     pub(super) fn put(&self, buf: Vec<u8>) {
         if buf.capacity() < (64 << 10) || buf.capacity() > self.max_len {
             return;
@@ -240,6 +285,12 @@ impl PipePool {
                 None
             }
         }
+    }
+
+    /// Closes every kept pipe (no connection left to reuse them): two
+    /// descriptors each, which accept() may need.
+    pub(super) fn clear(&self) {
+        self.pipes.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     pub(super) fn put(&self, p: Pipe) {

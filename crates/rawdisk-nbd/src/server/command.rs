@@ -9,10 +9,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, ExtentKind, Kind, Method, ZeroFlags};
-use tracing::{debug, info, trace};
+use tracing::{debug, info, trace, warn};
 
 use super::buffers::PIPE_BYTES;
 use super::handshake::BASE_ALLOCATION_ID;
+use super::limits::more;
 use super::{Session, Shared};
 use crate::proto::*;
 use crate::sock::Pipe;
@@ -181,17 +182,19 @@ pub(super) fn small_ok(s: &Session, to: ReplyTo) -> Vec<u8> {
 
 /// A reply without payload: failure, with a message when the mode has room
 /// for one.
-pub(super) fn small_error(s: &Session, to: ReplyTo, err: u32, msg: &str) -> Vec<u8> {
+pub(super) fn small_error(s: &Session, to: ReplyTo, err: u32, msg: &str) -> Encoded {
     error_reply(s, to, err, msg, None)
 }
 
-fn error_reply(s: &Session, to: ReplyTo, err: u32, msg: &str, offset: Option<u64>) -> Vec<u8> {
+fn error_reply(s: &Session, to: ReplyTo, err: u32, msg: &str, offset: Option<u64>) -> Encoded {
     let mut b = Vec::with_capacity(64 + msg.len());
     match s.mode {
         ReplyMode::Simple => encode_simple_reply(&mut b, to.cookie, err),
         _ => encode_error_chunk(&mut b, s.mode, to, REPLY_FLAG_DONE, err, msg, offset),
     }
-    b
+    let mut e = whole(b);
+    e.err = err;
+    e
 }
 
 /// The NBD error for a storage failure.
@@ -231,6 +234,8 @@ pub(super) struct Encoded {
     pub(super) start: usize,
     pub(super) end: usize,
     pub(super) spliced: Vec<Spliced>,
+    /// The NBD error this reply carries (0: success), for the totals.
+    pub(super) err: u32,
 }
 
 /// `len` bytes of read data in `pipe`.
@@ -246,6 +251,7 @@ impl Encoded {
             start,
             end,
             spliced: Vec::new(),
+            err: 0,
         }
     }
 }
@@ -257,17 +263,46 @@ pub(super) fn whole(b: Vec<u8>) -> Encoded {
 
 /// The reply to `req` that failed in the storage with `e`.
 pub(super) fn storage_error(
+    sh: &Shared,
     s: &Session,
     req: &Request,
     to: ReplyTo,
     op: &str,
     e: &rawdisk_storage::Error,
 ) -> Encoded {
-    let err = storage_errno(e);
-    debug!("{op}: {e} -> {}", error_name(err));
     let off =
         (e.offset >= req.offset && e.offset < req.offset + req.length.max(1)).then_some(e.offset);
-    whole(error_reply(s, to, err, &e.to_string(), off))
+    failed(sh, s, req, to, op, e, storage_errno(e), off)
+}
+
+/// The reply carrying `err` for `req`, which failed in the storage with
+/// `e`. No space and I/O errors are the operator's business, not only the
+/// client's: they are logged, at most one line per second.
+#[allow(clippy::too_many_arguments)]
+fn failed(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    op: &str,
+    e: &rawdisk_storage::Error,
+    err: u32,
+    off: Option<u64>,
+) -> Encoded {
+    if err == NBD_ENOSPC || err == NBD_EIO {
+        if let Some(skipped) = sh.storage_errors.allow() {
+            warn!(
+                "{op} of {} bytes at offset {} answered {}: {e}{}",
+                req.length,
+                req.offset,
+                error_name(err),
+                more(skipped)
+            );
+        }
+    } else {
+        debug!("{op}: {e} -> {}", error_name(err));
+    }
+    error_reply(s, to, err, &e.to_string(), off)
 }
 
 /// Runs one validated request on the blocking pool; returns the encoded reply.
@@ -280,7 +315,7 @@ pub(super) fn execute(
 ) -> Encoded {
     let t = &*sh.target;
     let fua = req.flags & CMD_FLAG_FUA != 0;
-    let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(s, req, to, op, e);
+    let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(sh, s, req, to, op, e);
     match req.command {
         Command::Read => read(sh, s, req, to),
         Command::Write => {
@@ -347,8 +382,7 @@ pub(super) fn execute(
                     if err == NBD_ENOTSUP && !flags.fast_only {
                         err = NBD_EIO;
                     }
-                    debug!("write zeroes: {e} -> {}", error_name(err));
-                    return whole(error_reply(s, to, err, &e.to_string(), None));
+                    return failed(sh, s, req, to, "write zeroes", &e, err, None);
                 }
             }
             if fua {
@@ -360,7 +394,7 @@ pub(super) fn execute(
         }
         Command::BlockStatus => block_status(sh, s, req, to),
         Command::Disc | Command::Resize | Command::Unknown(_) => {
-            whole(small_error(s, to, NBD_EINVAL, "unknown command"))
+            small_error(s, to, NBD_EINVAL, "unknown command")
         }
     }
 }
@@ -369,13 +403,7 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
     let t = &*sh.target;
     let n = req.length as usize;
     let df = req.flags & CMD_FLAG_DF != 0;
-    let read_err = |e: &rawdisk_storage::Error| -> Encoded {
-        let err = storage_errno(e);
-        debug!("read: {e} -> {}", error_name(err));
-        let off =
-            (e.offset >= req.offset && e.offset < req.offset + req.length).then_some(e.offset);
-        whole(error_reply(s, to, err, &e.to_string(), off))
-    };
+    let read_err = |e: &rawdisk_storage::Error| storage_error(sh, s, req, to, "read", e);
     match s.mode {
         ReplyMode::Simple => {
             match splice_read(sh, s, req) {
@@ -484,6 +512,7 @@ fn spliced_reply(s: &Session, req: &Request, to: ReplyTo, spliced: Vec<Spliced>)
         buf: b,
         start: 0,
         spliced,
+        err: 0,
     }
 }
 
@@ -542,10 +571,7 @@ fn sparse_read(
             let d = at + p;
             if let Err(e) = t.read_at(&mut buf[d..d + len as usize], off) {
                 sh.pool.put(buf);
-                let err = storage_errno(&e);
-                debug!("read: {e} -> {}", error_name(err));
-                let eoff = (e.offset >= req.offset && e.offset < end).then_some(e.offset);
-                return whole(error_reply(s, to, err, &e.to_string(), eoff));
+                return storage_error(sh, s, req, to, "read", &e);
             }
             at = d + len as usize;
         }

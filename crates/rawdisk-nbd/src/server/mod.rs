@@ -20,15 +20,23 @@
 //!   in completion order, so replies never interleave.
 //!
 //! Memory is bounded before it is allocated: a request takes a slot of the
-//! per-connection request limit and its bytes from the per-connection and
-//! server-wide byte limits, and gives them back only when its reply has been
-//! written. Every connection shares one `Arc<Target>`, so a flush on any
-//! connection (fdatasync) covers writes completed on all of them, which is
-//! what NBD_FLAG_CAN_MULTI_CONN promises.
+//! per-connection request limit and its bytes from the per-connection limit
+//! (given back when its reply has been written) and from the server-wide
+//! limit (given back when its reply is made); a read also takes its reply's
+//! bytes from the server-wide budget of replies waiting to be sent, which a
+//! connection with nothing else in flight may overdraw by one reply. So a
+//! client that never reads its replies stalls only itself (docs/
+//! architecture.md, Limits).
+//!
+//! Every connection shares one `Arc<Target>`, so a flush on any connection
+//! (fdatasync) covers writes completed on all of them, which is what
+//! NBD_FLAG_CAN_MULTI_CONN promises.
 
 mod buffers;
 mod command;
 mod handshake;
+mod limits;
+mod refuse;
 mod transmission;
 
 use std::io;
@@ -46,6 +54,7 @@ use crate::proto::*;
 use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
 use handshake::Link;
+use limits::{more, HandshakeSlot, Handshakes, RateLimit, Stats};
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -56,16 +65,24 @@ pub struct ServerConfig {
     pub description: String,
     /// Refuse writes even if the target is writable.
     pub read_only: bool,
-    /// Connections beyond this are closed right after accept.
+    /// Connections beyond this are closed right after accept; at most half
+    /// of them (rounded up) may be in the handshake at once.
     pub max_connections: usize,
     /// Requests in flight per connection; reading stops at the limit.
     pub max_requests_per_conn: usize,
     /// Payload and reply bytes in flight per connection.
     pub max_bytes_per_conn: usize,
-    /// Payload and reply bytes in flight over all connections.
+    /// Payload and reply bytes being received or made over all connections.
     pub max_bytes_total: usize,
+    /// Read reply bytes waiting to be sent over all connections; a
+    /// connection with nothing else in flight may go one reply beyond.
+    pub max_unsent_total: usize,
     /// A client must reach the transmission phase within this time.
     pub handshake_timeout: Duration,
+    /// Close a connection in transmission after this long with nothing in
+    /// flight and no byte received, or with replies the client does not
+    /// take; None: never.
+    pub idle_timeout: Option<Duration>,
     /// Options per handshake before the server hangs up.
     pub max_options: usize,
     /// Largest option data accepted (spec: a server may refuse big options).
@@ -96,11 +113,14 @@ impl Default for ServerConfig {
             export_name: String::new(),
             description: String::new(),
             read_only: false,
-            max_connections: 64,
+            // qemu-nbd's choices after CVE-2024-7409.
+            max_connections: 100,
             max_requests_per_conn: 256,
             max_bytes_per_conn: 128 << 20,
             max_bytes_total: 512 << 20,
-            handshake_timeout: Duration::from_secs(30),
+            max_unsent_total: 128 << 20,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: None,
             max_options: 64,
             max_option_len: 64 << 10,
             max_payload: 32 << 20,
@@ -117,7 +137,8 @@ pub enum Listener {
     Tcp(tokio::net::TcpListener),
 }
 
-/// One export served to any number of connections.
+/// One export served to any number of connections. Clones share it.
+#[derive(Clone)]
 pub struct Server {
     shared: Arc<Shared>,
 }
@@ -129,7 +150,17 @@ struct Shared {
     min_block: u32,
     preferred_block: u32,
     conns: Arc<Semaphore>,
+    /// Connections still in the handshake: at most half of `conns`, so
+    /// clients that never finish it cannot lock out everyone else.
+    handshakes: Handshakes,
     bytes_total: Arc<Semaphore>,
+    unsent: Arc<Semaphore>,
+    /// Connections over the cap being told why (refuse.rs).
+    refusing: Arc<Semaphore>,
+    stats: Stats,
+    refusals: RateLimit,
+    evictions: RateLimit,
+    storage_errors: RateLimit,
     bytes_per_conn: usize,
     pool: BufPool,
     pipes: PipePool,
@@ -143,6 +174,8 @@ impl Server {
         // The limits must admit the largest request, or it would wait forever.
         let biggest = cfg.max_payload as usize + 2 * DATA_ALIGN;
         cfg.max_bytes_total = cfg.max_bytes_total.max(biggest);
+        cfg.max_unsent_total = cfg.max_unsent_total.max(biggest);
+        cfg.max_connections = cfg.max_connections.max(1);
         let bytes_per_conn = cfg.max_bytes_per_conn.max(biggest);
         cfg.max_requests_per_conn = cfg.max_requests_per_conn.max(1);
         let read_only = cfg.read_only || target.is_read_only();
@@ -150,8 +183,15 @@ impl Server {
         let caps_gen = target.caps().generation();
         Server {
             shared: Arc::new(Shared {
-                conns: Arc::new(Semaphore::new(cfg.max_connections.max(1))),
+                conns: Arc::new(Semaphore::new(cfg.max_connections)),
+                handshakes: Handshakes::new(cfg.max_connections.div_ceil(2)),
                 bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
+                unsent: Arc::new(Semaphore::new(cfg.max_unsent_total)),
+                refusing: Arc::new(Semaphore::new(refuse::REFUSING_MAX)),
+                stats: Stats::default(),
+                refusals: RateLimit::new(),
+                evictions: RateLimit::new(),
+                storage_errors: RateLimit::new(),
                 bytes_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
@@ -199,15 +239,11 @@ impl Server {
                     continue;
                 }
             };
-            let Ok(permit) = sh.conns.clone().try_acquire_owned() else {
-                warn!(
-                    "refusing connection from {peer}: already serving {} connections",
-                    sh.cfg.max_connections
-                );
+            let Some(permit) = sh.admit(&peer) else {
+                sh.refuse(rd, wr);
                 continue;
             };
-            let id = sh.next_conn.fetch_add(1, Ordering::Relaxed);
-            let span = tracing::debug_span!("conn", id);
+            let span = tracing::debug_span!("conn", id = permit.id);
             let fut = connection(
                 sh.clone(),
                 rd,
@@ -250,12 +286,74 @@ impl Server {
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
         let sh = &self.shared;
-        let Ok(permit) = sh.conns.clone().try_acquire_owned() else {
-            warn!("refusing stream: connection limit reached");
+        let Some(permit) = sh.admit("stream") else {
             return;
         };
         let (rd, wr) = tokio::io::split(stream);
         connection(sh.clone(), rd, wr, None, "stream".into(), shutdown, permit).await;
+    }
+
+    /// The server's totals since it started, in one line (for SIGUSR1).
+    pub fn stats(&self) -> String {
+        self.shared.stats.report()
+    }
+}
+
+/// What an accepted connection holds: its place under the connection cap,
+/// and until its handshake is over a place among the connections in the
+/// handshake, which a newer connection may take (`evicted` resolves).
+struct Admission {
+    id: u64,
+    _conn: OwnedSemaphorePermit,
+    handshake: HandshakeSlot,
+    evicted: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl Shared {
+    /// A place for a new connection, or None (then `refuse` tells the
+    /// client why). Refusals and evictions are logged at most once a
+    /// second, with a count.
+    fn admit(&self, peer: &str) -> Option<Admission> {
+        let Ok(conn) = self.conns.clone().try_acquire_owned() else {
+            self.stats.refused();
+            if let Some(skipped) = self.refusals.allow() {
+                warn!(
+                    "refusing connection from {peer}: already serving {} connections{}",
+                    self.cfg.max_connections,
+                    more(skipped)
+                );
+            }
+            return None;
+        };
+        self.stats.accepted();
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (handshake, evicted, full) = self.handshakes.enter(id);
+        if full {
+            self.stats.evicted();
+            if let Some(skipped) = self.evictions.allow() {
+                warn!(
+                    "{} connections are still in the handshake: closing the oldest to admit \
+                     {peer}{}",
+                    self.handshakes.cap(),
+                    more(skipped)
+                );
+            }
+        }
+        Some(Admission {
+            id,
+            _conn: conn,
+            handshake,
+            evicted,
+        })
+    }
+
+    /// A connection in transmission ended: when it was the last, pooled
+    /// pipes and buffers are let go (descriptors and memory back to idle).
+    fn connection_closed(&self) {
+        if self.stats.closed() {
+            self.pipes.clear();
+            self.pool.clear();
+        }
     }
 }
 
@@ -338,7 +436,7 @@ async fn connection<R, W>(
     sink: Option<RawSock>,
     peer: String,
     mut shutdown: watch::Receiver<bool>,
-    _conn_permit: OwnedSemaphorePermit,
+    admission: Admission,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -347,10 +445,21 @@ async fn connection<R, W>(
     let rd = Input::new(rd);
     let wr = BufWriter::with_capacity(64 << 10, wr);
     let negotiate = handshake::handshake(&sh, rd, wr, &peer);
+    // `_conn` holds this connection's place under the cap until it ends.
+    let Admission {
+        _conn,
+        handshake: in_handshake,
+        mut evicted,
+        ..
+    } = admission;
     let hs = tokio::select! {
         r = tokio::time::timeout(sh.cfg.handshake_timeout, negotiate) => r,
         _ = shutdown.wait_for(|v| *v) => {
             debug!("shutting down during handshake");
+            return;
+        }
+        _ = &mut evicted => {
+            debug!("{peer}: closed in the handshake to admit a newer connection");
             return;
         }
     };
@@ -376,6 +485,7 @@ async fn connection<R, W>(
         }
         Ok(Ok(Some(s))) => s,
     };
+    drop(in_handshake);
     match link {
         Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, peer, shutdown).await,
         Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, peer, shutdown).await,
@@ -420,7 +530,9 @@ async fn transmit<R, W>(
             "not requested"
         },
     );
-    let result = transmission::transmission(sh, rd, wr, session, sink, shutdown).await;
+    sh.stats.opened();
+    let result = transmission::transmission(sh.clone(), rd, wr, session, sink, shutdown).await;
+    sh.connection_closed();
     match result {
         Ok(()) => debug!("{peer}: connection closed"),
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {

@@ -6,20 +6,29 @@
 //! blocking job, or handed to the blocking pool alone. A writer task sends
 //! the replies of the blocking jobs in completion order.
 //!
-//! The reader waits in one place, [`Batch::wait`], which first hands the
-//! held batch to the blocking pool (held requests own slots and bytes the
-//! wait may need) and races the wait against shutdown. Everything else the
-//! reader does completes from what is already buffered, except writing the
-//! reply of a request it ran itself, which happens with nothing held.
+//! The reader waits in two places, both of which first hand the held batch
+//! to the blocking pool (held requests own slots and bytes the wait may
+//! need): [`Batch::wait`] between requests, raced against shutdown, and
+//! [`Batch::hold`] for what a request already read needs (a permit, the rest
+//! of its payload), which shutdown does not interrupt: every request whose
+//! header was read is answered. Everything else the reader does completes
+//! from what is already buffered, except writing the reply of a request it
+//! ran itself, which happens with nothing held.
+//!
+//! Shutting down, the reader goes on reading while requests keep coming and
+//! answers each new one with NBD_ESHUTDOWN (spec: Terminating the
+//! transmission phase), dropping its payload; it stops once the socket has
+//! been quiet for DRAIN_QUIET with nothing in flight.
 
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rawdisk_storage::CacheMode;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
-use tracing::{debug, trace, Instrument};
+use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
@@ -48,12 +57,35 @@ const OWN_WRITE_MAX: u64 = 256 << 10;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
 const PEEK_AHEAD: usize = 4 << 10;
+/// Shutting down, the reader stops once no byte has arrived for this long
+/// with nothing in flight; requests arriving before that get NBD_ESHUTDOWN.
+const DRAIN_QUIET: Duration = Duration::from_millis(200);
+/// Write payloads over the maximum but at most this long are read and
+/// dropped before the EINVAL, so the connection goes on (libnbd sends up to
+/// 64 MiB and matches a reply only to a request it finished sending).
+const OVERSIZED_SKIP_MAX: u64 = 64 << 20;
+const NEVER_CLOSED: &str = "semaphore never closed";
 
 /// Resources a request holds until its reply is on the socket.
 struct Permits {
     _slot: OwnedSemaphorePermit,
     _conn_bytes: Option<OwnedSemaphorePermit>,
-    _total_bytes: Option<OwnedSemaphorePermit>,
+    /// Server-wide bytes of payloads and replies being received or made:
+    /// given back once the reply is ready, so peers that do not read their
+    /// replies cannot hold them.
+    total_bytes: Option<OwnedSemaphorePermit>,
+    /// Server-wide bytes of read replies waiting to be sent (None for the
+    /// one a connection with nothing else in flight may always have).
+    _unsent: Option<OwnedSemaphorePermit>,
+}
+
+impl Permits {
+    /// The reply is made: what remains held is the connection's own budget
+    /// and the reply's share of the server's unsent bytes.
+    fn produced(mut self) -> Permits {
+        drop(self.total_bytes.take());
+        self
+    }
 }
 
 /// A finished reply on its way to the writer.
@@ -110,6 +142,8 @@ where
     let ext = s.mode.extended();
     let mut reader = Reader {
         slots: Arc::new(Semaphore::new(sh.cfg.max_requests_per_conn)),
+        max_slots: sh.cfg.max_requests_per_conn,
+        draining: false,
         conn_bytes: Arc::new(Semaphore::new(sh.bytes_per_conn)),
         batch: Batch {
             jobs: Vec::with_capacity(BATCH_MAX),
@@ -148,8 +182,8 @@ where
     result
 }
 
-/// Requests gathered to run as one blocking job, and the reader's only way
-/// to wait.
+/// Requests gathered to run as one blocking job, and the reader's ways to
+/// wait.
 struct Batch {
     jobs: Vec<Job>,
     sh: Arc<Shared>,
@@ -159,15 +193,23 @@ struct Batch {
 }
 
 impl Batch {
-    /// Where the reader waits (for a permit, a header, a payload): hands the
-    /// held requests to the blocking pool first, since they hold slots and
-    /// bytes the wait may need, then waits for `fut` or shutdown (None).
+    /// Where the reader waits between requests: hands the held requests to
+    /// the blocking pool first, since they hold slots and bytes the wait may
+    /// need, then waits for `fut` (cancel-safe) or shutdown (None).
     async fn wait<T>(&mut self, fut: impl Future<Output = T>) -> Option<T> {
         self.dispatch();
         tokio::select! {
             v = fut => Some(v),
             _ = self.shutdown.wait_for(|v| *v) => None,
         }
+    }
+
+    /// Where the reader waits for what a request already read needs: like
+    /// `wait`, but shutdown does not interrupt it (the request is answered;
+    /// the server's shutdown grace bounds the wait).
+    async fn hold<T>(&mut self, fut: impl Future<Output = T>) -> T {
+        self.dispatch();
+        fut.await
     }
 
     /// Holds a small request back for the next blocking job.
@@ -198,7 +240,7 @@ impl Batch {
                 let reply = execute(&sh, &s, &j.req, j.to, j.data);
                 let _ = tx.send(Out {
                     reply,
-                    _permits: j.permits,
+                    _permits: j.permits.produced(),
                 });
             }
             sh.note_caps();
@@ -209,7 +251,7 @@ impl Batch {
     fn reply(&self, reply: Encoded, permits: Permits) {
         let _ = self.tx.send(Out {
             reply,
-            _permits: permits,
+            _permits: permits.produced(),
         });
     }
 
@@ -219,22 +261,49 @@ impl Batch {
     }
 }
 
-/// Fills `dst` from what `rd` has buffered, or else waits for the socket
-/// through [`Batch::wait`]. None: shutdown.
+/// Fills `dst` (a payload) from what `rd` has buffered, or else waits for
+/// the socket through [`Batch::hold`].
 async fn fill<R: AsyncRead + Unpin>(
     rd: &mut Input<R>,
     batch: &mut Batch,
     dst: &mut [u8],
     ahead: usize,
-) -> Option<io::Result<()>> {
+) -> io::Result<()> {
     if rd.buffered() >= dst.len() {
         dst.copy_from_slice(rd.take(dst.len()));
-        return Some(Ok(()));
+        return Ok(());
     }
-    batch.wait(rd.read_exact(dst, ahead)).await
+    batch.hold(rd.read_exact(dst, ahead)).await
+}
+
+/// Waits until `n` bytes are buffered. None: `quiet` went by without a
+/// byte arriving while nothing was in flight (but the reader's own slot).
+async fn header_bytes<R: AsyncRead + Unpin>(
+    rd: &mut Input<R>,
+    n: usize,
+    ahead: usize,
+    quiet: Option<Duration>,
+    slots: &Semaphore,
+    max_slots: usize,
+) -> Option<io::Result<()>> {
+    let Some(q) = quiet else {
+        return Some(rd.fill_to(n, ahead).await);
+    };
+    loop {
+        let before = rd.buffered();
+        match tokio::time::timeout(q, rd.fill_to(n, ahead)).await {
+            Ok(r) => return Some(r),
+            Err(_) if slots.available_permits() + 1 >= max_slots && rd.buffered() == before => {
+                return None
+            }
+            Err(_) => {}
+        }
+    }
 }
 
 /// What receiving a request's payload left to do.
+// Moved once per request; boxing the job would allocate once per request.
+#[allow(clippy::large_enum_variant)]
 enum Received {
     /// A mapped write stored the whole payload and its reply is queued.
     Answered,
@@ -253,7 +322,10 @@ struct Reader<R, W> {
     sink: Option<RawSock>,
     batch: Batch,
     slots: Arc<Semaphore>,
+    max_slots: usize,
     conn_bytes: Arc<Semaphore>,
+    /// Shutdown was requested: new requests get NBD_ESHUTDOWN.
+    draining: bool,
     ext: bool,
     hlen: usize,
     /// Bytes to read ahead with a header: many small requests per syscall,
@@ -280,12 +352,11 @@ where
 
     /// Reads one request and schedules it.
     async fn next(&mut self) -> Step<()> {
-        let Some(slot) = self.take_slot().await else {
-            return Ok(None);
-        };
+        let slot = self.take_slot().await;
         let Some(req) = self.read_header().await? else {
             return Ok(None);
         };
+        self.sh.stats.request(req.command, req.length);
         if req.command == Command::Disc {
             // Spec: finish what is in flight, then close; no reply.
             return Ok(None);
@@ -301,26 +372,26 @@ where
             READ_AHEAD
         };
         if payload > self.s.max_payload as u64 {
-            // Reading it would cost unbounded memory or time, and skipping it
-            // unread would parse data as requests: answer, then hang up.
-            let msg = format!(
-                "payload of {payload} bytes exceeds the maximum of {}",
-                self.s.max_payload
-            );
-            let reply = whole(small_error(&self.s, to, NBD_EINVAL, &msg));
+            return self.refuse_oversized(to, payload, slot).await;
+        }
+        if self.draining {
+            // Spec (Terminating the transmission phase): requests received
+            // while the server shuts down SHOULD get NBD_ESHUTDOWN.
+            if let Err(e) = self.batch.hold(self.rd.skip(payload)).await {
+                return ended(e);
+            }
+            let reply = small_error(&self.s, to, NBD_ESHUTDOWN, "the server is shutting down");
             self.batch.reply(reply, slot_only(slot));
-            return Err(protocol_error(msg));
+            return Ok(Some(()));
         }
         let check = validate(&self.s, &req);
         // Bytes this request will hold: its payload, or the read reply.
-        let need = match (&check, req.command) {
-            (Ok(()), Command::Read) => req.length as usize + 2 * DATA_ALIGN,
-            _ if payload > 0 => payload as usize + DATA_ALIGN,
-            _ => 0,
+        let (need, reply) = match (&check, req.command) {
+            (Ok(()), Command::Read) => (req.length as usize + 2 * DATA_ALIGN, true),
+            _ if payload > 0 => (payload as usize + DATA_ALIGN, false),
+            _ => (0, false),
         };
-        let Some(permits) = self.take_bytes(slot, need).await else {
-            return Ok(None);
-        };
+        let permits = self.take_bytes(slot, need, reply).await;
         let (job, failed) = match self.receive(req, to, check.is_ok(), permits).await? {
             None => return Ok(None),
             Some(Received::Answered) => return Ok(Some(())),
@@ -335,7 +406,7 @@ where
                 req.length,
                 error_name(err)
             );
-            Some(whole(small_error(&self.s, to, err, msg)))
+            Some(small_error(&self.s, to, err, msg))
         });
         if let Some(reply) = refused {
             if let Some((buf, _, _)) = job.data {
@@ -347,59 +418,150 @@ where
         self.schedule(job).await.map(Some)
     }
 
-    /// A request slot; without one, waits for a reply to free one.
-    async fn take_slot(&mut self) -> Option<OwnedSemaphorePermit> {
-        if let Ok(p) = self.slots.clone().try_acquire_owned() {
-            return Some(p);
+    /// A payload over the maximum (spec: Size constraints) gets EINVAL. Up
+    /// to OVERSIZED_SKIP_MAX it is read and dropped first and the
+    /// connection goes on; a bigger one would cost unbounded time, and
+    /// skipped unread it would be parsed as requests: answer, then hang up.
+    async fn refuse_oversized(
+        &mut self,
+        to: ReplyTo,
+        payload: u64,
+        slot: OwnedSemaphorePermit,
+    ) -> Step<()> {
+        let msg = format!(
+            "payload of {payload} bytes exceeds the maximum of {}",
+            self.s.max_payload
+        );
+        debug!("{msg}");
+        if payload <= OVERSIZED_SKIP_MAX {
+            if let Err(e) = self.batch.hold(self.rd.skip(payload)).await {
+                return ended(e);
+            }
+            let reply = small_error(&self.s, to, NBD_EINVAL, &msg);
+            self.batch.reply(reply, slot_only(slot));
+            return Ok(Some(()));
         }
-        let p = self.batch.wait(self.slots.clone().acquire_owned()).await?;
-        Some(p.expect("semaphore never closed"))
+        let reply = small_error(&self.s, to, NBD_EINVAL, &msg);
+        self.batch.reply(reply, slot_only(slot));
+        Err(protocol_error(msg))
     }
 
-    /// `need` bytes from the connection's and the server's byte limits,
-    /// waiting for replies to give them back when they are spent.
-    async fn take_bytes(&mut self, slot: OwnedSemaphorePermit, need: usize) -> Option<Permits> {
+    /// A request slot; without one, waits for a reply to free one.
+    async fn take_slot(&mut self) -> OwnedSemaphorePermit {
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
+            return p;
+        }
+        let p = self.batch.hold(self.slots.clone().acquire_owned()).await;
+        p.expect(NEVER_CLOSED)
+    }
+
+    /// `need` bytes from the connection's budget, then (for a read's
+    /// `reply`) from the server's budget of unsent replies, then from the
+    /// server's budget of bytes being received or made. Waits while one is
+    /// spent; the shared ones are taken last, so nothing shared is held
+    /// while this connection waits for its own.
+    async fn take_bytes(
+        &mut self,
+        slot: OwnedSemaphorePermit,
+        need: usize,
+        reply: bool,
+    ) -> Permits {
         if need == 0 {
-            return Some(slot_only(slot));
+            return slot_only(slot);
         }
         let n = need as u32;
-        let c = self.conn_bytes.clone().try_acquire_many_owned(n).ok();
-        let t = self.sh.bytes_total.clone().try_acquire_many_owned(n).ok();
-        // Half of a pair is given back before waiting for the whole pair.
-        let ready = match (c, t) {
-            (Some(c), Some(t)) => Some((c, t)),
-            _ => None,
-        };
-        let (c, t) = match ready {
-            Some(p) => p,
-            None => {
-                let (conn, total) = (self.conn_bytes.clone(), self.sh.bytes_total.clone());
-                let both = async move {
-                    let c = conn.acquire_many_owned(n).await;
-                    let t = total.acquire_many_owned(n).await;
-                    let never = "semaphore never closed";
-                    (c.expect(never), t.expect(never))
-                };
-                self.batch.wait(both).await?
+        let conn = match self.conn_bytes.clone().try_acquire_many_owned(n) {
+            Ok(p) => p,
+            Err(_) => {
+                let p = self.conn_bytes.clone().acquire_many_owned(n);
+                self.batch.hold(p).await.expect(NEVER_CLOSED)
             }
         };
-        Some(Permits {
+        let unsent = if reply {
+            self.take_unsent(n).await
+        } else {
+            None
+        };
+        let total = match self.sh.bytes_total.clone().try_acquire_many_owned(n) {
+            Ok(p) => p,
+            Err(_) => {
+                let p = self.sh.bytes_total.clone().acquire_many_owned(n);
+                self.batch.hold(p).await.expect(NEVER_CLOSED)
+            }
+        };
+        Permits {
             _slot: slot,
-            _conn_bytes: Some(c),
-            _total_bytes: Some(t),
-        })
+            _conn_bytes: Some(conn),
+            total_bytes: Some(total),
+            _unsent: unsent,
+        }
     }
 
-    /// The next request header.
-    async fn read_header(&mut self) -> Step<Request> {
-        let mut hdr = [0u8; EXTENDED_REQUEST_LEN];
-        let hdr = &mut hdr[..self.hlen];
-        match fill(&mut self.rd, &mut self.batch, hdr, self.read_ahead).await {
-            None => return Ok(None),
-            // EOF between requests is a client hanging up without DISC.
-            Some(Err(e)) => return ended(e),
-            Some(Ok(())) => {}
+    /// `n` bytes of the server's budget of replies waiting to be sent. When
+    /// peers that do not read hold all of it, a connection with nothing else
+    /// in flight goes ahead without (None): a client that reads its replies
+    /// always has at least one request at a time answered.
+    async fn take_unsent(&mut self, n: u32) -> Option<OwnedSemaphorePermit> {
+        let unsent = self.sh.unsent.clone();
+        if let Ok(p) = unsent.clone().try_acquire_many_owned(n) {
+            return Some(p);
         }
+        let slots = self.slots.clone();
+        let others = (self.max_slots - 1) as u32;
+        self.batch
+            .hold(async move {
+                tokio::select! {
+                    p = unsent.acquire_many_owned(n) => Some(p.expect(NEVER_CLOSED)),
+                    // Every other slot free: nothing else of ours in flight.
+                    _ = slots.acquire_many_owned(others) => None,
+                }
+            })
+            .await
+    }
+
+    /// The next request header. None: shutdown with the socket quiet, or
+    /// an idle connection timed out.
+    async fn read_header(&mut self) -> Step<Request> {
+        let (hlen, ahead) = (self.hlen, self.read_ahead);
+        if self.rd.buffered() < hlen {
+            let (slots, max) = (&*self.slots, self.max_slots);
+            let mut got = None;
+            if !self.draining {
+                let idle = self.sh.cfg.idle_timeout;
+                let bytes = header_bytes(&mut self.rd, hlen, ahead, idle, slots, max);
+                match self.batch.wait(bytes).await {
+                    Some(Some(r)) => got = Some(r),
+                    Some(None) => {
+                        let idle = idle.unwrap_or_default();
+                        info!("closing a connection idle for {idle:?}");
+                        return Ok(None);
+                    }
+                    None => {
+                        debug!("shutting down: answering new requests with NBD_ESHUTDOWN");
+                        self.draining = true;
+                    }
+                }
+            }
+            let got = match got {
+                Some(r) => r,
+                None => {
+                    self.batch.dispatch();
+                    let bytes =
+                        header_bytes(&mut self.rd, hlen, ahead, Some(DRAIN_QUIET), slots, max);
+                    match bytes.await {
+                        Some(r) => r,
+                        None => return Ok(None),
+                    }
+                }
+            };
+            // EOF between requests is a client hanging up without DISC.
+            if let Err(e) = got {
+                return ended(e);
+            }
+        }
+        let mut buf = [0u8; EXTENDED_REQUEST_LEN];
+        let hdr = &mut buf[..hlen];
+        hdr.copy_from_slice(self.rd.take(hlen));
         // Without a valid header there is no way to find the next one: hard
         // disconnect (spec: violation of a MUST).
         let (req, _) = decode_request(hdr, self.ext)
@@ -455,15 +617,13 @@ where
             if head > 0 {
                 let t = &self.sh.target;
                 if let Err(e) = t.write_at(self.rd.take(head as usize), req.offset, false) {
-                    failed = Some(storage_error(&self.s, &req, to, "write", &e));
+                    failed = Some(storage_error(&self.sh, &self.s, &req, to, "write", &e));
                 }
                 req.offset += head;
                 req.length -= head;
             }
             if failed.is_none() {
-                let Some(r) = self.batch.wait(sock.recv_mapped(&mut mw)).await else {
-                    return Ok(None);
-                };
+                let r = self.batch.hold(sock.recv_mapped(&mut mw)).await;
                 let got = mw.received() as u64;
                 drop(mw);
                 match r {
@@ -493,10 +653,9 @@ where
             let (mut buf, start) = self.sh.pool.get(0, n);
             let dst = &mut buf[start..start + n];
             match fill(&mut self.rd, &mut self.batch, dst, self.read_ahead).await {
-                None => return Ok(None),
                 // Client vanished mid-payload: nothing to write.
-                Some(Err(e)) => return ended(e),
-                Some(Ok(())) => data = Some((buf, start, n)),
+                Err(e) => return ended(e),
+                Ok(()) => data = Some((buf, start, n)),
             }
         }
         let job = Job {
@@ -561,15 +720,16 @@ where
         // Nothing may wait behind it (an idle request has nothing held).
         self.batch.dispatch();
         let reply = execute(&self.sh, &self.s, &job.req, job.to, job.data);
+        let permits = job.permits.produced();
         self.sh.note_caps();
         let mut w = self.wr.lock().await;
-        let sent = async {
+        let sent = within(self.sh.cfg.idle_timeout, async {
             put_reply(&self.sh, &mut w, self.sink.as_ref(), reply).await?;
             w.flush().await
-        }
+        })
         .await;
         drop(w);
-        drop(job.permits);
+        drop(permits);
         sent
     }
 }
@@ -578,7 +738,8 @@ fn slot_only(slot: OwnedSemaphorePermit) -> Permits {
     Permits {
         _slot: slot,
         _conn_bytes: None,
-        _total_bytes: None,
+        total_bytes: None,
+        _unsent: None,
     }
 }
 
@@ -592,14 +753,36 @@ async fn writer<W: AsyncWrite + Unpin>(
 ) -> io::Result<()> {
     while let Some(out) = rx.recv().await {
         let mut wr = wr.lock().await;
-        put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
-        // Coalesce whatever else is ready into the same flush.
-        while let Ok(out) = rx.try_recv() {
+        within(sh.cfg.idle_timeout, async {
             put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
-        }
-        wr.flush().await?;
+            // Coalesce whatever else is ready into the same flush.
+            while let Ok(out) = rx.try_recv() {
+                put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
+            }
+            wr.flush().await
+        })
+        .await?;
     }
     wr.lock().await.shutdown().await
+}
+
+/// Replies that cannot be sent within the idle timeout mean a client that
+/// stopped reading: the connection ends (TimedOut), which frees what its
+/// replies hold and its place under the connection cap.
+async fn within(
+    limit: Option<Duration>,
+    f: impl Future<Output = io::Result<()>>,
+) -> io::Result<()> {
+    let Some(t) = limit else {
+        return f.await;
+    };
+    match tokio::time::timeout(t, f).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the client read no reply for {t:?}"),
+        )),
+    }
 }
 
 /// Queues one reply on the buffered writer; a spliced read's header is
@@ -610,6 +793,9 @@ async fn put_reply<W: AsyncWrite + Unpin>(
     sink: Option<&RawSock>,
     reply: Encoded,
 ) -> io::Result<()> {
+    if reply.err != 0 {
+        sh.stats.error(reply.err);
+    }
     wr.write_all(&reply.buf[reply.start..reply.end]).await?;
     sh.pool.put(reply.buf);
     if reply.spliced.is_empty() {

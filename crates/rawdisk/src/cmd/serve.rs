@@ -1,12 +1,12 @@
 //! `rawdisk serve [--socket PATH | --bind HOST:PORT] [--read-only]
 //! [--export-name NAME] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
-//! [--tls off|on|require] [--tls-certificates DIR] [--tls-psk FILE]
-//! [--tls-verify-peer] [-v] TARGET`
+//! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
+//! [--tls-psk FILE] [--tls-verify-peer] [-v] TARGET`
 //!
 //! Prints the URI to connect to on stdout, one line, once the listener is
-//! accepting. SIGINT/SIGTERM: stop accepting, finish in-flight requests,
-//! flush, exit 0.
+//! accepting. SIGINT/SIGTERM/SIGHUP: stop accepting, finish in-flight
+//! requests, flush, exit 0. SIGUSR1: log the server's totals.
 
 use super::{CacheArg, PreallocArg};
 use std::fs;
@@ -53,11 +53,17 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     handshake_timeout: f64,
-    /// Connections served at once; more are closed at accept.
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    /// Connections served at once; more are closed at accept. At most half
+    /// of them may be in the handshake at once.
+    #[arg(long, value_name = "N", default_value_t = 100)]
     max_connections: usize,
+    /// Close a connection that has had nothing in flight and sent nothing,
+    /// or has read none of its replies, for this long (90, 90s, 15m, 2h)
+    /// [default: never].
+    #[arg(long, value_name = "DURATION", value_parser = duration_arg)]
+    idle_timeout: Option<Duration>,
     /// Start writing back every write of 256 KiB or more right away
     /// (sync_file_range), so the client's final flush has little left to
     /// do: faster imports that end with a flush (qemu-img convert, nbdcopy
@@ -114,10 +120,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(TlsSetup::Load(e)) => return Err(e),
     };
     let cache = args.cache.into();
+    // Everything that can fail goes before --create makes anything: the
+    // listening socket (in use, no permission) and the pid file.
+    let mut cleanup = Cleanup::default();
+    let listening = listen(&args, activated, &mut cleanup)?;
+    let pid_file = open_pid_file(&args, &mut cleanup)?;
     let created = match args.create {
         Some(size) => create_target(&args.target, size, args.preallocation.into(), cache)?,
         None => false,
     };
+    if created {
+        // Removed again if serving fails before it starts.
+        cleanup.created = Some(args.target.clone());
+    }
     let opened = Target::open(
         &args.target,
         &OpenOptions {
@@ -148,6 +163,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         read_only: args.read_only,
         max_connections: args.max_connections.max(1),
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        idle_timeout: args.idle_timeout,
         write_behind: args.write_behind,
         map_writes: args.map_writes,
         tls,
@@ -175,7 +191,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(serve(args, target, cfg, activated))
+    rt.block_on(serve(args, target, cfg, listening, pid_file, cleanup))
+}
+
+/// A duration: seconds, or a number with ms, s, m or h.
+fn duration_arg(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale = match unit.trim() {
+        "" | "s" => 1.0,
+        "ms" => 0.001,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        u => return Err(format!("unknown unit '{u}' (use ms, s, m or h)")),
+    };
+    match num.parse::<f64>() {
+        Ok(v) if v > 0.0 && (v * scale).is_finite() => Ok(Duration::from_secs_f64(v * scale)),
+        _ => Err(format!("'{s}' is not a positive duration")),
+    }
 }
 
 /// `--tls`.
@@ -289,56 +325,95 @@ fn escape(s: &str, keep_slash: bool) -> String {
     out
 }
 
-/// Removes the socket and pid files at exit, also on error.
+/// Removes the socket and pid files at exit, also on error, and the image
+/// --create made if serving never started.
+#[derive(Default)]
 struct Cleanup {
     files: Vec<PathBuf>,
+    created: Option<PathBuf>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        for f in &self.files {
+        for f in self.files.iter().chain(&self.created) {
             let _ = fs::remove_file(f);
         }
     }
+}
+
+/// A bound listening socket, before the runtime exists.
+enum Bound {
+    Unix(std::os::unix::net::UnixListener),
+    Tcp(std::net::TcpListener),
+}
+
+/// Binds (or takes the activated socket) and returns it with the URI that
+/// reaches it.
+fn listen(
+    args: &Args,
+    activated: Option<OwnedFd>,
+    cleanup: &mut Cleanup,
+) -> anyhow::Result<(Bound, String)> {
+    let export = escape(&args.export_name, false);
+    if let Some(fd) = activated {
+        return activated_listener(fd, &export);
+    }
+    if let Some(path) = &args.socket {
+        remove_stale_socket(path)?;
+        let l = std::os::unix::net::UnixListener::bind(path)
+            .with_context(|| format!("cannot listen on '{}'", path.display()))?;
+        cleanup.files.push(path.clone());
+        l.set_nonblocking(true)
+            .with_context(|| format!("cannot listen on '{}'", path.display()))?;
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+        let uri = format!(
+            "nbd+unix:///{export}?socket={}",
+            escape(&abs.to_string_lossy(), true)
+        );
+        return Ok((Bound::Unix(l), uri));
+    }
+    let bind = args.bind.as_deref().unwrap_or("127.0.0.1:10809");
+    let l =
+        std::net::TcpListener::bind(bind).with_context(|| format!("cannot listen on {bind}"))?;
+    l.set_nonblocking(true)
+        .with_context(|| format!("cannot listen on {bind}"))?;
+    let addr = l.local_addr().context("local address")?;
+    let host = match addr.ip() {
+        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+        std::net::IpAddr::V4(ip) => ip.to_string(),
+    };
+    Ok((
+        Bound::Tcp(l),
+        format!("nbd://{host}:{}/{export}", addr.port()),
+    ))
+}
+
+/// Opens (creates) the pid file now, so a bad path fails before anything is
+/// made; the pid is written once the server is ready.
+fn open_pid_file(args: &Args, cleanup: &mut Cleanup) -> anyhow::Result<Option<fs::File>> {
+    let Some(p) = &args.pid_file else {
+        return Ok(None);
+    };
+    let f =
+        fs::File::create(p).with_context(|| format!("cannot write pid file '{}'", p.display()))?;
+    cleanup.files.push(p.clone());
+    Ok(Some(f))
 }
 
 async fn serve(
     args: Args,
     target: Arc<Target>,
     cfg: ServerConfig,
-    activated: Option<OwnedFd>,
+    (bound, uri): (Bound, String),
+    pid_file: Option<fs::File>,
+    mut cleanup: Cleanup,
 ) -> anyhow::Result<ExitCode> {
-    let mut cleanup = Cleanup { files: Vec::new() };
-    let export = escape(&cfg.export_name, false);
-    let activated = activated
-        .map(|fd| activated_listener(fd, &export))
-        .transpose()?;
-    let (listener, uri) = match (activated, &args.socket) {
-        (Some(pair), _) => pair,
-        (None, Some(path)) => {
-            remove_stale_socket(path)?;
-            let l = tokio::net::UnixListener::bind(path)
-                .with_context(|| format!("cannot listen on '{}'", path.display()))?;
-            cleanup.files.push(path.clone());
-            let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
-            let uri = format!(
-                "nbd+unix:///{export}?socket={}",
-                escape(&abs.to_string_lossy(), true)
-            );
-            (Listener::Unix(l), uri)
+    let listener = match bound {
+        Bound::Unix(l) => {
+            Listener::Unix(tokio::net::UnixListener::from_std(l).context("listening socket")?)
         }
-        (None, None) => {
-            let bind = args.bind.as_deref().unwrap_or("127.0.0.1:10809");
-            let l = tokio::net::TcpListener::bind(bind)
-                .await
-                .with_context(|| format!("cannot listen on {bind}"))?;
-            let addr = l.local_addr().context("local address")?;
-            let host = match addr.ip() {
-                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-                std::net::IpAddr::V4(ip) => ip.to_string(),
-            };
-            let uri = format!("nbd://{host}:{}/{export}", addr.port());
-            (Listener::Tcp(l), uri)
+        Bound::Tcp(l) => {
+            Listener::Tcp(tokio::net::TcpListener::from_std(l).context("listening socket")?)
         }
     };
 
@@ -378,28 +453,14 @@ async fn serve(
     tracing::info!("storage capabilities: {}", target.caps().snapshot());
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight requests"),
-            _ = int.recv() => tracing::info!("SIGINT: finishing in-flight requests"),
-        }
-        let _ = stop_tx.send(true);
-        // A second signal while draining: give up waiting.
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = int.recv() => {},
-        }
-        tracing::warn!("second signal: exiting without waiting");
-        std::process::exit(1);
-    });
+    handle_signals(stop_tx, server.clone())?;
 
-    if let Some(p) = &args.pid_file {
-        fs::write(p, format!("{}\n", std::process::id()))
+    if let (Some(mut f), Some(p)) = (pid_file, &args.pid_file) {
+        writeln!(f, "{}", std::process::id())
             .with_context(|| format!("cannot write pid file '{}'", p.display()))?;
-        cleanup.files.push(p.clone());
     }
+    // Serving starts: the created image stays whatever happens next.
+    cleanup.created = None;
     {
         let mut out = io::stdout().lock();
         writeln!(out, "{uri}").context("stdout")?;
@@ -416,6 +477,51 @@ async fn serve(
         tracing::info!("all connections closed; target flushed");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
+/// otherwise end the process without a flush): stop accepting, finish
+/// in-flight requests, flush, exit 0; a second one exits at once with
+/// status 1. SIGUSR1: log the totals and go on.
+fn handle_signals(stop: watch::Sender<bool>, server: Server) -> anyhow::Result<()> {
+    let kinds = [
+        (SignalKind::terminate(), "SIGTERM"),
+        (SignalKind::interrupt(), "SIGINT"),
+        (SignalKind::hangup(), "SIGHUP"),
+        (SignalKind::quit(), "SIGQUIT"),
+        (SignalKind::user_defined2(), "SIGUSR2"),
+        (SignalKind::alarm(), "SIGALRM"),
+    ];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for (kind, name) in kinds {
+        let mut sig = signal(kind).with_context(|| format!("{name} handler"))?;
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while sig.recv().await.is_some() {
+                if tx.send(name).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    tokio::spawn(async move {
+        if let Some(name) = rx.recv().await {
+            tracing::info!("{name}: finishing in-flight requests");
+            let _ = stop.send(true);
+        }
+        // A second signal while draining: give up waiting.
+        if let Some(name) = rx.recv().await {
+            tracing::warn!("second signal ({name}): exiting without waiting");
+            std::process::exit(1);
+        }
+    });
+    let mut usr1 = signal(SignalKind::user_defined1()).context("SIGUSR1 handler")?;
+    tokio::spawn(async move {
+        while usr1.recv().await.is_some() {
+            tracing::info!("SIGUSR1: {}", server.stats());
+        }
+    });
+    Ok(())
 }
 
 /// systemd socket activation (sd_listen_fds(3)): when LISTEN_PID names this
@@ -449,19 +555,18 @@ fn take_activation_fd() -> Option<OwnedFd> {
 
 /// The activated socket as a listener, with the URI that reaches it. The
 /// socket file, if any, belongs to systemd: it is not removed at exit.
-fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<(Listener, String)> {
+fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<(Bound, String)> {
     let unix = std::os::unix::net::UnixListener::from(fd);
     match unix.local_addr() {
         Ok(addr) => {
             unix.set_nonblocking(true)
                 .context("socket activation: fd 3")?;
-            let l = tokio::net::UnixListener::from_std(unix).context("socket activation: fd 3")?;
             let path = addr
                 .as_pathname()
                 .map(|p| p.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let uri = format!("nbd+unix:///{export}?socket={}", escape(&path, true));
-            Ok((Listener::Unix(l), uri))
+            Ok((Bound::Unix(unix), uri))
         }
         Err(_) => {
             // Not AF_UNIX: take it as TCP (getsockname tells us which).
@@ -471,8 +576,7 @@ fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<(Listener, St
                 .context("socket activation: fd 3 is neither a Unix nor a TCP socket")?;
             tcp.set_nonblocking(true)
                 .context("socket activation: fd 3")?;
-            let l = tokio::net::TcpListener::from_std(tcp).context("socket activation: fd 3")?;
-            Ok((Listener::Tcp(l), format!("nbd://{addr}/{export}")))
+            Ok((Bound::Tcp(tcp), format!("nbd://{addr}/{export}")))
         }
     }
 }
@@ -495,4 +599,22 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
     }
     fs::remove_file(path)
         .with_context(|| format!("cannot remove stale socket '{}'", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::duration_arg;
+    use std::time::Duration;
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration_arg("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(duration_arg("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(duration_arg("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(duration_arg("15m"), Ok(Duration::from_secs(900)));
+        assert_eq!(duration_arg("2h"), Ok(Duration::from_secs(7200)));
+        for bad in ["", "0", "-1", "1d", "s", "1..2s", "inf"] {
+            assert!(duration_arg(bad).is_err(), "{bad:?} accepted");
+        }
+    }
 }

@@ -1,0 +1,298 @@
+//! What the server counts, how it keeps its logs short under attack, and
+//! how it keeps connections that never finish the handshake from locking
+//! everyone out: [`Stats`] (totals for SIGUSR1), [`RateLimit`] (one line
+//! per second with a count, however many events) and [`Handshakes`].
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::proto::{error_name, Command};
+
+/// Commands counted one by one; anything else is counted as "other".
+const COUNTED: [Command; 8] = [
+    Command::Read,
+    Command::Write,
+    Command::Flush,
+    Command::Trim,
+    Command::Cache,
+    Command::WriteZeroes,
+    Command::BlockStatus,
+    Command::Disc,
+];
+
+/// NBD errors counted one by one (spec: Error values); the last slot holds
+/// any other value.
+const ERRORS: [u32; 9] = [1, 5, 12, 22, 28, 75, 95, 108, 0];
+
+#[derive(Default)]
+struct PerCommand {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// The server's totals since it started.
+#[derive(Default)]
+pub(super) struct Stats {
+    accepted: AtomicU64,
+    refused: AtomicU64,
+    evicted: AtomicU64,
+    handshakes: AtomicU64,
+    active: AtomicU64,
+    commands: [PerCommand; COUNTED.len() + 1],
+    errors: [AtomicU64; ERRORS.len()],
+}
+
+impl Stats {
+    pub(super) fn accepted(&self) {
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn evicted(&self) {
+        self.evicted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection entered transmission.
+    pub(super) fn opened(&self) {
+        self.handshakes.fetch_add(1, Ordering::Relaxed);
+        self.active.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection in transmission ended; true if it was the last one.
+    pub(super) fn closed(&self) -> bool {
+        self.active.fetch_sub(1, Ordering::Relaxed) == 1
+    }
+
+    /// A request read off the wire; `bytes` is its length (data moved, or
+    /// the range a zero, trim, cache or status covers).
+    pub(super) fn request(&self, c: Command, bytes: u64) {
+        let i = COUNTED
+            .iter()
+            .position(|&k| k == c)
+            .unwrap_or(COUNTED.len());
+        self.commands[i].requests.fetch_add(1, Ordering::Relaxed);
+        self.commands[i].bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// An error reply sent with NBD error `err`.
+    pub(super) fn error(&self, err: u32) {
+        let i = ERRORS
+            .iter()
+            .position(|&e| e == err)
+            .unwrap_or(ERRORS.len() - 1);
+        self.errors[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One line: connections, then requests and bytes per command, then
+    /// errors by NBD error.
+    pub(super) fn report(&self) -> String {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut s = format!(
+            "connections: {} accepted, {} refused, {} dropped in the handshake, {} negotiated, \
+             {} open; requests:",
+            get(&self.accepted),
+            get(&self.refused),
+            get(&self.evicted),
+            get(&self.handshakes),
+            get(&self.active),
+        );
+        let names = COUNTED.iter().map(|c| c.verb()).chain(["other"]);
+        for (name, pc) in names.zip(&self.commands) {
+            let n = get(&pc.requests);
+            if n > 0 {
+                let _ = write!(s, " {name} {n} ({} bytes),", get(&pc.bytes));
+            }
+        }
+        if s.ends_with(',') {
+            s.pop();
+        } else {
+            s.push_str(" none");
+        }
+        s.push_str("; errors:");
+        let mut any = false;
+        for (&e, n) in ERRORS.iter().zip(&self.errors) {
+            let n = get(n);
+            if n > 0 {
+                let name = if e == 0 { "other" } else { error_name(e) };
+                let _ = write!(s, " {name} {n},");
+                any = true;
+            }
+        }
+        if any {
+            s.pop();
+        } else {
+            s.push_str(" none");
+        }
+        s
+    }
+}
+
+/// Lets an event be logged at most once per second; the events in between
+/// are counted and reported with the next line.
+pub(super) struct RateLimit {
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl RateLimit {
+    pub(super) const fn new() -> RateLimit {
+        RateLimit {
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Some(n): log now, mentioning the `n` events not logged since the
+    /// last line. None: stay quiet (the event is counted).
+    pub(super) fn allow(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match g.0 {
+            Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
+                g.1 += 1;
+                None
+            }
+            _ => {
+                let skipped = g.1;
+                *g = (Some(now), 0);
+                Some(skipped)
+            }
+        }
+    }
+}
+
+/// The connections still in the handshake, oldest first, at most `cap`
+/// (a share of the connection cap). A new connection that finds them all
+/// taken takes the place of the oldest, which is closed: clients that never
+/// finish the handshake cannot keep out the ones that do, which take
+/// milliseconds, nor hold more than the share.
+pub(super) struct Handshakes {
+    cap: usize,
+    queue: Waiting,
+}
+
+/// Connection ids in the handshake, oldest first, each with the sender
+/// whose drop tells it to close.
+type Waiting = Arc<Mutex<VecDeque<(u64, oneshot::Sender<()>)>>>;
+
+/// A place among the connections in the handshake; given up when dropped.
+pub(super) struct HandshakeSlot {
+    id: u64,
+    queue: Waiting,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = q.iter().position(|(id, _)| *id == self.id) {
+            q.remove(i);
+        }
+    }
+}
+
+impl Handshakes {
+    pub(super) fn new(cap: usize) -> Handshakes {
+        Handshakes {
+            cap: cap.max(1),
+            queue: Arc::new(Mutex::new(VecDeque::new())),
+        }
+    }
+
+    pub(super) fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// A place for connection `id`, and what resolves if it is taken away;
+    /// true if the oldest connection had to give its place up.
+    pub(super) fn enter(&self, id: u64) -> (HandshakeSlot, oneshot::Receiver<()>, bool) {
+        let (tx, rx) = oneshot::channel();
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        // Dropping its sender wakes the evicted connection.
+        let evicted = q.len() >= self.cap && q.pop_front().is_some();
+        q.push_back((id, tx));
+        let slot = HandshakeSlot {
+            id,
+            queue: self.queue.clone(),
+        };
+        (slot, rx, evicted)
+    }
+}
+
+/// " (and N more since the last line)" or "".
+pub(super) fn more(skipped: u64) -> String {
+    if skipped == 0 {
+        String::new()
+    } else {
+        format!(" (and {skipped} more since the last such line)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limit_counts_what_it_holds_back() {
+        let r = RateLimit::new();
+        assert_eq!(r.allow(), Some(0));
+        for _ in 0..5 {
+            assert_eq!(r.allow(), None);
+        }
+        *r.state.lock().unwrap() = (Some(Instant::now() - Duration::from_secs(2)), 5);
+        assert_eq!(r.allow(), Some(5));
+        assert_eq!(r.allow(), None);
+    }
+
+    #[test]
+    fn handshakes_beyond_the_share_evict_the_oldest() {
+        let h = Handshakes::new(2);
+        let (a, mut ra, e) = h.enter(1);
+        assert!(!e);
+        let (b, mut rb, e) = h.enter(2);
+        assert!(!e);
+        let (_c, mut rc, e) = h.enter(3);
+        assert!(e);
+        assert!(matches!(
+            ra.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        ));
+        assert!(matches!(
+            rb.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        ));
+        // A finished handshake frees its place without evicting anyone.
+        drop(b);
+        drop(a);
+        let (_d, _rd, e) = h.enter(4);
+        assert!(!e);
+        assert!(matches!(
+            rc.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        ));
+    }
+
+    #[test]
+    fn report_names_commands_and_errors() {
+        let s = Stats::default();
+        assert!(s.report().ends_with("requests: none; errors: none"));
+        s.accepted();
+        s.opened();
+        s.request(Command::Read, 4096);
+        s.request(Command::Read, 512);
+        s.request(Command::Unknown(99), 0);
+        s.error(28);
+        s.error(4242);
+        let r = s.report();
+        assert!(r.contains("1 accepted"), "{r}");
+        assert!(r.contains("read 2 (4608 bytes)"), "{r}");
+        assert!(r.contains("other 1 (0 bytes)"), "{r}");
+        assert!(r.contains("NBD_ENOSPC 1"), "{r}");
+        assert!(r.contains("other 1"), "{r}");
+    }
+}
