@@ -2,13 +2,14 @@
 //!
 //! Each side is a file, a block device or an NBD URI. Prints one summary
 //! line on stdout when done (suppressed by `-q`): bytes read, written,
-//! zeroed and skipped, time and throughput. Any error ends the copy with exit
+//! zeroed and skipped, time and throughput, and the bytes the kernel moved
+//! (reflink, copy_file_range) when it did. Any error ends the copy with exit
 //! status 1 and one line naming the side, the offset and the cause.
 
 use super::{CacheArg, PreallocArg};
 use std::process::ExitCode;
 
-use rawdisk_image::copy::{self, CopyOptions, ZeroMode};
+use rawdisk_image::copy::{self, CopyOptions, OffloadMode, ZeroMode};
 
 use crate::size::size_arg;
 
@@ -56,6 +57,10 @@ pub struct Args {
     /// Page cache or O_DIRECT for local sides.
     #[arg(short = 't', long, value_enum, default_value = "writeback")]
     cache: CacheArg,
+    /// Between local files, let the kernel copy data extents
+    /// (FICLONERANGE, else copy_file_range) where the file systems allow.
+    #[arg(long, value_enum, default_value = "auto")]
+    copy_offload: OffloadArg,
     /// No summary line.
     #[arg(short, long)]
     quiet: bool,
@@ -83,6 +88,10 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         flush: !a.no_flush,
         cache: a.cache.into(),
         progress: a.progress,
+        offload: match a.copy_offload {
+            OffloadArg::Never => OffloadMode::Never,
+            OffloadArg::Auto => OffloadMode::Auto,
+        },
     };
     let (src, dst) = copy::open_pair(&a.source, &a.destination, &opts)?;
     let stats = copy::copy_endpoints(&src, &dst.endpoint, &opts, dst.zeroed)?;
@@ -107,6 +116,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             human(stats.bytes_zeroed),
             human(stats.bytes_skipped),
         );
+        if stats.bytes_reflinked + stats.bytes_copy_range > 0 {
+            line.push_str(&format!(
+                "; offloaded: reflink {}, copy_file_range {}",
+                human(stats.bytes_reflinked),
+                human(stats.bytes_copy_range)
+            ));
+        }
         if let Some(v) = verified {
             line.push_str(&format!(
                 "; verified: {} compared, {} known zero on both sides",
@@ -117,6 +133,15 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--copy-offload`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OffloadArg {
+    /// Always read and write.
+    Never,
+    /// Reflink, else copy_file_range, else read and write.
+    Auto,
 }
 
 fn human(b: u64) -> String {

@@ -26,6 +26,12 @@ use rawdisk_storage::{CacheMode, Prealloc};
 
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
+mod offload;
+mod verify;
+
+pub use offload::OffloadMode;
+pub use verify::{verify, VerifyStats};
+
 /// What to do with runs of the source that read as zeros.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ZeroMode {
@@ -59,6 +65,8 @@ pub struct CopyOptions {
     pub cache: CacheMode,
     /// Draw a progress bar (only when stderr is a terminal).
     pub progress: bool,
+    /// Reflink or copy_file_range between local files (see offload.rs).
+    pub offload: OffloadMode,
 }
 
 impl Default for CopyOptions {
@@ -73,6 +81,7 @@ impl Default for CopyOptions {
             flush: true,
             cache: CacheMode::Writeback,
             progress: false,
+            offload: OffloadMode::Auto,
         }
     }
 }
@@ -82,7 +91,12 @@ impl Default for CopyOptions {
 pub struct CopyStats {
     pub size: u64,
     pub bytes_read: u64,
+    /// Written by this process (read, then written).
     pub bytes_written: u64,
+    /// Moved by FICLONERANGE: the destination shares the source's blocks.
+    pub bytes_reflinked: u64,
+    /// Moved by copy_file_range (the kernel's copy).
+    pub bytes_copy_range: u64,
     /// Zero requests sent to the destination.
     pub bytes_zeroed: u64,
     /// Zero runs not touched because the destination already reads as zeros.
@@ -323,9 +337,23 @@ struct Planner<'a> {
     queue: VecDeque<MapExtent>,
     data_chunk: u64,
     zero_chunk: u64,
+    /// While it may work, data goes out in pieces of `OFFLOAD_CHUNK`.
+    offload: Option<&'a offload::Offload<'a>>,
 }
 
-impl Planner<'_> {
+impl<'a> Planner<'a> {
+    fn new(src: &'a Endpoint, data_chunk: u64, zero_chunk: u64) -> Self {
+        Planner {
+            src,
+            size: src.size(),
+            pos: 0,
+            queue: VecDeque::new(),
+            data_chunk,
+            zero_chunk,
+            offload: None,
+        }
+    }
+
     fn next(&mut self) -> std::result::Result<Option<Work>, endpoint::Error> {
         if self.queue.is_empty() {
             if self.pos >= self.size {
@@ -355,11 +383,15 @@ impl Planner<'_> {
             }
             self.pos = p;
         }
+        let data_chunk = match self.offload {
+            Some(o) if o.may_work() => offload::OFFLOAD_CHUNK.max(self.data_chunk),
+            _ => self.data_chunk,
+        };
         let e = self.queue.front_mut().expect("refilled");
         let (chunk, zero) = if e.zero {
             (self.zero_chunk, true)
         } else {
-            (self.data_chunk, false)
+            (data_chunk, false)
         };
         // Keep data requests aligned to the chunk size in the export, so an
         // extent boundary does not misalign every following request.
@@ -393,6 +425,8 @@ impl Planner<'_> {
 struct Counters {
     read: AtomicU64,
     written: AtomicU64,
+    reflinked: AtomicU64,
+    copy_range: AtomicU64,
     zeroed: AtomicU64,
     skipped: AtomicU64,
 }
@@ -443,6 +477,8 @@ pub fn copy_endpoints(
         n => n,
     };
     let workers = wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize);
+    let errors = FirstError::default();
+    let counters = Counters::default();
     tracing::debug!(
         size,
         request,
@@ -455,16 +491,20 @@ pub fn copy_endpoints(
         dst.name()
     );
 
-    let planner = Mutex::new(Planner {
+    let offload = offload::Offload::new(src, dst, opts, sparse);
+    let mut planner = Planner::new(src, request, 1 << 30);
+    planner.offload = offload.as_ref();
+    let planner = Mutex::new(planner);
+    let worker = Worker {
         src,
-        size,
-        pos: 0,
-        queue: VecDeque::new(),
-        data_chunk: request,
-        zero_chunk: 1 << 30,
-    });
-    let errors = FirstError::default();
-    let counters = Counters::default();
+        dst,
+        offload: offload.as_ref(),
+        request,
+        sparse,
+        skip_zero,
+        may_trim,
+        c: &counters,
+    };
     let bar = progress_bar(opts.progress, size);
 
     std::thread::scope(|s| {
@@ -484,15 +524,14 @@ pub fn copy_endpoints(
                                 .map_err(CopyError::io(Side::Destination))
                         }
                         .map(|_| len),
-                        Work::Data { offset, len } => copy_data(
-                            src, dst, &mut buf, offset, len, sparse, skip_zero, may_trim, &counters,
-                        )
-                        .map(|_| {
-                            if opts.flush {
-                                dst.start_writeback(offset, len);
-                            }
-                            len
-                        }),
+                        Work::Data { offset, len } => {
+                            worker.data(&mut buf, offset, len).map(|_| {
+                                if opts.flush {
+                                    dst.start_writeback(offset, len);
+                                }
+                                len
+                            })
+                        }
                     };
                     match r {
                         Ok(n) => {
@@ -522,6 +561,8 @@ pub fn copy_endpoints(
         size,
         bytes_read: counters.read.into_inner(),
         bytes_written: counters.written.into_inner(),
+        bytes_reflinked: counters.reflinked.into_inner(),
+        bytes_copy_range: counters.copy_range.into_inner(),
         bytes_zeroed: counters.zeroed.into_inner(),
         bytes_skipped: counters.skipped.into_inner(),
         elapsed: t0.elapsed(),
@@ -544,61 +585,93 @@ fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
     r - r % align
 }
 
-#[allow(clippy::too_many_arguments)]
-fn copy_data(
-    src: &Endpoint,
-    dst: &Endpoint,
-    buf: &mut IoBuf,
-    offset: u64,
-    len: u64,
+/// What every worker of one copy shares.
+struct Worker<'a> {
+    src: &'a Endpoint,
+    dst: &'a Endpoint,
+    offload: Option<&'a offload::Offload<'a>>,
+    request: u64,
     sparse: u64,
     skip_zero: bool,
     may_trim: bool,
-    c: &Counters,
-) -> Result<()> {
-    buf.set_len(len as usize);
-    src.read_buf(buf, offset)
-        .map_err(CopyError::io(Side::Source))?;
-    c.read.fetch_add(len, Ordering::Relaxed);
-    let data = buf.as_slice();
-    if sparse == 0 {
-        dst.write_at(data, offset)
-            .map_err(CopyError::io(Side::Destination))?;
-        c.written.fetch_add(len, Ordering::Relaxed);
-        return Ok(());
-    }
-    // Runs of whole zero blocks (aligned in the export) vs the rest.
-    let mut pos = 0usize;
-    while pos < data.len() {
-        let abs = offset + pos as u64;
-        let blk = (sparse - abs % sparse) as usize;
-        let first_end = (pos + blk).min(data.len());
-        let zero = is_zero(&data[pos..first_end]);
-        let mut end = first_end;
-        while end < data.len() {
-            let e = (end + sparse as usize).min(data.len());
-            if is_zero(&data[end..e]) != zero {
-                break;
-            }
-            end = e;
-        }
-        let (o, l) = (offset + pos as u64, (end - pos) as u64);
-        if zero {
-            if skip_zero {
-                c.skipped.fetch_add(l, Ordering::Relaxed);
-            } else {
-                dst.zero(o, l, may_trim)
+    c: &'a Counters,
+}
+
+impl Worker<'_> {
+    /// A data run: offloaded where it can be, the rest read and written in
+    /// requests (aligned in the export, as the planner hands them out).
+    fn data(&self, buf: &mut IoBuf, offset: u64, len: u64) -> Result<()> {
+        let rest = match self.offload {
+            Some(o) if o.may_work() => {
+                let r = o
+                    .copy(offset, len)
                     .map_err(CopyError::io(Side::Destination))?;
-                c.zeroed.fetch_add(l, Ordering::Relaxed);
+                let c = self.c;
+                c.reflinked.fetch_add(r.reflinked, Ordering::Relaxed);
+                c.copy_range.fetch_add(r.copied, Ordering::Relaxed);
+                r.rest
             }
-        } else {
-            dst.write_at(&data[pos..end], o)
-                .map_err(CopyError::io(Side::Destination))?;
-            c.written.fetch_add(l, Ordering::Relaxed);
+            _ => vec![(offset, len)],
+        };
+        for (o, l) in rest {
+            let end = o + l;
+            let mut p = o;
+            while p < end {
+                let n = (end - p).min(self.request - p % self.request);
+                self.copy_data(buf, p, n)?;
+                p += n;
+            }
         }
-        pos = end;
+        Ok(())
     }
-    Ok(())
+
+    fn copy_data(&self, buf: &mut IoBuf, offset: u64, len: u64) -> Result<()> {
+        let (src, dst, c) = (self.src, self.dst, self.c);
+        let (sparse, skip_zero, may_trim) = (self.sparse, self.skip_zero, self.may_trim);
+        buf.set_len(len as usize);
+        src.read_buf(buf, offset)
+            .map_err(CopyError::io(Side::Source))?;
+        c.read.fetch_add(len, Ordering::Relaxed);
+        let data = buf.as_slice();
+        if sparse == 0 {
+            dst.write_at(data, offset)
+                .map_err(CopyError::io(Side::Destination))?;
+            c.written.fetch_add(len, Ordering::Relaxed);
+            return Ok(());
+        }
+        // Runs of whole zero blocks (aligned in the export) vs the rest.
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let abs = offset + pos as u64;
+            let blk = (sparse - abs % sparse) as usize;
+            let first_end = (pos + blk).min(data.len());
+            let zero = is_zero(&data[pos..first_end]);
+            let mut end = first_end;
+            while end < data.len() {
+                let e = (end + sparse as usize).min(data.len());
+                if is_zero(&data[end..e]) != zero {
+                    break;
+                }
+                end = e;
+            }
+            let (o, l) = (offset + pos as u64, (end - pos) as u64);
+            if zero {
+                if skip_zero {
+                    c.skipped.fetch_add(l, Ordering::Relaxed);
+                } else {
+                    dst.zero(o, l, may_trim)
+                        .map_err(CopyError::io(Side::Destination))?;
+                    c.zeroed.fetch_add(l, Ordering::Relaxed);
+                }
+            } else {
+                dst.write_at(&data[pos..end], o)
+                    .map_err(CopyError::io(Side::Destination))?;
+                c.written.fetch_add(l, Ordering::Relaxed);
+            }
+            pos = end;
+        }
+        Ok(())
+    }
 }
 
 /// Whether every byte is zero; data usually differs early, so look at the
@@ -633,158 +706,6 @@ fn progress_bar(wanted: bool, size: u64) -> Option<indicatif::ProgressBar> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     Some(b)
-}
-
-// ---------------------------------------------------------------------------
-// Verify
-
-/// What a verification compared.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct VerifyStats {
-    /// Bytes read from each side and compared.
-    pub bytes_compared: u64,
-    /// Bytes known to be zero on both sides without reading.
-    pub bytes_skipped: u64,
-    pub elapsed: Duration,
-}
-
-/// Compares `[0, src.size())` of both sides; fails with the first differing
-/// offset. Runs both sides report as zeros are not read.
-pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<VerifyStats> {
-    let t0 = Instant::now();
-    let size = src.size();
-    if dst.size() < size {
-        return Err(CopyError::Mismatch(format!(
-            "destination is {} bytes, the source {size}",
-            dst.size()
-        )));
-    }
-    let align = src.min_block().max(dst.min_block());
-    let request = request_size(src, dst, opts);
-    let planner = Mutex::new(Planner {
-        src,
-        size,
-        pos: 0,
-        queue: VecDeque::new(),
-        data_chunk: request,
-        // Zero runs are checked against the destination's map in pieces of
-        // this size, read where the destination has data.
-        zero_chunk: 64 << 20,
-    });
-    // The first mismatch found is enough to fail; it need not be the lowest.
-    let errors = FirstError::default();
-    let compared = AtomicU64::new(0);
-    let skipped = AtomicU64::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..opts.requests.clamp(1, 16) {
-            s.spawn(|| {
-                let mut a = IoBuf::new(request as usize, align.max(4096) as usize);
-                let mut b = IoBuf::new(request as usize, align.max(4096) as usize);
-                while let Some(w) = next_work(&planner, &errors) {
-                    let r = match w {
-                        Work::Data { offset, len } => {
-                            verify_data(src, dst, &mut a, &mut b, offset, len).map(|_| {
-                                compared.fetch_add(len, Ordering::Relaxed);
-                            })
-                        }
-                        Work::Zero { offset, len } => {
-                            verify_zero(dst, &mut b, offset, len, request, &compared, &skipped)
-                        }
-                    };
-                    if let Err(e) = r {
-                        errors.set(e);
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    if let Some(e) = errors.into_inner() {
-        return Err(e);
-    }
-    Ok(VerifyStats {
-        bytes_compared: compared.into_inner(),
-        bytes_skipped: skipped.into_inner(),
-        elapsed: t0.elapsed(),
-    })
-}
-
-fn verify_data(
-    src: &Endpoint,
-    dst: &Endpoint,
-    a: &mut IoBuf,
-    b: &mut IoBuf,
-    offset: u64,
-    len: u64,
-) -> Result<()> {
-    a.set_len(len as usize);
-    b.set_len(len as usize);
-    src.read_buf(a, offset)
-        .map_err(CopyError::io(Side::Source))?;
-    dst.read_buf(b, offset)
-        .map_err(CopyError::io(Side::Destination))?;
-    if a.as_slice() != b.as_slice() {
-        let i = a
-            .as_slice()
-            .iter()
-            .zip(b.as_slice())
-            .position(|(x, y)| x != y)
-            .unwrap_or(0);
-        return Err(CopyError::Mismatch(format!(
-            "{} and {} differ at offset {}",
-            src.name(),
-            dst.name(),
-            offset + i as u64
-        )));
-    }
-    Ok(())
-}
-
-fn verify_zero(
-    dst: &Endpoint,
-    b: &mut IoBuf,
-    offset: u64,
-    len: u64,
-    request: u64,
-    compared: &AtomicU64,
-    skipped: &AtomicU64,
-) -> Result<()> {
-    let end = offset + len;
-    let mut pos = offset;
-    while pos < end {
-        let exts = dst
-            .extents(pos, end - pos)
-            .map_err(CopyError::io(Side::Destination))?;
-        if exts.is_empty() {
-            break;
-        }
-        for e in exts {
-            let e_end = (e.offset + e.len).min(end);
-            if e.zero {
-                skipped.fetch_add(e_end - e.offset, Ordering::Relaxed);
-            } else {
-                let mut p = e.offset;
-                while p < e_end {
-                    let n = (e_end - p).min(request);
-                    b.set_len(n as usize);
-                    dst.read_buf(b, p)
-                        .map_err(CopyError::io(Side::Destination))?;
-                    if !is_zero(b.as_slice()) {
-                        let i = b.as_slice().iter().position(|&x| x != 0).unwrap_or(0);
-                        return Err(CopyError::Mismatch(format!(
-                            "{} has non-zero data at offset {} where the source reads as zeros",
-                            dst.name(),
-                            p + i as u64
-                        )));
-                    }
-                    compared.fetch_add(n, Ordering::Relaxed);
-                    p += n;
-                }
-            }
-            pos = e_end;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
