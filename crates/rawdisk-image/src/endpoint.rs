@@ -138,9 +138,7 @@ impl Endpoint {
             connections: opts.connections.max(1),
             ..Default::default()
         };
-        let client = runtime()
-            .block_on(Client::connect(&uri, &copts))
-            .map_err(|e| nbd_err(&uri.to_string(), e))?;
+        let client = connect_capped(&uri, copts).map_err(|e| nbd_err(&uri.to_string(), e))?;
         if opts.writable && client.info().read_only() {
             return Err(Error {
                 endpoint: uri.to_string(),
@@ -445,6 +443,25 @@ fn nbd_err(name: &str, e: client::Error) -> Error {
         endpoint: name.to_string(),
         errno: e.errno().map(|n| n as i32),
         message: e.to_string(),
+    }
+}
+
+/// Connects, asking for fewer connections each time the server refuses one
+/// (a connection cap such as `serve --max-connections` closes the extras):
+/// halving down to one, after a pause that lets the server see the failed
+/// attempt's connections close and free their slots.
+fn connect_capped(uri: &NbdUri, mut opts: ConnectOptions) -> client::Result<Client> {
+    loop {
+        match runtime().block_on(Client::connect(uri, &opts)) {
+            Err(e @ (client::Error::Connect { .. } | client::Error::Handshake { .. }))
+                if opts.connections > 1 =>
+            {
+                opts.connections /= 2;
+                tracing::info!("{uri}: {e}; trying {} connection(s)", opts.connections);
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            r => return r,
+        }
     }
 }
 

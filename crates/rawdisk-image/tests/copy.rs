@@ -224,9 +224,17 @@ fn dirty_destination_is_overwritten_and_resized() {
         let mut junk = vec![0u8; dsize as usize];
         pattern(99, 0, &mut junk);
         std::fs::write(&dst, &junk).unwrap();
+        if dsize > ODD {
+            // Cut short only with --force, as `create` overwrites.
+            let e = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &opts()).unwrap_err();
+            assert!(matches!(e, CopyError::Setup(_)), "{e}");
+            assert!(e.to_string().contains("--force"), "{e}");
+            same(&std::fs::read(&dst).unwrap(), &junk, "refused destination");
+        }
         for mode in [ZeroMode::MayTrim, ZeroMode::Allocated] {
             let o = CopyOptions {
                 zero_mode: mode,
+                force: true,
                 ..opts()
             };
             let st = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &o).unwrap();

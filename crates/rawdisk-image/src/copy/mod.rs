@@ -19,16 +19,19 @@ use std::collections::VecDeque;
 use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, Prealloc};
 
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
+mod dst;
 mod offload;
 mod verify;
 
+use dst::Dst;
+pub use dst::Stream;
 pub use offload::OffloadMode;
 pub use verify::{verify, VerifyStats};
 
@@ -67,6 +70,11 @@ pub struct CopyOptions {
     pub progress: bool,
     /// Reflink or copy_file_range between local files (see offload.rs).
     pub offload: OffloadMode,
+    /// Shrink an existing regular file larger than the source.
+    pub force: bool,
+    /// Set (by a signal handler) to stop handing out work: the copy then
+    /// ends with [`CopyError::Interrupted`].
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for CopyOptions {
@@ -82,6 +90,8 @@ impl Default for CopyOptions {
             cache: CacheMode::Writeback,
             progress: false,
             offload: OffloadMode::Auto,
+            force: false,
+            cancel: None,
         }
     }
 }
@@ -136,6 +146,10 @@ pub enum CopyError {
     /// `--verify` found a difference.
     #[error("verify: {0}")]
     Mismatch(String),
+    /// [`CopyOptions::cancel`] was set: `done` bytes of `size` were copied
+    /// (not necessarily a prefix), and nothing was flushed.
+    #[error("interrupted after {done} of {size} bytes")]
+    Interrupted { done: u64, size: u64 },
 }
 
 impl CopyError {
@@ -168,15 +182,7 @@ pub fn open_pair(
     destination: &str,
     opts: &CopyOptions,
 ) -> Result<(Endpoint, Destination)> {
-    let src = Endpoint::open_with(
-        source,
-        &EndpointOptions {
-            writable: false,
-            cache: opts.cache,
-            connections: opts.connections,
-        },
-    )
-    .map_err(CopyError::io(Side::Source))?;
+    let src = open_source(source, opts)?;
     if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
         use std::os::unix::fs::MetadataExt;
         if let (Ok(a), Ok(b)) = (std::fs::metadata(source), std::fs::metadata(destination)) {
@@ -190,6 +196,19 @@ pub fn open_pair(
     }
     let dst = open_destination(destination, src.size(), opts)?;
     Ok((src, dst))
+}
+
+/// Opens the source read-only.
+pub fn open_source(source: &str, opts: &CopyOptions) -> Result<Endpoint> {
+    Endpoint::open_with(
+        source,
+        &EndpointOptions {
+            writable: false,
+            cache: opts.cache,
+            connections: opts.connections,
+        },
+    )
+    .map_err(CopyError::io(Side::Source))
 }
 
 /// Opens (creating if needed) the destination for a source of `size` bytes.
@@ -214,6 +233,16 @@ pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Des
     let path = Path::new(spec);
     let meta = std::fs::metadata(path).ok();
     let is_file = meta.as_ref().map(|m| m.file_type().is_file());
+    if let Some(m) = meta.as_ref().filter(|m| m.is_file() && m.len() > size) {
+        if !opts.force {
+            // As `create`: an existing image is only cut short on request.
+            return Err(CopyError::Setup(format!(
+                "destination {spec} is {} bytes, larger than the source ({size} bytes): \
+                 refusing to truncate it (use --force)",
+                m.len()
+            )));
+        }
+    }
     match is_file {
         Some(false) => {
             // Block device (or something the storage engine will refuse).
@@ -313,8 +342,12 @@ impl FirstError {
 
 /// The next piece of work for a worker: None when the plan is done or a
 /// worker failed (a failure to map the source is recorded as the error).
-fn next_work(planner: &Mutex<Planner<'_>>, errors: &FirstError) -> Option<Work> {
-    if errors.is_set() {
+fn next_work(
+    planner: &Mutex<Planner<'_>>,
+    errors: &FirstError,
+    cancel: Option<&AtomicBool>,
+) -> Option<Work> {
+    if errors.is_set() || cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
         return None;
     }
     match planner.lock().unwrap().next() {
@@ -423,6 +456,8 @@ impl<'a> Planner<'a> {
 
 #[derive(Default)]
 struct Counters {
+    /// Work items finished, in bytes of the source.
+    done: AtomicU64,
     read: AtomicU64,
     written: AtomicU64,
     reflinked: AtomicU64,
@@ -439,23 +474,39 @@ pub fn copy_endpoints(
     opts: &CopyOptions,
     dst_zeroed: bool,
 ) -> Result<CopyStats> {
+    run(src, Dst::Ep(dst), opts, dst_zeroed)
+}
+
+/// Reads the source and discards it (`null:`): the source's throughput.
+pub fn copy_to_null(src: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+    run(src, Dst::Null, opts, true)
+}
+
+/// Writes the source to a byte stream in order (`-`: standard output),
+/// zero runs as zeros.
+pub fn copy_to_stream(src: &Endpoint, out: &Stream, opts: &CopyOptions) -> Result<CopyStats> {
+    run(src, Dst::Stream(out), opts, false)
+}
+
+fn run(src: &Endpoint, dst: Dst<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
     let t0 = Instant::now();
     let size = src.size();
-    if dst.size() < size {
+    if let Some(d) = dst.size().filter(|&d| d < size) {
         return Err(CopyError::Setup(format!(
-            "destination {} is {} bytes, smaller than the source ({size} bytes)",
+            "destination {} is {d} bytes, smaller than the source ({size} bytes)",
             dst.name(),
-            dst.size()
         )));
     }
     let align = src.min_block().max(dst.min_block());
-    let request = request_size(src, dst, opts);
-    let sparse = if opts.sparse_size == 0 {
+    let request = request_size(src, &dst, opts);
+    // Into nothing or a stream, zero blocks cost the same as data: no scan.
+    let sparse = if opts.sparse_size == 0 || dst.endpoint().is_none() {
         0
     } else {
         opts.sparse_size.max(align).min(request)
     };
     let skip_zero = match opts.zero_mode {
+        _ if matches!(dst, Dst::Stream(_)) => false,
         ZeroMode::Skip => true,
         ZeroMode::MayTrim => dst_zeroed,
         ZeroMode::Allocated => false,
@@ -476,7 +527,11 @@ pub fn copy_endpoints(
             .clamp(2, 16),
         n => n,
     };
-    let workers = wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize);
+    let workers = match dst {
+        // In order, so one at a time.
+        Dst::Stream(_) => 1,
+        _ => wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize),
+    };
     let errors = FirstError::default();
     let counters = Counters::default();
     tracing::debug!(
@@ -491,7 +546,9 @@ pub fn copy_endpoints(
         dst.name()
     );
 
-    let offload = offload::Offload::new(src, dst, opts, sparse);
+    let offload = dst
+        .endpoint()
+        .and_then(|d| offload::Offload::new(src, d, opts, sparse));
     let mut planner = Planner::new(src, request, 1 << 30);
     planner.offload = offload.as_ref();
     let planner = Mutex::new(planner);
@@ -511,7 +568,7 @@ pub fn copy_endpoints(
         for _ in 0..workers {
             s.spawn(|| {
                 let mut buf = IoBuf::new(request as usize, align.max(4096) as usize);
-                while let Some(w) = next_work(&planner, &errors) {
+                while let Some(w) = next_work(&planner, &errors, opts.cancel.as_deref()) {
                     let r = match w {
                         Work::Zero { offset, len } => if skip_zero {
                             counters.skipped.fetch_add(len, Ordering::Relaxed);
@@ -535,6 +592,7 @@ pub fn copy_endpoints(
                     };
                     match r {
                         Ok(n) => {
+                            counters.done.fetch_add(n, Ordering::Relaxed);
                             if let Some(b) = &bar {
                                 b.inc(n);
                             }
@@ -548,13 +606,29 @@ pub fn copy_endpoints(
             });
         }
     });
+    let cancelled = opts
+        .cancel
+        .as_ref()
+        .is_some_and(|c| c.load(Ordering::Relaxed));
     if let Some(b) = &bar {
-        b.finish_and_clear();
+        if cancelled {
+            // Leave the bar where it stopped, then a new line for the message.
+            b.abandon();
+        } else {
+            b.finish_and_clear();
+        }
     }
     if let Some(e) = errors.into_inner() {
         return Err(e);
     }
-    if opts.flush {
+    if cancelled {
+        return Err(CopyError::Interrupted {
+            done: counters.done.into_inner(),
+            size,
+        });
+    }
+    // A stream is always flushed: its buffer holds the last bytes.
+    if opts.flush || matches!(dst, Dst::Stream(_)) {
         dst.flush().map_err(CopyError::io(Side::Destination))?;
     }
     Ok(CopyStats {
@@ -571,7 +645,7 @@ pub fn copy_endpoints(
 
 /// The request size for this pair: the option or the default for the pair,
 /// within both sides' maximum and a multiple of both sides' minimum block.
-fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
+fn request_size(src: &Endpoint, dst: &Dst<'_>, opts: &CopyOptions) -> u64 {
     let align = src.min_block().max(dst.min_block());
     let max_io = src.max_io().min(dst.max_io());
     let wanted = match opts.request_size {
@@ -588,7 +662,7 @@ fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
 /// What every worker of one copy shares.
 struct Worker<'a> {
     src: &'a Endpoint,
-    dst: &'a Endpoint,
+    dst: Dst<'a>,
     offload: Option<&'a offload::Offload<'a>>,
     request: u64,
     sparse: u64,

@@ -33,7 +33,7 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
         )));
     }
     let align = src.min_block().max(dst.min_block());
-    let request = request_size(src, dst, opts);
+    let request = request_size(src, &super::Dst::Ep(dst), opts);
     // Zero runs are checked against the destination's map in pieces of
     // 64 MiB, read where the destination has data.
     let planner = Mutex::new(Planner::new(src, request, 64 << 20));
@@ -46,7 +46,7 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
             s.spawn(|| {
                 let mut a = IoBuf::new(request as usize, align.max(4096) as usize);
                 let mut b = IoBuf::new(request as usize, align.max(4096) as usize);
-                while let Some(w) = next_work(&planner, &errors) {
+                while let Some(w) = next_work(&planner, &errors, opts.cancel.as_deref()) {
                     let r = match w {
                         Work::Data { offset, len } => {
                             verify_data(src, dst, &mut a, &mut b, offset, len).map(|_| {
