@@ -322,11 +322,18 @@ impl Endpoint {
             Endpoint::Nbd { client, .. } => {
                 let range = buf.start..buf.start + buf.len;
                 let v = std::mem::take(&mut buf.v);
-                let v = runtime()
-                    .block_on(client.read_into(offset, v, range))
-                    .map_err(|e| self.nbd_err(e))?;
-                buf.v = v;
-                Ok(())
+                match runtime().block_on(client.read_into(offset, v, range)) {
+                    Ok(v) => {
+                        buf.v = v;
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // The failed request kept the memory: the buffer
+                        // must hold some again before it is reused.
+                        *buf = IoBuf::new(buf.cap, buf.align);
+                        Err(self.nbd_err(e))
+                    }
+                }
             }
         }
     }
@@ -439,9 +446,15 @@ impl MapExtent {
 }
 
 fn nbd_err(name: &str, e: client::Error) -> Error {
+    // A broken connection is ECONNRESET, an errno NBD servers never send,
+    // so callers can tell it from the server's answer (copy reconnects).
+    let broken = matches!(e, client::Error::Connection { .. });
     Error {
         endpoint: name.to_string(),
-        errno: e.errno().map(|n| n as i32),
+        errno: e
+            .errno()
+            .map(|n| n as i32)
+            .or(broken.then_some(libc::ECONNRESET)),
         message: e.to_string(),
     }
 }
@@ -476,6 +489,7 @@ pub struct IoBuf {
     start: usize,
     len: usize,
     cap: usize,
+    align: usize,
 }
 
 impl IoBuf {
@@ -488,6 +502,7 @@ impl IoBuf {
             start,
             len: cap,
             cap,
+            align,
         }
     }
     /// Uses the first `len` bytes (at most the capacity).

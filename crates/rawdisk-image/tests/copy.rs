@@ -419,8 +419,10 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
     let handle = std::thread::spawn({
         let src = src.clone();
         // 128 requests of 256 KiB at 50 ms each over 8 in flight: ~800 ms.
+        // Without retrying: the server does not come back here.
         let o = CopyOptions {
             request_size: 256 << 10,
+            retry_timeout: Duration::ZERO,
             ..opts()
         };
         move || copy::copy(src.to_str().unwrap(), &uri, &o)
@@ -453,6 +455,8 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
                 "1",
                 "--request-size",
                 "256K",
+                "--retry-timeout",
+                "0",
                 src.to_str().unwrap(),
                 &srv.uri(),
             ])

@@ -8,6 +8,7 @@
 use std::io::Write;
 use std::sync::Mutex;
 
+use super::retry::Link;
 use crate::endpoint::{self, Endpoint};
 
 /// A byte stream destination and the offset it has reached.
@@ -68,9 +69,19 @@ impl Stream {
     }
 }
 
+/// What a copy was asked to write to.
+#[derive(Clone, Copy)]
+pub(super) enum To<'a> {
+    Ep(&'a Endpoint),
+    Null,
+    Stream(&'a Stream),
+}
+
+/// The destination as the engine uses it: an endpoint through its [`Link`]
+/// (reconnected when its connection breaks).
 #[derive(Clone, Copy)]
 pub(super) enum Dst<'a> {
-    Ep(&'a Endpoint),
+    Ep(&'a Link<'a>),
     Null,
     Stream(&'a Stream),
 }
@@ -78,7 +89,7 @@ pub(super) enum Dst<'a> {
 impl<'a> Dst<'a> {
     pub(super) fn endpoint(&self) -> Option<&'a Endpoint> {
         match self {
-            Dst::Ep(e) => Some(e),
+            Dst::Ep(l) => Some(l.first),
             _ => None,
         }
     }
@@ -90,7 +101,7 @@ impl<'a> Dst<'a> {
 
     pub(super) fn name(&self) -> String {
         match self {
-            Dst::Ep(e) => e.name(),
+            Dst::Ep(l) => l.first.name(),
             Dst::Null => "null:".into(),
             Dst::Stream(s) => s.name.clone(),
         }
@@ -110,7 +121,7 @@ impl<'a> Dst<'a> {
 
     pub(super) fn write_at(&self, data: &[u8], offset: u64) -> endpoint::Result<()> {
         match self {
-            Dst::Ep(e) => e.write_at(data, offset),
+            Dst::Ep(l) => l.with(|e| e.write_at(data, offset)),
             Dst::Null => Ok(()),
             Dst::Stream(s) => s.write(offset, data.len() as u64, Some(data)),
         }
@@ -118,21 +129,21 @@ impl<'a> Dst<'a> {
 
     pub(super) fn zero(&self, offset: u64, len: u64, may_trim: bool) -> endpoint::Result<()> {
         match self {
-            Dst::Ep(e) => e.zero(offset, len, may_trim),
+            Dst::Ep(l) => l.with(|e| e.zero(offset, len, may_trim)),
             Dst::Null => Ok(()),
             Dst::Stream(s) => s.write(offset, len, None),
         }
     }
 
     pub(super) fn start_writeback(&self, offset: u64, len: u64) {
-        if let Dst::Ep(e) = self {
-            e.start_writeback(offset, len);
+        if let Dst::Ep(l) = self {
+            l.first.start_writeback(offset, len);
         }
     }
 
     pub(super) fn flush(&self) -> endpoint::Result<()> {
         match self {
-            Dst::Ep(e) => e.flush(),
+            Dst::Ep(l) => l.with(|e| e.flush()),
             Dst::Null => Ok(()),
             Dst::Stream(s) => s.flush(),
         }

@@ -28,11 +28,13 @@ use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
 mod dst;
 mod offload;
+mod retry;
 mod verify;
 
-use dst::Dst;
 pub use dst::Stream;
+use dst::{Dst, To};
 pub use offload::OffloadMode;
+use retry::Link;
 pub use verify::{verify, VerifyStats};
 
 /// What to do with runs of the source that read as zeros.
@@ -75,6 +77,9 @@ pub struct CopyOptions {
     /// Set (by a signal handler) to stop handing out work: the copy then
     /// ends with [`CopyError::Interrupted`].
     pub cancel: Option<Arc<AtomicBool>>,
+    /// How long to keep reconnecting an NBD side whose connection broke
+    /// (zero: the error ends the copy).
+    pub retry_timeout: Duration,
 }
 
 impl Default for CopyOptions {
@@ -92,6 +97,7 @@ impl Default for CopyOptions {
             offload: OffloadMode::Auto,
             force: false,
             cancel: None,
+            retry_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -111,6 +117,8 @@ pub struct CopyStats {
     pub bytes_zeroed: u64,
     /// Zero runs not touched because the destination already reads as zeros.
     pub bytes_skipped: u64,
+    /// NBD connections reopened after they broke (both sides).
+    pub reconnects: u64,
     pub elapsed: Duration,
 }
 
@@ -364,7 +372,7 @@ fn next_work(
 
 /// Hands out work in offset order from the source's extents, fetched lazily.
 struct Planner<'a> {
-    src: &'a Endpoint,
+    src: &'a Link<'a>,
     size: u64,
     pos: u64,
     queue: VecDeque<MapExtent>,
@@ -375,10 +383,10 @@ struct Planner<'a> {
 }
 
 impl<'a> Planner<'a> {
-    fn new(src: &'a Endpoint, data_chunk: u64, zero_chunk: u64) -> Self {
+    fn new(src: &'a Link<'a>, data_chunk: u64, zero_chunk: u64) -> Self {
         Planner {
             src,
-            size: src.size(),
+            size: src.first.size(),
             pos: 0,
             queue: VecDeque::new(),
             data_chunk,
@@ -393,9 +401,8 @@ impl<'a> Planner<'a> {
                 return Ok(None);
             }
             // Look ahead far enough that the lock is rarely taken for I/O.
-            let v = self
-                .src
-                .extents(self.pos, (self.size - self.pos).min(8 << 30))?;
+            let (pos, len) = (self.pos, (self.size - self.pos).min(8 << 30));
+            let v = self.src.with(|e| e.extents(pos, len))?;
             let mut p = self.pos;
             for e in v {
                 if e.offset != p || e.len == 0 {
@@ -474,22 +481,42 @@ pub fn copy_endpoints(
     opts: &CopyOptions,
     dst_zeroed: bool,
 ) -> Result<CopyStats> {
-    run(src, Dst::Ep(dst), opts, dst_zeroed)
+    run(src, To::Ep(dst), opts, dst_zeroed)
 }
 
 /// Reads the source and discards it (`null:`): the source's throughput.
 pub fn copy_to_null(src: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
-    run(src, Dst::Null, opts, true)
+    run(src, To::Null, opts, true)
 }
 
 /// Writes the source to a byte stream in order (`-`: standard output),
 /// zero runs as zeros.
 pub fn copy_to_stream(src: &Endpoint, out: &Stream, opts: &CopyOptions) -> Result<CopyStats> {
-    run(src, Dst::Stream(out), opts, false)
+    run(src, To::Stream(out), opts, false)
 }
 
-fn run(src: &Endpoint, dst: Dst<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
+fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
     let t0 = Instant::now();
+    let eopts = |writable| EndpointOptions {
+        writable,
+        cache: opts.cache,
+        connections: opts.connections,
+    };
+    let src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
+    let dst_link = match to {
+        To::Ep(e) => Some(Link::new(
+            e,
+            Side::Destination,
+            eopts(true),
+            opts.retry_timeout,
+        )),
+        _ => None,
+    };
+    let dst = match (to, &dst_link) {
+        (_, Some(l)) => Dst::Ep(l),
+        (To::Stream(s), _) => Dst::Stream(s),
+        _ => Dst::Null,
+    };
     let size = src.size();
     if let Some(d) = dst.size().filter(|&d| d < size) {
         return Err(CopyError::Setup(format!(
@@ -549,11 +576,11 @@ fn run(src: &Endpoint, dst: Dst<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Re
     let offload = dst
         .endpoint()
         .and_then(|d| offload::Offload::new(src, d, opts, sparse));
-    let mut planner = Planner::new(src, request, 1 << 30);
+    let mut planner = Planner::new(&src_link, request, 1 << 30);
     planner.offload = offload.as_ref();
     let planner = Mutex::new(planner);
     let worker = Worker {
-        src,
+        src: &src_link,
         dst,
         offload: offload.as_ref(),
         request,
@@ -631,6 +658,14 @@ fn run(src: &Endpoint, dst: Dst<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Re
     if opts.flush || matches!(dst, Dst::Stream(_)) {
         dst.flush().map_err(CopyError::io(Side::Destination))?;
     }
+    src_link
+        .close_reconnected()
+        .map_err(CopyError::io(Side::Source))?;
+    if let Some(l) = &dst_link {
+        l.close_reconnected()
+            .map_err(CopyError::io(Side::Destination))?;
+    }
+    let reconnects = src_link.reconnects() + dst_link.as_ref().map_or(0, |l| l.reconnects());
     Ok(CopyStats {
         size,
         bytes_read: counters.read.into_inner(),
@@ -639,6 +674,7 @@ fn run(src: &Endpoint, dst: Dst<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Re
         bytes_copy_range: counters.copy_range.into_inner(),
         bytes_zeroed: counters.zeroed.into_inner(),
         bytes_skipped: counters.skipped.into_inner(),
+        reconnects,
         elapsed: t0.elapsed(),
     })
 }
@@ -661,7 +697,7 @@ fn request_size(src: &Endpoint, dst: &Dst<'_>, opts: &CopyOptions) -> u64 {
 
 /// What every worker of one copy shares.
 struct Worker<'a> {
-    src: &'a Endpoint,
+    src: &'a Link<'a>,
     dst: Dst<'a>,
     offload: Option<&'a offload::Offload<'a>>,
     request: u64,
@@ -703,7 +739,7 @@ impl Worker<'_> {
         let (src, dst, c) = (self.src, self.dst, self.c);
         let (sparse, skip_zero, may_trim) = (self.sparse, self.skip_zero, self.may_trim);
         buf.set_len(len as usize);
-        src.read_buf(buf, offset)
+        src.with(|e| e.read_buf(buf, offset))
             .map_err(CopyError::io(Side::Source))?;
         c.read.fetch_add(len, Ordering::Relaxed);
         let data = buf.as_slice();

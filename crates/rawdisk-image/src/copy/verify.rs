@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::retry::Link;
 use super::{
     is_zero, next_work, request_size, CopyError, CopyOptions, FirstError, Planner, Result, Side,
     Work,
@@ -33,10 +34,12 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
         )));
     }
     let align = src.min_block().max(dst.min_block());
-    let request = request_size(src, &super::Dst::Ep(dst), opts);
+    let dst_link = Link::fixed(dst);
+    let request = request_size(src, &super::Dst::Ep(&dst_link), opts);
     // Zero runs are checked against the destination's map in pieces of
     // 64 MiB, read where the destination has data.
-    let planner = Mutex::new(Planner::new(src, request, 64 << 20));
+    let src_link = Link::fixed(src);
+    let planner = Mutex::new(Planner::new(&src_link, request, 64 << 20));
     // The first mismatch found is enough to fail; it need not be the lowest.
     let errors = FirstError::default();
     let compared = AtomicU64::new(0);

@@ -14,6 +14,7 @@ use super::{CacheArg, PreallocArg};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, ZeroMode};
 use rawdisk_image::endpoint::Endpoint;
@@ -65,6 +66,10 @@ pub struct Args {
     /// Shrink an existing regular file that is larger than the source.
     #[arg(long)]
     force: bool,
+    /// When an NBD connection drops, keep reconnecting for this long
+    /// (120, 90s, 500ms, 2m; 0: fail at once).
+    #[arg(long, default_value = "60s", value_parser = duration_arg)]
+    retry_timeout: Duration,
     /// After the copy, compare both sides and fail on any difference.
     #[arg(long)]
     verify: bool,
@@ -117,6 +122,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         },
         force: a.force,
         cancel: Some(cancel),
+        retry_timeout: a.retry_timeout,
     };
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
@@ -189,6 +195,9 @@ fn summary(stats: &CopyStats) -> String {
         human(stats.bytes_zeroed),
         human(stats.bytes_skipped),
     );
+    if stats.reconnects > 0 {
+        line.push_str(&format!("; reconnected {} time(s)", stats.reconnects));
+    }
     if stats.bytes_reflinked + stats.bytes_copy_range > 0 {
         line.push_str(&format!(
             "; offloaded: reflink {}, copy_file_range {}",
@@ -204,6 +213,23 @@ fn close_quietly(src: &Endpoint, dst: Option<&Endpoint>) {
     let _ = src.close();
     if let Some(d) = dst {
         let _ = d.close();
+    }
+}
+
+/// A duration: a number of seconds, or a number with `ms`, `s` or `m`.
+fn duration_arg(v: &str) -> Result<Duration, String> {
+    let (num, unit) = match v.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => v.split_at(i),
+        None => (v, "s"),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{v:?} is not a duration (120, 90s, 500ms, 2m)"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
+        _ => Err(format!("{v:?}: unknown unit {unit:?} (ms, s, m)")),
     }
 }
 
