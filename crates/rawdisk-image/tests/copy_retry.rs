@@ -2,9 +2,9 @@
 //! server is killed with SIGKILL in the middle of a copy and restarted on
 //! the same socket with the same file, several times, with several
 //! connections; the copy reconnects, re-issues what was in flight and ends
-//! byte-identical. `rawdisk serve` and nbdkit as the restarted server, over
-//! a Unix socket and over TCP. A server that never comes back ends the copy
-//! after the retry timeout with an error saying so.
+//! byte-identical. `rawdisk serve` (over a Unix socket and over TCP),
+//! nbdkit and qemu-nbd as the restarted server. A server that never comes
+//! back ends the copy after the retry timeout with an error saying so.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -68,7 +68,18 @@ impl Restartable {
             let _ = std::fs::remove_file(p);
         }
         let mut c;
-        if self.kind == "nbdkit" {
+        if self.kind == "qemu-nbd" {
+            c = Command::new("qemu-nbd");
+            c.args(["-f", "raw", "-t", "-e", "8", "--cache=writeback"]);
+            match &self.sock {
+                Some(p) => c.arg("-k").arg(p),
+                None => c.args(["-b", "127.0.0.1", "-p", &self.port.to_string()]),
+            };
+            if self.read_only {
+                c.arg("-r");
+            }
+            c.arg(&self.file);
+        } else if self.kind == "nbdkit" {
             c = Command::new("nbdkit");
             c.args(["-f", "--exit-with-parent"]);
             match &self.sock {
@@ -242,6 +253,11 @@ fn rawdisk_serve_restarted_mid_copy_over_tcp() {
 #[test]
 fn nbdkit_restarted_mid_copy() {
     restart_matrix("nbdkit", false);
+}
+
+#[test]
+fn qemu_nbd_restarted_mid_copy() {
+    restart_matrix("qemu-nbd", false);
 }
 
 #[test]
