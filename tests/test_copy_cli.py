@@ -81,6 +81,9 @@ def test_nbdcopy_and_qemu_img_option_spellings(workdir):
     assert res.returncode == 2 and b"--no-flush" in res.stderr, res.stderr
     res = rawdisk_copy("-R", "0", src, dst)
     assert res.returncode == 2, res.stderr
+    for bad in ["5x", "-1", "s", ""]:
+        res = rawdisk_copy(f"--retry-timeout={bad}", src, dst)
+        assert res.returncode == 2 and b"--retry-timeout" in res.stderr, (bad, res.stderr)
     # Without the promise the copy is exact.
     ok(rawdisk_copy("-R", "16", src, dst))
     assert_target_is(dst, model)

@@ -313,3 +313,48 @@ fn server_that_never_comes_back_fails_after_the_timeout() {
     assert!(t0.elapsed() < Duration::from_secs(5), "{err}");
     assert!(!err.contains("reconnecting"), "{err}");
 }
+
+#[test]
+fn binary_reconnects_and_verifies_through_new_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file(&src, 6);
+    random_file(&dst, 7);
+    let mut srv = Restartable::new("nbdkit", dir.path(), &dst, false, false);
+    let child = Command::new(rawdisk_bin())
+        .args([
+            "copy",
+            "--verify",
+            "--retry-timeout",
+            "20s",
+            "-m",
+            "4",
+            "-C",
+            "2",
+        ])
+        .args(["--request-size", "64K", src.to_str().unwrap(), &srv.uri()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    srv.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    srv.start();
+    let out = child.wait_with_output().unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{e}");
+    assert!(
+        o.contains("reconnected 1 time(s)") && o.contains("verified"),
+        "{o}"
+    );
+    assert!(
+        e.contains("reconnecting") && e.contains("reconnected"),
+        "{e}"
+    );
+    drop(srv);
+    assert_same_files(&src, &dst);
+}

@@ -155,6 +155,15 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         Err(e) => return Err(e.into()),
     };
     let verified = match &dst {
+        // The connections the copy started with are gone after a
+        // reconnect: compare through new ones.
+        Some(_) if a.verify && stats.reconnects > 0 => {
+            let s = copy::open_source(&a.source, &opts)?;
+            let d = copy::open_source(&a.destination, &opts)?;
+            let v = copy::verify(&s, &d, &opts)?;
+            close_quietly(&s, Some(&d));
+            Some(v)
+        }
         Some(d) if a.verify => Some(copy::verify(&src, &d.endpoint, &opts)?),
         _ => None,
     };
