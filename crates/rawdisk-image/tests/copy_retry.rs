@@ -358,3 +358,35 @@ fn binary_reconnects_and_verifies_through_new_connections() {
     drop(srv);
     assert_same_files(&src, &dst);
 }
+
+#[test]
+fn export_that_comes_back_different_stops_the_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file(&src, 8);
+    random_file(&dst, 9);
+    let other = dir.path().join("other.img");
+    std::fs::File::create(&other)
+        .unwrap()
+        .set_len(SIZE - 4096)
+        .unwrap();
+    for (what, file, read_only) in [
+        ("bytes instead of", other.clone(), false),
+        ("read-only", dst.clone(), true),
+    ] {
+        let mut srv = Restartable::new("rawdisk", dir.path(), &dst, false, false);
+        let (s, uri) = (src.clone(), srv.uri());
+        let h = std::thread::spawn(move || {
+            copy::copy(s.to_str().unwrap(), &uri, &opts(Duration::from_secs(20)))
+        });
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!h.is_finished(), "copy ended before the kill");
+        srv.kill();
+        (srv.file, srv.read_only) = (file, read_only);
+        srv.start();
+        let t0 = Instant::now();
+        let e = h.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains(what), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{e}");
+    }
+}
