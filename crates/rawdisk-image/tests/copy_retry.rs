@@ -124,6 +124,55 @@ impl Restartable {
         }
     }
 
+    /// Connections the server has accepted (sockets on its address in
+    /// /proc/net/unix state 03, /proc/net/tcp state 01).
+    fn clients(&self) -> usize {
+        match &self.sock {
+            Some(p) => std::fs::read_to_string("/proc/net/unix")
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .filter(|f| f.len() >= 8 && f[5] == "03" && Path::new(f[7]) == p.as_path())
+                .count(),
+            None => {
+                let port = format!(":{:04X}", self.port);
+                std::fs::read_to_string("/proc/net/tcp")
+                    .unwrap_or_default()
+                    .lines()
+                    .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                    .filter(|f| f.len() >= 4 && f[1].ends_with(&port) && f[3] == "01")
+                    .count()
+            }
+        }
+    }
+
+    /// Waits until the copy is past its handshakes: both connections of
+    /// `opts` accepted (or one, for a server without multi-conn, after a
+    /// while), or `finished` says it ended. A kill before that would fail
+    /// the copy's first connect, which is not retried.
+    fn wait_for_client_or(&self, finished: impl Fn() -> bool) {
+        let t0 = Instant::now();
+        let mut first = None;
+        while !finished() {
+            let n = self.clients();
+            if n >= 1 {
+                let t = *first.get_or_insert_with(Instant::now);
+                if n >= 2 || t.elapsed() > Duration::from_millis(300) {
+                    return;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no client connected"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn wait_for_client(&self) {
+        self.wait_for_client_or(|| false)
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             c.kill().unwrap();
@@ -197,6 +246,7 @@ fn copy_through_restarts(src: &str, dst: &str, srv: &mut Restartable, kills: usi
     // The first kill early: a local server moves a few hundred MiB a second.
     let mut wait = Duration::from_millis(40);
     while done < kills {
+        srv.wait_for_client_or(|| h.is_finished());
         std::thread::sleep(wait);
         if h.is_finished() {
             break;
@@ -275,6 +325,7 @@ fn server_that_never_comes_back_fails_after_the_timeout() {
             copy::copy(src.to_str().unwrap(), &uri, &opts(Duration::from_secs(2)))
         })
     };
+    srv.wait_for_client();
     std::thread::sleep(Duration::from_millis(40));
     assert!(!h.is_finished(), "copy ended before the kill");
     srv.kill();
@@ -337,6 +388,7 @@ fn binary_reconnects_and_verifies_through_new_connections() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    srv.wait_for_client();
     std::thread::sleep(Duration::from_millis(60));
     srv.kill();
     std::thread::sleep(Duration::from_millis(300));
@@ -379,6 +431,7 @@ fn export_that_comes_back_different_stops_the_copy() {
         let h = std::thread::spawn(move || {
             copy::copy(s.to_str().unwrap(), &uri, &opts(Duration::from_secs(20)))
         });
+        srv.wait_for_client();
         std::thread::sleep(Duration::from_millis(40));
         assert!(!h.is_finished(), "copy ended before the kill");
         srv.kill();
