@@ -17,7 +17,6 @@
 
 use std::collections::VecDeque;
 use std::io::IsTerminal;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,12 +27,14 @@ use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
 mod dst;
 mod offload;
+mod open;
 mod retry;
 mod verify;
 
 pub use dst::Stream;
 use dst::{Dst, To};
 pub use offload::OffloadMode;
+pub use open::{open_destination, open_pair, open_source, Destination};
 use retry::Link;
 pub use verify::{verify, VerifyStats};
 
@@ -174,138 +175,6 @@ pub fn copy(source: &str, destination: &str, opts: &CopyOptions) -> Result<CopyS
     let stats = copy_endpoints(&src, &dst.endpoint, opts, dst.zeroed)?;
     close_both(&src, &dst.endpoint)?;
     Ok(stats)
-}
-
-/// The destination and whether it is known to read as zeros (a file this
-/// copy created, or grew from nothing).
-pub struct Destination {
-    pub endpoint: Endpoint,
-    pub zeroed: bool,
-}
-
-/// Opens the source read-only and the destination writable, creating or
-/// resizing a file destination to the source's size.
-pub fn open_pair(
-    source: &str,
-    destination: &str,
-    opts: &CopyOptions,
-) -> Result<(Endpoint, Destination)> {
-    let src = open_source(source, opts)?;
-    if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
-        use std::os::unix::fs::MetadataExt;
-        if let (Ok(a), Ok(b)) = (std::fs::metadata(source), std::fs::metadata(destination)) {
-            // Resizing or zeroing the destination would destroy the source.
-            if (a.dev(), a.ino()) == (b.dev(), b.ino()) {
-                return Err(CopyError::Setup(format!(
-                    "source {source} and destination {destination} are the same file"
-                )));
-            }
-        }
-    }
-    let dst = open_destination(destination, src.size(), opts)?;
-    Ok((src, dst))
-}
-
-/// Opens the source read-only.
-pub fn open_source(source: &str, opts: &CopyOptions) -> Result<Endpoint> {
-    Endpoint::open_with(
-        source,
-        &EndpointOptions {
-            writable: false,
-            cache: opts.cache,
-            connections: opts.connections,
-        },
-    )
-    .map_err(CopyError::io(Side::Source))
-}
-
-/// Opens (creating if needed) the destination for a source of `size` bytes.
-/// A regular file is created or truncated/extended to `size` (with
-/// `opts.preallocation`); a block device or NBD export must be at least
-/// `size` bytes.
-pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Destination> {
-    let eopts = EndpointOptions {
-        writable: true,
-        cache: opts.cache,
-        connections: opts.connections,
-    };
-    let io = CopyError::io(Side::Destination);
-    if endpoint::is_nbd(spec) {
-        let ep = Endpoint::open_with(spec, &eopts).map_err(&io)?;
-        check_dest_size(&ep, size)?;
-        return Ok(Destination {
-            endpoint: ep,
-            zeroed: false,
-        });
-    }
-    let path = Path::new(spec);
-    let meta = std::fs::metadata(path).ok();
-    let is_file = meta.as_ref().map(|m| m.file_type().is_file());
-    if let Some(m) = meta.as_ref().filter(|m| m.is_file() && m.len() > size) {
-        if !opts.force {
-            // As `create`: an existing image is only cut short on request.
-            return Err(CopyError::Setup(format!(
-                "destination {spec} is {} bytes, larger than the source ({size} bytes): \
-                 refusing to truncate it (use --force)",
-                m.len()
-            )));
-        }
-    }
-    match is_file {
-        Some(false) => {
-            // Block device (or something the storage engine will refuse).
-            let ep = Endpoint::open_local(path, &eopts, false).map_err(&io)?;
-            check_dest_size(&ep, size)?;
-            Ok(Destination {
-                endpoint: ep,
-                zeroed: false,
-            })
-        }
-        existing => {
-            let ep = Endpoint::open_local(path, &eopts, true).map_err(&io)?;
-            let target = ep.target().expect("local").clone();
-            let old = if existing.is_some() { target.size() } else { 0 };
-            if old > size {
-                // Shrink first: preallocation never shrinks, and the copy must
-                // end with the source's size.
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(path)
-                    .and_then(|f| f.set_len(size))
-                    .map_err(|e| {
-                        io(endpoint::Error {
-                            endpoint: spec.to_string(),
-                            errno: e.raw_os_error(),
-                            message: format!("truncate to {size} bytes: {e}"),
-                        })
-                    })?;
-            }
-            target.preallocate(size, opts.preallocation).map_err(|e| {
-                io(endpoint::Error {
-                    endpoint: spec.to_string(),
-                    errno: e.errno(),
-                    message: e.to_string(),
-                })
-            })?;
-            // A file that held nothing before reads as zeros everywhere, so
-            // zero runs need no requests (unless they must be allocated).
-            Ok(Destination {
-                endpoint: ep,
-                zeroed: old == 0,
-            })
-        }
-    }
-}
-
-fn check_dest_size(ep: &Endpoint, size: u64) -> Result<()> {
-    if ep.size() < size {
-        return Err(CopyError::Setup(format!(
-            "destination {} is {} bytes, smaller than the source ({size} bytes)",
-            ep.name(),
-            ep.size()
-        )));
-    }
-    Ok(())
 }
 
 fn close_both(src: &Endpoint, dst: &Endpoint) -> Result<()> {
