@@ -138,9 +138,7 @@ impl Endpoint {
             connections: opts.connections.max(1),
             ..Default::default()
         };
-        let client = runtime()
-            .block_on(Client::connect(&uri, &copts))
-            .map_err(|e| nbd_err(&uri.to_string(), e))?;
+        let client = connect_capped(&uri, copts).map_err(|e| nbd_err(&uri.to_string(), e))?;
         if opts.writable && client.info().read_only() {
             return Err(Error {
                 endpoint: uri.to_string(),
@@ -324,11 +322,18 @@ impl Endpoint {
             Endpoint::Nbd { client, .. } => {
                 let range = buf.start..buf.start + buf.len;
                 let v = std::mem::take(&mut buf.v);
-                let v = runtime()
-                    .block_on(client.read_into(offset, v, range))
-                    .map_err(|e| self.nbd_err(e))?;
-                buf.v = v;
-                Ok(())
+                match runtime().block_on(client.read_into(offset, v, range)) {
+                    Ok(v) => {
+                        buf.v = v;
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // The failed request kept the memory: the buffer
+                        // must hold some again before it is reused.
+                        *buf = IoBuf::new(buf.cap, buf.align);
+                        Err(self.nbd_err(e))
+                    }
+                }
             }
         }
     }
@@ -441,10 +446,35 @@ impl MapExtent {
 }
 
 fn nbd_err(name: &str, e: client::Error) -> Error {
+    // A broken connection is ECONNRESET, an errno NBD servers never send,
+    // so callers can tell it from the server's answer (copy reconnects).
+    let broken = matches!(e, client::Error::Connection { .. });
     Error {
         endpoint: name.to_string(),
-        errno: e.errno().map(|n| n as i32),
+        errno: e
+            .errno()
+            .map(|n| n as i32)
+            .or(broken.then_some(libc::ECONNRESET)),
         message: e.to_string(),
+    }
+}
+
+/// Connects, asking for fewer connections each time the server refuses one
+/// (a connection cap such as `serve --max-connections` closes the extras):
+/// halving down to one, after a pause that lets the server see the failed
+/// attempt's connections close and free their slots.
+fn connect_capped(uri: &NbdUri, mut opts: ConnectOptions) -> client::Result<Client> {
+    loop {
+        match runtime().block_on(Client::connect(uri, &opts)) {
+            Err(e @ (client::Error::Connect { .. } | client::Error::Handshake { .. }))
+                if opts.connections > 1 =>
+            {
+                opts.connections /= 2;
+                tracing::info!("{uri}: {e}; trying {} connection(s)", opts.connections);
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            r => return r,
+        }
     }
 }
 
@@ -459,6 +489,7 @@ pub struct IoBuf {
     start: usize,
     len: usize,
     cap: usize,
+    align: usize,
 }
 
 impl IoBuf {
@@ -471,6 +502,7 @@ impl IoBuf {
             start,
             len: cap,
             cap,
+            align,
         }
     }
     /// Uses the first `len` bytes (at most the capacity).

@@ -200,7 +200,8 @@ fn sparse_destination_unless_allocated() {
     let a = allocated_bytes(&full);
     assert!(a >= 16 * MIB, "--allocated copy allocates only {a} bytes");
 
-    // -S 0: no zero scan, the explicit zeros are written as data.
+    // -S 0: no zero scan, the explicit zeros are copied as data (by the
+    // kernel where copy_file_range works between these files).
     let noscan = dir.path().join("noscan.img");
     let o = CopyOptions {
         sparse_size: 0,
@@ -208,7 +209,9 @@ fn sparse_destination_unless_allocated() {
     };
     let st = copy::copy(src.to_str().unwrap(), noscan.to_str().unwrap(), &o).unwrap();
     same(&std::fs::read(&noscan).unwrap(), &want, "-S 0 copy");
-    assert!(st.bytes_written >= data + 256 * 1024, "{st:?}");
+    let moved = st.bytes_written + st.bytes_copy_range + st.bytes_reflinked;
+    assert!(moved >= data + 256 * 1024, "{st:?}");
+    assert!(allocated_bytes(&noscan) >= data + 256 * 1024);
 }
 
 #[test]
@@ -221,9 +224,17 @@ fn dirty_destination_is_overwritten_and_resized() {
         let mut junk = vec![0u8; dsize as usize];
         pattern(99, 0, &mut junk);
         std::fs::write(&dst, &junk).unwrap();
+        if dsize > ODD {
+            // Cut short only with --force, as `create` overwrites.
+            let e = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &opts()).unwrap_err();
+            assert!(matches!(e, CopyError::Setup(_)), "{e}");
+            assert!(e.to_string().contains("--force"), "{e}");
+            same(&std::fs::read(&dst).unwrap(), &junk, "refused destination");
+        }
         for mode in [ZeroMode::MayTrim, ZeroMode::Allocated] {
             let o = CopyOptions {
                 zero_mode: mode,
+                force: true,
                 ..opts()
             };
             let st = copy::copy(src.to_str().unwrap(), dst.to_str().unwrap(), &o).unwrap();
@@ -408,8 +419,10 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
     let handle = std::thread::spawn({
         let src = src.clone();
         // 128 requests of 256 KiB at 50 ms each over 8 in flight: ~800 ms.
+        // Without retrying: the server does not come back here.
         let o = CopyOptions {
             request_size: 256 << 10,
+            retry_timeout: Duration::ZERO,
             ..opts()
         };
         move || copy::copy(src.to_str().unwrap(), &uri, &o)
@@ -442,6 +455,8 @@ fn server_killed_mid_copy_fails_fast_with_a_clear_error() {
                 "1",
                 "--request-size",
                 "256K",
+                "--retry-timeout",
+                "0",
                 src.to_str().unwrap(),
                 &srv.uri(),
             ])

@@ -363,6 +363,87 @@ impl Capabilities {
     }
 }
 
+/// A way to copy between two regular files that a pair of file systems may
+/// or may not support. Learned per pair (source file system, destination
+/// file system), not per target: see [`CopyCaps`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyMethod {
+    /// ioctl(FICLONERANGE): the destination shares the source's blocks.
+    Reflink,
+    /// copy_file_range(2): the kernel copies (a reflink again on XFS and
+    /// btrfs, a server-side copy on NFS 4.2, a page-cache copy elsewhere).
+    CopyRange,
+}
+
+impl CopyMethod {
+    pub const ALL: [CopyMethod; 2] = [CopyMethod::Reflink, CopyMethod::CopyRange];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyMethod::Reflink => "reflink",
+            CopyMethod::CopyRange => "copy_file_range",
+        }
+    }
+}
+
+impl std::fmt::Display for CopyMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What is known about the copy offloads between one pair of file systems,
+/// shared process-wide like [`Capabilities`] (the registry keys it by the
+/// two st_dev), so a refused call is paid for once per pair.
+#[derive(Default)]
+pub struct CopyCaps {
+    slots: [Slot; CopyMethod::ALL.len()],
+}
+
+impl std::fmt::Debug for CopyCaps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(
+                CopyMethod::ALL
+                    .iter()
+                    .map(|m| (m.name(), self.get(*m).name())),
+            )
+            .finish()
+    }
+}
+
+impl CopyCaps {
+    pub fn get(&self, m: CopyMethod) -> Tri {
+        Tri::from_u8(self.slots[m as usize].state.load(Ordering::Acquire))
+    }
+
+    /// Record what a call taught us. Returns true when the state changed.
+    pub fn set(&self, m: CopyMethod, t: Tri) -> bool {
+        let state = &self.slots[m as usize].state;
+        state.load(Ordering::Acquire) != t.to_u8()
+            && state.swap(t.to_u8(), Ordering::AcqRel) != t.to_u8()
+    }
+
+    /// Count one call of `m`; `ok_bytes` is Some(bytes) when it succeeded.
+    pub fn count(&self, m: CopyMethod, ok_bytes: Option<u64>) {
+        let s = &self.slots[m as usize];
+        s.calls.fetch_add(1, Ordering::Relaxed);
+        match ok_bytes {
+            Some(b) => s.bytes.fetch_add(b, Ordering::Relaxed),
+            None => s.failures.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+
+    pub fn stats(&self, m: CopyMethod) -> MethodStats {
+        let s = &self.slots[m as usize];
+        MethodStats {
+            calls: s.calls.load(Ordering::Relaxed),
+            failures: s.failures.load(Ordering::Relaxed),
+            bytes: s.bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// A point-in-time copy of [`Capabilities`], for printing and logging.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CapsSnapshot {

@@ -35,6 +35,18 @@ pub(crate) fn is_unsupported(e: &io::Error, einval: Einval) -> bool {
     }
 }
 
+/// "This pair of files cannot be copied this way", from FICLONERANGE or
+/// copy_file_range: EXDEV (two file systems: FICLONERANGE always,
+/// copy_file_range unless both are the same network file system), the
+/// errnos of [`is_unsupported`], and EINVAL, which both calls return for
+/// what the file systems refuse (a block size mismatch, a file system whose
+/// reflink is off, a file that is not regular); the engine passes only
+/// aligned ranges of two distinct regular files, so EINVAL is never its own
+/// bad argument. EIO, ENOSPC, EPERM... are real errors.
+pub(crate) fn is_unsupported_copy(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::EXDEV) || is_unsupported(e, Einval::Unsupported)
+}
+
 /// Retry a syscall interrupted by a signal before it did anything. Every call
 /// retried here is idempotent on its range (fallocate, ioctls, fsync).
 pub(crate) fn retry<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {

@@ -17,6 +17,8 @@
 //!     read-modify-write under a range lock for unaligned requests;
 //!   - `target/space.rs`: trim, extents, preallocation;
 //!   - `target/map.rs`: writes received straight into mapped page cache;
+//!   - `target/offload.rs`: copy offload from another file (FICLONERANGE,
+//!     copy_file_range), learned per pair of file systems;
 //!   - `target/probe.rs`: trying the methods on purpose (`rawdisk probe`).
 //! - `errno.rs`: which errnos mean "not supported" (the only ones the engine
 //!   learns from; EIO, ENOSPC, EPERM... are returned and teach nothing),
@@ -46,13 +48,14 @@ mod target;
 mod tests;
 
 pub use caps::{
-    Capabilities, CapsSnapshot, KeepZero, KeepZeroTrial, Method, MethodStats, Tri, KEEP_ZERO_SAMPLE,
+    Capabilities, CapsSnapshot, CopyCaps, CopyMethod, KeepZero, KeepZeroTrial, Method, MethodStats,
+    Tri, KEEP_ZERO_SAMPLE,
 };
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "fault-injection"))]
 pub use fault::{FaultRule, FaultSys};
 pub use target::{
-    AlignedBuf, CacheMode, Extent, ExtentKind, Geometry, Kind, MappedWrite, OpenOptions, Prealloc,
-    PreallocReport, Probe, QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL,
-    WRITE_ZEROS_CHUNK,
+    AlignedBuf, CacheMode, CopyOffload, Extent, ExtentKind, Geometry, Kind, MappedWrite, Offloaded,
+    OpenOptions, Prealloc, PreallocReport, Probe, QueueLimits, Seen, Target, Trial, ZeroFlags,
+    ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
 };

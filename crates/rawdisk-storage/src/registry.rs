@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use crate::caps::Capabilities;
+use crate::caps::{Capabilities, CopyCaps};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Key {
@@ -20,23 +20,48 @@ pub(crate) enum Key {
     Block { rdev: u64 },
 }
 
-fn registry() -> &'static Mutex<HashMap<Key, Weak<Capabilities>>> {
-    static R: OnceLock<Mutex<HashMap<Key, Weak<Capabilities>>>> = OnceLock::new();
+/// A pair of file systems for the copy offloads: the st_dev of the source's
+/// and of the destination's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct PairKey {
+    pub src_dev: u64,
+    pub dst_dev: u64,
+}
+
+type Registry<K, V> = Mutex<HashMap<K, Weak<V>>>;
+
+fn registry() -> &'static Registry<Key, Capabilities> {
+    static R: OnceLock<Registry<Key, Capabilities>> = OnceLock::new();
     R.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The shared capabilities of the target `key`, created when no handle holds them.
-pub(crate) fn capabilities_for(key: Key) -> Arc<Capabilities> {
-    let mut map = registry().lock().unwrap_or_else(|p| p.into_inner());
+fn pair_registry() -> &'static Registry<PairKey, CopyCaps> {
+    static R: OnceLock<Registry<PairKey, CopyCaps>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The value of `key`, created when no handle holds it.
+fn shared<K: Eq + std::hash::Hash, V: Default>(reg: &Registry<K, V>, key: K) -> Arc<V> {
+    let mut map = reg.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(c) = map.get(&key).and_then(Weak::upgrade) {
         return c;
     }
     // Drop dead entries now and then so the map does not grow with every
     // temporary file a long-running process ever opened.
     map.retain(|_, w| w.strong_count() > 0);
-    let c = Arc::new(Capabilities::new());
+    let c = Arc::new(V::default());
     map.insert(key, Arc::downgrade(&c));
     c
+}
+
+/// The shared capabilities of the target `key`, created when no handle holds them.
+pub(crate) fn capabilities_for(key: Key) -> Arc<Capabilities> {
+    shared(registry(), key)
+}
+
+/// The shared copy-offload capabilities of a pair of file systems.
+pub(crate) fn copy_caps_for(key: PairKey) -> Arc<CopyCaps> {
+    shared(pair_registry(), key)
 }
 
 #[cfg(test)]

@@ -79,6 +79,10 @@ pub enum CallKind {
     Unpopulate,
     /// recv(2) from a socket into mapped pages.
     RecvToMap,
+    /// ioctl(FICLONERANGE): blocks shared between two files.
+    CloneRange,
+    /// copy_file_range(2): the kernel copies between two files.
+    CopyFileRange,
 }
 
 /// Block device geometry read by ioctls.
@@ -236,6 +240,17 @@ macro_rules! syscalls {
             /// copy is the kernel's), with the bytes before it received.
             fn recv_to_map(sock: BorrowedFd<'_>, span: &MapSpan<'_>, at: usize, len: usize) -> usize
                 [RecvToMap, span.offset() + at, len, cap len];
+            /// ioctl(FICLONERANGE) on `dst`: [dst_offset, dst_offset+len) of
+            /// `dst` shares the blocks of [src_offset, src_offset+len) of
+            /// `src`. Offsets and length block-aligned, both files on one
+            /// file system that can share extents (XFS reflink, btrfs).
+            fn clone_range(src: BorrowedFd<'_>, src_offset: u64, dst: BorrowedFd<'_>, dst_offset: u64, len: u64) -> ()
+                [CloneRange, dst_offset, len];
+            /// copy_file_range(2) of up to `len` bytes at `src_offset` of `src`
+            /// to `dst_offset` of `dst`; returns the bytes copied, 0 at the
+            /// end of `src`.
+            fn copy_file_range(src: BorrowedFd<'_>, src_offset: u64, dst: BorrowedFd<'_>, dst_offset: u64, len: usize) -> usize
+                [CopyFileRange, dst_offset, len, cap len];
         }
     };
 }
@@ -357,6 +372,23 @@ mod blk {
     pub const BLKIOOPT: u32 = io(121);
     pub const BLKPBSZGET: u32 = io(123);
     pub const BLKZEROOUT: u32 = io(127);
+    /// _IOW(0x94, 13, struct file_clone_range) from <linux/fs.h>.
+    pub const FICLONERANGE: u32 = (1 << 30)
+        | ((std::mem::size_of::<super::FileCloneRange>() as u32) << 16)
+        | (0x94 << 8)
+        | 13;
+}
+
+// The value <linux/fs.h> gives on every architecture of the list below.
+const _: () = assert!(blk::FICLONERANGE == 0x4020_940d);
+
+/// struct file_clone_range from <linux/fs.h>.
+#[repr(C)]
+struct FileCloneRange {
+    src_fd: i64,
+    src_offset: u64,
+    src_length: u64,
+    dest_offset: u64,
 }
 
 #[cfg(not(any(
@@ -728,6 +760,54 @@ impl Sys for RealSys {
             return Err(io::Error::last_os_error());
         }
         Ok(r as usize)
+    }
+
+    fn clone_range(
+        &self,
+        src: BorrowedFd<'_>,
+        src_offset: u64,
+        dst: BorrowedFd<'_>,
+        dst_offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
+        let arg = FileCloneRange {
+            src_fd: src.as_raw_fd() as i64,
+            src_offset,
+            src_length: len,
+            dest_offset: dst_offset,
+        };
+        // SAFETY: `src` and `dst` are valid for the borrows; FICLONERANGE
+        // only reads one struct file_clone_range through the pointer, which
+        // points to a live local of exactly that layout.
+        let r = unsafe {
+            libc::ioctl(
+                dst.as_raw_fd(),
+                blk::FICLONERANGE as _,
+                &arg as *const FileCloneRange,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn copy_file_range(
+        &self,
+        src: BorrowedFd<'_>,
+        src_offset: u64,
+        dst: BorrowedFd<'_>,
+        dst_offset: u64,
+        len: usize,
+    ) -> io::Result<usize> {
+        let (mut i, mut o) = (src_offset, dst_offset);
+        Ok(rustix::fs::copy_file_range(
+            src,
+            Some(&mut i),
+            dst,
+            Some(&mut o),
+            len,
+        )?)
     }
 }
 

@@ -16,6 +16,8 @@ mod faults;
 mod misc;
 #[path = "real_storage/model.rs"]
 mod model;
+#[path = "real_storage/offload.rs"]
+mod offload;
 #[path = "real_storage/prealloc.rs"]
 mod prealloc;
 #[path = "real_storage/trim.rs"]

@@ -234,6 +234,36 @@ pub fn allocated_bytes(path: &Path) -> u64 {
     m.blocks() * 512
 }
 
+/// Bytes of a file in extents FIEMAP flags as shared with another file
+/// (reflinked), from `filefrag -v`.
+pub fn shared_bytes(path: &Path) -> u64 {
+    let out = crate::run("filefrag", [std::ffi::OsStr::new("-v"), path.as_os_str()]);
+    // "File size of F is N (B blocks of S bytes)"
+    let block: u64 = out
+        .split("blocks of ")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no block size in filefrag output: {out}"));
+    // " 1:  257..  1024:  281..  1048:  768:  2329: shared"
+    out.lines()
+        .filter(|l| {
+            l.split(':')
+                .next()
+                .is_some_and(|n| n.trim().parse::<u64>().is_ok())
+        })
+        .filter(|l| l.contains("shared"))
+        .map(|l| {
+            let len = l
+                .split(':')
+                .nth(3)
+                .map(str::trim)
+                .and_then(|n| n.parse::<u64>().ok());
+            len.unwrap_or_else(|| panic!("unexpected filefrag line: {l}")) * block
+        })
+        .sum::<u64>()
+}
+
 /// Syncs a file or device and drops its clean pages from the page cache, so
 /// the next read comes from the file system / device (posix_fadvise DONTNEED).
 pub fn drop_cache(path: &Path) {

@@ -96,16 +96,21 @@ impl Fs {
 
     /// ext4 of `size` bytes on a loop device backed by a sparse file on tmpfs.
     pub fn ext4(size: u64) -> Fs {
-        Fs::on_loop(FsKind::Ext4, size)
+        Fs::on_loop(FsKind::Ext4, size, &[])
     }
 
     /// XFS of `max(size, 320 MiB)` bytes on a loop device backed by a sparse file
     /// on tmpfs (xfsprogs ≥ 5.19 refuses devices under 300 MB).
     pub fn xfs(size: u64) -> Fs {
-        Fs::on_loop(FsKind::Xfs, size.max(320 * MIB))
+        Fs::on_loop(FsKind::Xfs, size.max(320 * MIB), &[])
     }
 
-    fn on_loop(kind: FsKind, size: u64) -> Fs {
+    /// [`Fs::xfs`] made with extra mkfs.xfs options (`["-m", "reflink=0"]`).
+    pub fn xfs_with(size: u64, mkfs_options: &[&str]) -> Fs {
+        Fs::on_loop(FsKind::Xfs, size.max(320 * MIB), mkfs_options)
+    }
+
+    fn on_loop(kind: FsKind, size: u64, extra: &[&str]) -> Fs {
         require_root();
         let mut st = Stack::new();
         let base = st.unique_dir(kind.name());
@@ -137,15 +142,10 @@ impl Fs {
                 );
             }
             FsKind::Xfs => {
-                run(
-                    "mkfs.xfs",
-                    [
-                        OsStr::new("-q"),
-                        OsStr::new("-f"),
-                        OsStr::new("-K"),
-                        dev.as_os_str(),
-                    ],
-                );
+                let mut args = vec![OsStr::new("-q"), OsStr::new("-f"), OsStr::new("-K")];
+                args.extend(extra.iter().map(OsStr::new));
+                args.push(dev.as_os_str());
+                run("mkfs.xfs", args);
             }
             FsKind::Tmpfs | FsKind::Ramfs => unreachable!(),
         }

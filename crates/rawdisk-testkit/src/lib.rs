@@ -41,7 +41,8 @@
 //! and checked without keeping a copy: [`write_pattern`] / [`check_pattern`].
 //! [`check_zero`] reads big chunks and reports the first non-zero offset;
 //! [`first_difference`] / [`assert_same`] compare buffers and name the first
-//! differing offset. [`allocated_bytes`] is `st_blocks * 512`;
+//! differing offset. [`allocated_bytes`] is `st_blocks * 512`,
+//! [`shared_bytes`] what FIEMAP flags as shared (reflinked);
 //! [`drop_cache`] syncs and drops a file's page cache.
 //!
 //! # NBD servers
@@ -76,8 +77,8 @@ mod stack;
 pub use cmd::run;
 pub use data::{
     allocated_bytes, assert_same, check_pattern, check_zero, drop_cache, find_nonzero,
-    first_difference, first_nonzero, pattern, pattern_vec, read_all, read_range, size_of, write_at,
-    write_pattern,
+    first_difference, first_nonzero, pattern, pattern_vec, read_all, read_range, shared_bytes,
+    size_of, write_at, write_pattern,
 };
 pub use fs::{Fs, FsKind};
 pub use loopdev::LoopDev;

@@ -36,6 +36,7 @@ use crate::sys::{OpenHow, RealSys, Sys};
 
 mod direct;
 mod map;
+mod offload;
 mod probe;
 mod rw;
 mod space;
@@ -44,6 +45,7 @@ mod zero;
 pub use direct::AlignedBuf;
 use direct::Direct;
 pub use map::MappedWrite;
+pub use offload::{CopyOffload, Offloaded};
 pub use probe::{Probe, Seen, Trial};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +217,14 @@ pub struct Target {
     known_size: AtomicU64,
     /// Made on the first [`Target::map_write`]; None if mapping failed.
     write_map: OnceLock<Option<map::WriteMap>>,
+    /// st_dev and st_ino (st_rdev and 0 for a block device).
+    id: (u64, u64),
+    /// st_blksize: the block a reflink must be aligned to.
+    fs_block: u64,
+    /// The copy offloads learned for the last source file system this
+    /// target copied from (its st_dev), held so they live as long as the
+    /// target (the registry only keeps weak references).
+    copy_pair: std::sync::Mutex<Option<(u64, Arc<crate::caps::CopyCaps>)>>,
 }
 
 impl std::fmt::Debug for Target {
@@ -284,6 +294,11 @@ impl Target {
         };
         let sysfs_dev;
         let key;
+        let id = if st.is_block {
+            (st.rdev, 0)
+        } else {
+            (st.dev, st.ino)
+        };
         if kind == Kind::Block {
             let bg = sys
                 .block_geometry(fd.as_fd())
@@ -410,6 +425,9 @@ impl Target {
             dsync: AtomicU8::new(0),
             sysfs_dev,
             write_map: OnceLock::new(),
+            id,
+            fs_block: st.blksize.max(1),
+            copy_pair: std::sync::Mutex::new(None),
         })
     }
 

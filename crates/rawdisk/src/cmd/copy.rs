@@ -1,14 +1,23 @@
 //! `rawdisk copy [options] SOURCE DESTINATION`
 //!
-//! Each side is a file, a block device or an NBD URI. Prints one summary
-//! line on stdout when done (suppressed by `-q`): bytes read, written,
-//! zeroed and skipped, time and throughput. Any error ends the copy with exit
-//! status 1 and one line naming the side, the offset and the cause.
+//! Each side is a file, a block device or an NBD URI; the destination may
+//! also be `null:` or `-` (standard output), as with nbdcopy. Prints one
+//! summary line on stdout (stderr when stdout is the destination) when done
+//! (suppressed by `-q`): bytes read, written, zeroed and skipped, time and
+//! throughput, and the bytes the kernel moved (reflink, copy_file_range)
+//! when it did. Any error ends the copy with exit status 1 and one line
+//! naming the side, the offset and the cause. SIGINT or SIGTERM stops it
+//! after the requests in flight, with a line saying how far it got and exit
+//! status 130 or 143.
 
 use super::{CacheArg, PreallocArg};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-use rawdisk_image::copy::{self, CopyOptions, ZeroMode};
+use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, ZeroMode};
+use rawdisk_image::endpoint::Endpoint;
 
 use crate::size::size_arg;
 
@@ -19,14 +28,15 @@ pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
     /// nbd+unix:///export?socket=PATH).
     source: String,
-    /// File (created or resized to the source size), block device or NBD URI.
+    /// File (created or resized to the source size), block device, NBD URI,
+    /// `null:` (read the source, write nothing) or `-` (standard output).
     destination: String,
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
     /// Requests in flight [default: 16 when a side is NBD; between local
     /// files and devices one per CPU, 16 with --cache none].
-    #[arg(short = 'm', long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(short = 'm', long, visible_short_alias = 'R', value_parser = clap::value_parser!(u32).range(1..=1024))]
     requests: Option<u32>,
     /// NBD connections per side when the server allows multi-conn.
     #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -42,7 +52,7 @@ pub struct Args {
     #[arg(long, conflicts_with = "target_is_zero")]
     allocated: bool,
     /// The destination already reads as zeros: skip zero runs entirely.
-    #[arg(long)]
+    #[arg(long, visible_alias = "destination-is-zero")]
     target_is_zero: bool,
     /// Preallocation of a file destination that is created or grown.
     #[arg(long, value_enum, default_value = "off")]
@@ -50,12 +60,26 @@ pub struct Args {
     /// Do not flush the destination at the end.
     #[arg(long)]
     no_flush: bool,
+    /// Flush the destination at the end (the default; nbdcopy's spelling).
+    #[arg(long, conflicts_with = "no_flush")]
+    flush: bool,
+    /// Shrink an existing regular file that is larger than the source.
+    #[arg(long)]
+    force: bool,
+    /// When an NBD connection drops, keep reconnecting for this long
+    /// (120, 90s, 500ms, 2m; 0: fail at once).
+    #[arg(long, default_value = "60s", value_parser = duration_arg)]
+    retry_timeout: Duration,
     /// After the copy, compare both sides and fail on any difference.
     #[arg(long)]
     verify: bool,
     /// Page cache or O_DIRECT for local sides.
     #[arg(short = 't', long, value_enum, default_value = "writeback")]
     cache: CacheArg,
+    /// Between local files, let the kernel copy data extents
+    /// (FICLONERANGE, else copy_file_range) where the file systems allow.
+    #[arg(long, value_enum, default_value = "auto")]
+    copy_offload: OffloadArg,
     /// No summary line.
     #[arg(short, long)]
     quiet: bool,
@@ -67,6 +91,15 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             anyhow::bail!("--request-size must be between 1 byte and 32M");
         }
     }
+    let sink = matches!(a.destination.as_str(), "null:" | "-");
+    if a.verify && sink {
+        anyhow::bail!(
+            "--verify needs a destination that can be read back, not {}",
+            a.destination
+        );
+    }
+    let signal = Arc::new(AtomicI32::new(0));
+    let cancel = cancel_on_signal(signal.clone());
     let opts = CopyOptions {
         requests: a.requests.unwrap_or(0) as usize,
         connections: a.connections as usize,
@@ -83,30 +116,65 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         flush: !a.no_flush,
         cache: a.cache.into(),
         progress: a.progress,
+        offload: match a.copy_offload {
+            OffloadArg::Never => OffloadMode::Never,
+            OffloadArg::Auto => OffloadMode::Auto,
+        },
+        force: a.force,
+        cancel: Some(cancel),
+        retry_timeout: a.retry_timeout,
     };
-    let (src, dst) = copy::open_pair(&a.source, &a.destination, &opts)?;
-    let stats = copy::copy_endpoints(&src, &dst.endpoint, &opts, dst.zeroed)?;
-    let verified = if a.verify {
-        Some(copy::verify(&src, &dst.endpoint, &opts)?)
+    let (src, dst) = if sink {
+        (copy::open_source(&a.source, &opts)?, None)
     } else {
-        None
+        let (s, d) = copy::open_pair(&a.source, &a.destination, &opts)?;
+        (s, Some(d))
+    };
+    let result = match (&dst, a.destination.as_str()) {
+        (Some(d), _) => copy::copy_endpoints(&src, &d.endpoint, &opts, d.zeroed),
+        (None, "-") => {
+            let out = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout());
+            copy::copy_to_stream(&src, &copy::Stream::new("-", Box::new(out)), &opts)
+        }
+        (None, _) => copy::copy_to_null(&src, &opts),
+    };
+    let stats = match result {
+        Ok(s) => s,
+        Err(CopyError::Interrupted { done, size }) => {
+            let sig = signal.load(Ordering::Relaxed);
+            close_quietly(&src, dst.as_ref().map(|d| &d.endpoint));
+            eprintln!(
+                "rawdisk: copy interrupted by {} after {done} of {size} bytes ({}); \
+                 the destination {} is incomplete",
+                signal_name(sig),
+                human(done),
+                a.destination
+            );
+            return Ok(ExitCode::from(128 + sig as u8));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let verified = match &dst {
+        // The connections the copy started with are gone after a
+        // reconnect: compare through new ones.
+        Some(_) if a.verify && stats.reconnects > 0 => {
+            let s = copy::open_source(&a.source, &opts)?;
+            let d = copy::open_source(&a.destination, &opts)?;
+            let v = copy::verify(&s, &d, &opts)?;
+            close_quietly(&s, Some(&d));
+            Some(v)
+        }
+        Some(d) if a.verify => Some(copy::verify(&src, &d.endpoint, &opts)?),
+        _ => None,
     };
     src.close().map_err(|e| anyhow::anyhow!("source {e}"))?;
-    dst.endpoint
-        .close()
-        .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+    if let Some(d) = &dst {
+        d.endpoint
+            .close()
+            .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+    }
     if !a.quiet {
-        let secs = stats.elapsed.as_secs_f64();
-        let mut line = format!(
-            "copied {} in {:.2} s ({}/s): read {}, written {}, zeroed {}, skipped {}",
-            human(stats.size),
-            secs,
-            human(stats.throughput() as u64),
-            human(stats.bytes_read),
-            human(stats.bytes_written),
-            human(stats.bytes_zeroed),
-            human(stats.bytes_skipped),
-        );
+        let mut line = summary(&stats);
         if let Some(v) = verified {
             line.push_str(&format!(
                 "; verified: {} compared, {} known zero on both sides",
@@ -114,9 +182,123 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
                 human(v.bytes_skipped)
             ));
         }
-        println!("{line}");
+        // Standard output carries the data when it is the destination.
+        if a.destination == "-" {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn summary(stats: &CopyStats) -> String {
+    let secs = stats.elapsed.as_secs_f64();
+    let mut line = format!(
+        "copied {} in {:.2} s ({}/s): read {}, written {}, zeroed {}, skipped {}",
+        human(stats.size),
+        secs,
+        human(stats.throughput() as u64),
+        human(stats.bytes_read),
+        human(stats.bytes_written),
+        human(stats.bytes_zeroed),
+        human(stats.bytes_skipped),
+    );
+    if stats.reconnects > 0 {
+        line.push_str(&format!("; reconnected {} time(s)", stats.reconnects));
+    }
+    if stats.bytes_reflinked + stats.bytes_copy_range > 0 {
+        line.push_str(&format!(
+            "; offloaded: reflink {}, copy_file_range {}",
+            human(stats.bytes_reflinked),
+            human(stats.bytes_copy_range)
+        ));
+    }
+    line
+}
+
+/// Ends NBD connections after an interruption; errors no longer matter.
+fn close_quietly(src: &Endpoint, dst: Option<&Endpoint>) {
+    let _ = src.close();
+    if let Some(d) = dst {
+        let _ = d.close();
+    }
+}
+
+/// A duration: a number of seconds, or a number with `ms`, `s` or `m`.
+fn duration_arg(v: &str) -> Result<Duration, String> {
+    let (num, unit) = match v.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => v.split_at(i),
+        None => (v, "s"),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{v:?} is not a duration (120, 90s, 500ms, 2m)"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
+        _ => Err(format!("{v:?}: unknown unit {unit:?} (ms, s, m)")),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        2 => "SIGINT",
+        15 => "SIGTERM",
+        _ => "a signal",
+    }
+}
+
+/// A flag set on the first SIGINT or SIGTERM (its number in `signal`): the
+/// copy stops handing out work, finishes what is in flight and reports how
+/// far it got. A second signal exits at once, for a request that never
+/// completes.
+fn cancel_on_signal(signal: Arc<AtomicI32>) -> Arc<AtomicBool> {
+    use tokio::signal::unix::{signal as listen, SignalKind};
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = flag.clone();
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return flag;
+    };
+    // Registered before returning, so a signal arriving right after is caught.
+    let Ok((mut int, mut term)) = rt.block_on(async {
+        Ok::<_, std::io::Error>((
+            listen(SignalKind::interrupt())?,
+            listen(SignalKind::terminate())?,
+        ))
+    }) else {
+        return flag;
+    };
+    std::thread::spawn(move || {
+        rt.block_on(async move {
+            for round in 0..2 {
+                let sig = tokio::select! {
+                    _ = int.recv() => 2,
+                    _ = term.recv() => 15,
+                };
+                if round == 1 {
+                    eprintln!("rawdisk: {} again: exiting now", signal_name(sig));
+                    std::process::exit(128 + sig);
+                }
+                signal.store(sig, Ordering::Relaxed);
+                f.store(true, Ordering::Relaxed);
+            }
+        });
+    });
+    flag
+}
+
+/// `--copy-offload`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OffloadArg {
+    /// Always read and write.
+    Never,
+    /// Reflink, else copy_file_range, else read and write.
+    Auto,
 }
 
 fn human(b: u64) -> String {

@@ -17,14 +17,26 @@
 
 use std::collections::VecDeque;
 use std::io::IsTerminal;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, Prealloc};
 
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
+
+mod dst;
+mod offload;
+mod open;
+mod retry;
+mod verify;
+
+pub use dst::Stream;
+use dst::{Dst, To};
+pub use offload::OffloadMode;
+pub use open::{open_destination, open_pair, open_source, Destination};
+use retry::Link;
+pub use verify::{verify, VerifyStats};
 
 /// What to do with runs of the source that read as zeros.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -59,6 +71,16 @@ pub struct CopyOptions {
     pub cache: CacheMode,
     /// Draw a progress bar (only when stderr is a terminal).
     pub progress: bool,
+    /// Reflink or copy_file_range between local files (see offload.rs).
+    pub offload: OffloadMode,
+    /// Shrink an existing regular file larger than the source.
+    pub force: bool,
+    /// Set (by a signal handler) to stop handing out work: the copy then
+    /// ends with [`CopyError::Interrupted`].
+    pub cancel: Option<Arc<AtomicBool>>,
+    /// How long to keep reconnecting an NBD side whose connection broke
+    /// (zero: the error ends the copy).
+    pub retry_timeout: Duration,
 }
 
 impl Default for CopyOptions {
@@ -73,6 +95,10 @@ impl Default for CopyOptions {
             flush: true,
             cache: CacheMode::Writeback,
             progress: false,
+            offload: OffloadMode::Auto,
+            force: false,
+            cancel: None,
+            retry_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -82,11 +108,18 @@ impl Default for CopyOptions {
 pub struct CopyStats {
     pub size: u64,
     pub bytes_read: u64,
+    /// Written by this process (read, then written).
     pub bytes_written: u64,
+    /// Moved by FICLONERANGE: the destination shares the source's blocks.
+    pub bytes_reflinked: u64,
+    /// Moved by copy_file_range (the kernel's copy).
+    pub bytes_copy_range: u64,
     /// Zero requests sent to the destination.
     pub bytes_zeroed: u64,
     /// Zero runs not touched because the destination already reads as zeros.
     pub bytes_skipped: u64,
+    /// NBD connections reopened after they broke (both sides).
+    pub reconnects: u64,
     pub elapsed: Duration,
 }
 
@@ -122,6 +155,10 @@ pub enum CopyError {
     /// `--verify` found a difference.
     #[error("verify: {0}")]
     Mismatch(String),
+    /// [`CopyOptions::cancel`] was set: `done` bytes of `size` were copied
+    /// (not necessarily a prefix), and nothing was flushed.
+    #[error("interrupted after {done} of {size} bytes")]
+    Interrupted { done: u64, size: u64 },
 }
 
 impl CopyError {
@@ -138,123 +175,6 @@ pub fn copy(source: &str, destination: &str, opts: &CopyOptions) -> Result<CopyS
     let stats = copy_endpoints(&src, &dst.endpoint, opts, dst.zeroed)?;
     close_both(&src, &dst.endpoint)?;
     Ok(stats)
-}
-
-/// The destination and whether it is known to read as zeros (a file this
-/// copy created, or grew from nothing).
-pub struct Destination {
-    pub endpoint: Endpoint,
-    pub zeroed: bool,
-}
-
-/// Opens the source read-only and the destination writable, creating or
-/// resizing a file destination to the source's size.
-pub fn open_pair(
-    source: &str,
-    destination: &str,
-    opts: &CopyOptions,
-) -> Result<(Endpoint, Destination)> {
-    let src = Endpoint::open_with(
-        source,
-        &EndpointOptions {
-            writable: false,
-            cache: opts.cache,
-            connections: opts.connections,
-        },
-    )
-    .map_err(CopyError::io(Side::Source))?;
-    if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
-        use std::os::unix::fs::MetadataExt;
-        if let (Ok(a), Ok(b)) = (std::fs::metadata(source), std::fs::metadata(destination)) {
-            // Resizing or zeroing the destination would destroy the source.
-            if (a.dev(), a.ino()) == (b.dev(), b.ino()) {
-                return Err(CopyError::Setup(format!(
-                    "source {source} and destination {destination} are the same file"
-                )));
-            }
-        }
-    }
-    let dst = open_destination(destination, src.size(), opts)?;
-    Ok((src, dst))
-}
-
-/// Opens (creating if needed) the destination for a source of `size` bytes.
-/// A regular file is created or truncated/extended to `size` (with
-/// `opts.preallocation`); a block device or NBD export must be at least
-/// `size` bytes.
-pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Destination> {
-    let eopts = EndpointOptions {
-        writable: true,
-        cache: opts.cache,
-        connections: opts.connections,
-    };
-    let io = CopyError::io(Side::Destination);
-    if endpoint::is_nbd(spec) {
-        let ep = Endpoint::open_with(spec, &eopts).map_err(&io)?;
-        check_dest_size(&ep, size)?;
-        return Ok(Destination {
-            endpoint: ep,
-            zeroed: false,
-        });
-    }
-    let path = Path::new(spec);
-    let meta = std::fs::metadata(path).ok();
-    let is_file = meta.as_ref().map(|m| m.file_type().is_file());
-    match is_file {
-        Some(false) => {
-            // Block device (or something the storage engine will refuse).
-            let ep = Endpoint::open_local(path, &eopts, false).map_err(&io)?;
-            check_dest_size(&ep, size)?;
-            Ok(Destination {
-                endpoint: ep,
-                zeroed: false,
-            })
-        }
-        existing => {
-            let ep = Endpoint::open_local(path, &eopts, true).map_err(&io)?;
-            let target = ep.target().expect("local").clone();
-            let old = if existing.is_some() { target.size() } else { 0 };
-            if old > size {
-                // Shrink first: preallocation never shrinks, and the copy must
-                // end with the source's size.
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(path)
-                    .and_then(|f| f.set_len(size))
-                    .map_err(|e| {
-                        io(endpoint::Error {
-                            endpoint: spec.to_string(),
-                            errno: e.raw_os_error(),
-                            message: format!("truncate to {size} bytes: {e}"),
-                        })
-                    })?;
-            }
-            target.preallocate(size, opts.preallocation).map_err(|e| {
-                io(endpoint::Error {
-                    endpoint: spec.to_string(),
-                    errno: e.errno(),
-                    message: e.to_string(),
-                })
-            })?;
-            // A file that held nothing before reads as zeros everywhere, so
-            // zero runs need no requests (unless they must be allocated).
-            Ok(Destination {
-                endpoint: ep,
-                zeroed: old == 0,
-            })
-        }
-    }
-}
-
-fn check_dest_size(ep: &Endpoint, size: u64) -> Result<()> {
-    if ep.size() < size {
-        return Err(CopyError::Setup(format!(
-            "destination {} is {} bytes, smaller than the source ({size} bytes)",
-            ep.name(),
-            ep.size()
-        )));
-    }
-    Ok(())
 }
 
 fn close_both(src: &Endpoint, dst: &Endpoint) -> Result<()> {
@@ -299,8 +219,12 @@ impl FirstError {
 
 /// The next piece of work for a worker: None when the plan is done or a
 /// worker failed (a failure to map the source is recorded as the error).
-fn next_work(planner: &Mutex<Planner<'_>>, errors: &FirstError) -> Option<Work> {
-    if errors.is_set() {
+fn next_work(
+    planner: &Mutex<Planner<'_>>,
+    errors: &FirstError,
+    cancel: Option<&AtomicBool>,
+) -> Option<Work> {
+    if errors.is_set() || cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
         return None;
     }
     match planner.lock().unwrap().next() {
@@ -317,24 +241,37 @@ fn next_work(planner: &Mutex<Planner<'_>>, errors: &FirstError) -> Option<Work> 
 
 /// Hands out work in offset order from the source's extents, fetched lazily.
 struct Planner<'a> {
-    src: &'a Endpoint,
+    src: &'a Link<'a>,
     size: u64,
     pos: u64,
     queue: VecDeque<MapExtent>,
     data_chunk: u64,
     zero_chunk: u64,
+    /// While it may work, data goes out in pieces of `OFFLOAD_CHUNK`.
+    offload: Option<&'a offload::Offload<'a>>,
 }
 
-impl Planner<'_> {
+impl<'a> Planner<'a> {
+    fn new(src: &'a Link<'a>, data_chunk: u64, zero_chunk: u64) -> Self {
+        Planner {
+            src,
+            size: src.first.size(),
+            pos: 0,
+            queue: VecDeque::new(),
+            data_chunk,
+            zero_chunk,
+            offload: None,
+        }
+    }
+
     fn next(&mut self) -> std::result::Result<Option<Work>, endpoint::Error> {
         if self.queue.is_empty() {
             if self.pos >= self.size {
                 return Ok(None);
             }
             // Look ahead far enough that the lock is rarely taken for I/O.
-            let v = self
-                .src
-                .extents(self.pos, (self.size - self.pos).min(8 << 30))?;
+            let (pos, len) = (self.pos, (self.size - self.pos).min(8 << 30));
+            let v = self.src.with(|e| e.extents(pos, len))?;
             let mut p = self.pos;
             for e in v {
                 if e.offset != p || e.len == 0 {
@@ -355,11 +292,15 @@ impl Planner<'_> {
             }
             self.pos = p;
         }
+        let data_chunk = match self.offload {
+            Some(o) if o.may_work() => offload::OFFLOAD_CHUNK.max(self.data_chunk),
+            _ => self.data_chunk,
+        };
         let e = self.queue.front_mut().expect("refilled");
         let (chunk, zero) = if e.zero {
             (self.zero_chunk, true)
         } else {
-            (self.data_chunk, false)
+            (data_chunk, false)
         };
         // Keep data requests aligned to the chunk size in the export, so an
         // extent boundary does not misalign every following request.
@@ -391,8 +332,12 @@ impl Planner<'_> {
 
 #[derive(Default)]
 struct Counters {
+    /// Work items finished, in bytes of the source.
+    done: AtomicU64,
     read: AtomicU64,
     written: AtomicU64,
+    reflinked: AtomicU64,
+    copy_range: AtomicU64,
     zeroed: AtomicU64,
     skipped: AtomicU64,
 }
@@ -405,23 +350,59 @@ pub fn copy_endpoints(
     opts: &CopyOptions,
     dst_zeroed: bool,
 ) -> Result<CopyStats> {
+    run(src, To::Ep(dst), opts, dst_zeroed)
+}
+
+/// Reads the source and discards it (`null:`): the source's throughput.
+pub fn copy_to_null(src: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+    run(src, To::Null, opts, true)
+}
+
+/// Writes the source to a byte stream in order (`-`: standard output),
+/// zero runs as zeros.
+pub fn copy_to_stream(src: &Endpoint, out: &Stream, opts: &CopyOptions) -> Result<CopyStats> {
+    run(src, To::Stream(out), opts, false)
+}
+
+fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
     let t0 = Instant::now();
+    let eopts = |writable| EndpointOptions {
+        writable,
+        cache: opts.cache,
+        connections: opts.connections,
+    };
+    let src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
+    let dst_link = match to {
+        To::Ep(e) => Some(Link::new(
+            e,
+            Side::Destination,
+            eopts(true),
+            opts.retry_timeout,
+        )),
+        _ => None,
+    };
+    let dst = match (to, &dst_link) {
+        (_, Some(l)) => Dst::Ep(l),
+        (To::Stream(s), _) => Dst::Stream(s),
+        _ => Dst::Null,
+    };
     let size = src.size();
-    if dst.size() < size {
+    if let Some(d) = dst.size().filter(|&d| d < size) {
         return Err(CopyError::Setup(format!(
-            "destination {} is {} bytes, smaller than the source ({size} bytes)",
+            "destination {} is {d} bytes, smaller than the source ({size} bytes)",
             dst.name(),
-            dst.size()
         )));
     }
     let align = src.min_block().max(dst.min_block());
-    let request = request_size(src, dst, opts);
-    let sparse = if opts.sparse_size == 0 {
+    let request = request_size(src, &dst, opts);
+    // Into nothing or a stream, zero blocks cost the same as data: no scan.
+    let sparse = if opts.sparse_size == 0 || dst.endpoint().is_none() {
         0
     } else {
         opts.sparse_size.max(align).min(request)
     };
     let skip_zero = match opts.zero_mode {
+        _ if matches!(dst, Dst::Stream(_)) => false,
         ZeroMode::Skip => true,
         ZeroMode::MayTrim => dst_zeroed,
         ZeroMode::Allocated => false,
@@ -442,7 +423,13 @@ pub fn copy_endpoints(
             .clamp(2, 16),
         n => n,
     };
-    let workers = wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize);
+    let workers = match dst {
+        // In order, so one at a time.
+        Dst::Stream(_) => 1,
+        _ => wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize),
+    };
+    let errors = FirstError::default();
+    let counters = Counters::default();
     tracing::debug!(
         size,
         request,
@@ -455,23 +442,29 @@ pub fn copy_endpoints(
         dst.name()
     );
 
-    let planner = Mutex::new(Planner {
-        src,
-        size,
-        pos: 0,
-        queue: VecDeque::new(),
-        data_chunk: request,
-        zero_chunk: 1 << 30,
-    });
-    let errors = FirstError::default();
-    let counters = Counters::default();
+    let offload = dst
+        .endpoint()
+        .and_then(|d| offload::Offload::new(src, d, opts, sparse));
+    let mut planner = Planner::new(&src_link, request, 1 << 30);
+    planner.offload = offload.as_ref();
+    let planner = Mutex::new(planner);
+    let worker = Worker {
+        src: &src_link,
+        dst,
+        offload: offload.as_ref(),
+        request,
+        sparse,
+        skip_zero,
+        may_trim,
+        c: &counters,
+    };
     let bar = progress_bar(opts.progress, size);
 
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
                 let mut buf = IoBuf::new(request as usize, align.max(4096) as usize);
-                while let Some(w) = next_work(&planner, &errors) {
+                while let Some(w) = next_work(&planner, &errors, opts.cancel.as_deref()) {
                     let r = match w {
                         Work::Zero { offset, len } => if skip_zero {
                             counters.skipped.fetch_add(len, Ordering::Relaxed);
@@ -484,18 +477,18 @@ pub fn copy_endpoints(
                                 .map_err(CopyError::io(Side::Destination))
                         }
                         .map(|_| len),
-                        Work::Data { offset, len } => copy_data(
-                            src, dst, &mut buf, offset, len, sparse, skip_zero, may_trim, &counters,
-                        )
-                        .map(|_| {
-                            if opts.flush {
-                                dst.start_writeback(offset, len);
-                            }
-                            len
-                        }),
+                        Work::Data { offset, len } => {
+                            worker.data(&mut buf, offset, len).map(|_| {
+                                if opts.flush {
+                                    dst.start_writeback(offset, len);
+                                }
+                                len
+                            })
+                        }
                     };
                     match r {
                         Ok(n) => {
+                            counters.done.fetch_add(n, Ordering::Relaxed);
                             if let Some(b) = &bar {
                                 b.inc(n);
                             }
@@ -509,28 +502,55 @@ pub fn copy_endpoints(
             });
         }
     });
+    let cancelled = opts
+        .cancel
+        .as_ref()
+        .is_some_and(|c| c.load(Ordering::Relaxed));
     if let Some(b) = &bar {
-        b.finish_and_clear();
+        if cancelled {
+            // Leave the bar where it stopped, then a new line for the message.
+            b.abandon();
+        } else {
+            b.finish_and_clear();
+        }
     }
     if let Some(e) = errors.into_inner() {
         return Err(e);
     }
-    if opts.flush {
+    if cancelled {
+        return Err(CopyError::Interrupted {
+            done: counters.done.into_inner(),
+            size,
+        });
+    }
+    // A stream is always flushed: its buffer holds the last bytes.
+    if opts.flush || matches!(dst, Dst::Stream(_)) {
         dst.flush().map_err(CopyError::io(Side::Destination))?;
     }
+    src_link
+        .close_reconnected()
+        .map_err(CopyError::io(Side::Source))?;
+    if let Some(l) = &dst_link {
+        l.close_reconnected()
+            .map_err(CopyError::io(Side::Destination))?;
+    }
+    let reconnects = src_link.reconnects() + dst_link.as_ref().map_or(0, |l| l.reconnects());
     Ok(CopyStats {
         size,
         bytes_read: counters.read.into_inner(),
         bytes_written: counters.written.into_inner(),
+        bytes_reflinked: counters.reflinked.into_inner(),
+        bytes_copy_range: counters.copy_range.into_inner(),
         bytes_zeroed: counters.zeroed.into_inner(),
         bytes_skipped: counters.skipped.into_inner(),
+        reconnects,
         elapsed: t0.elapsed(),
     })
 }
 
 /// The request size for this pair: the option or the default for the pair,
 /// within both sides' maximum and a multiple of both sides' minimum block.
-fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
+fn request_size(src: &Endpoint, dst: &Dst<'_>, opts: &CopyOptions) -> u64 {
     let align = src.min_block().max(dst.min_block());
     let max_io = src.max_io().min(dst.max_io());
     let wanted = match opts.request_size {
@@ -544,61 +564,93 @@ fn request_size(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> u64 {
     r - r % align
 }
 
-#[allow(clippy::too_many_arguments)]
-fn copy_data(
-    src: &Endpoint,
-    dst: &Endpoint,
-    buf: &mut IoBuf,
-    offset: u64,
-    len: u64,
+/// What every worker of one copy shares.
+struct Worker<'a> {
+    src: &'a Link<'a>,
+    dst: Dst<'a>,
+    offload: Option<&'a offload::Offload<'a>>,
+    request: u64,
     sparse: u64,
     skip_zero: bool,
     may_trim: bool,
-    c: &Counters,
-) -> Result<()> {
-    buf.set_len(len as usize);
-    src.read_buf(buf, offset)
-        .map_err(CopyError::io(Side::Source))?;
-    c.read.fetch_add(len, Ordering::Relaxed);
-    let data = buf.as_slice();
-    if sparse == 0 {
-        dst.write_at(data, offset)
-            .map_err(CopyError::io(Side::Destination))?;
-        c.written.fetch_add(len, Ordering::Relaxed);
-        return Ok(());
-    }
-    // Runs of whole zero blocks (aligned in the export) vs the rest.
-    let mut pos = 0usize;
-    while pos < data.len() {
-        let abs = offset + pos as u64;
-        let blk = (sparse - abs % sparse) as usize;
-        let first_end = (pos + blk).min(data.len());
-        let zero = is_zero(&data[pos..first_end]);
-        let mut end = first_end;
-        while end < data.len() {
-            let e = (end + sparse as usize).min(data.len());
-            if is_zero(&data[end..e]) != zero {
-                break;
-            }
-            end = e;
-        }
-        let (o, l) = (offset + pos as u64, (end - pos) as u64);
-        if zero {
-            if skip_zero {
-                c.skipped.fetch_add(l, Ordering::Relaxed);
-            } else {
-                dst.zero(o, l, may_trim)
+    c: &'a Counters,
+}
+
+impl Worker<'_> {
+    /// A data run: offloaded where it can be, the rest read and written in
+    /// requests (aligned in the export, as the planner hands them out).
+    fn data(&self, buf: &mut IoBuf, offset: u64, len: u64) -> Result<()> {
+        let rest = match self.offload {
+            Some(o) if o.may_work() => {
+                let r = o
+                    .copy(offset, len)
                     .map_err(CopyError::io(Side::Destination))?;
-                c.zeroed.fetch_add(l, Ordering::Relaxed);
+                let c = self.c;
+                c.reflinked.fetch_add(r.reflinked, Ordering::Relaxed);
+                c.copy_range.fetch_add(r.copied, Ordering::Relaxed);
+                r.rest
             }
-        } else {
-            dst.write_at(&data[pos..end], o)
-                .map_err(CopyError::io(Side::Destination))?;
-            c.written.fetch_add(l, Ordering::Relaxed);
+            _ => vec![(offset, len)],
+        };
+        for (o, l) in rest {
+            let end = o + l;
+            let mut p = o;
+            while p < end {
+                let n = (end - p).min(self.request - p % self.request);
+                self.copy_data(buf, p, n)?;
+                p += n;
+            }
         }
-        pos = end;
+        Ok(())
     }
-    Ok(())
+
+    fn copy_data(&self, buf: &mut IoBuf, offset: u64, len: u64) -> Result<()> {
+        let (src, dst, c) = (self.src, self.dst, self.c);
+        let (sparse, skip_zero, may_trim) = (self.sparse, self.skip_zero, self.may_trim);
+        buf.set_len(len as usize);
+        src.with(|e| e.read_buf(buf, offset))
+            .map_err(CopyError::io(Side::Source))?;
+        c.read.fetch_add(len, Ordering::Relaxed);
+        let data = buf.as_slice();
+        if sparse == 0 {
+            dst.write_at(data, offset)
+                .map_err(CopyError::io(Side::Destination))?;
+            c.written.fetch_add(len, Ordering::Relaxed);
+            return Ok(());
+        }
+        // Runs of whole zero blocks (aligned in the export) vs the rest.
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let abs = offset + pos as u64;
+            let blk = (sparse - abs % sparse) as usize;
+            let first_end = (pos + blk).min(data.len());
+            let zero = is_zero(&data[pos..first_end]);
+            let mut end = first_end;
+            while end < data.len() {
+                let e = (end + sparse as usize).min(data.len());
+                if is_zero(&data[end..e]) != zero {
+                    break;
+                }
+                end = e;
+            }
+            let (o, l) = (offset + pos as u64, (end - pos) as u64);
+            if zero {
+                if skip_zero {
+                    c.skipped.fetch_add(l, Ordering::Relaxed);
+                } else {
+                    dst.zero(o, l, may_trim)
+                        .map_err(CopyError::io(Side::Destination))?;
+                    c.zeroed.fetch_add(l, Ordering::Relaxed);
+                }
+            } else {
+                dst.write_at(&data[pos..end], o)
+                    .map_err(CopyError::io(Side::Destination))?;
+                c.written.fetch_add(l, Ordering::Relaxed);
+            }
+            pos = end;
+        }
+        Ok(())
+    }
 }
 
 /// Whether every byte is zero; data usually differs early, so look at the
@@ -633,158 +685,6 @@ fn progress_bar(wanted: bool, size: u64) -> Option<indicatif::ProgressBar> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     Some(b)
-}
-
-// ---------------------------------------------------------------------------
-// Verify
-
-/// What a verification compared.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct VerifyStats {
-    /// Bytes read from each side and compared.
-    pub bytes_compared: u64,
-    /// Bytes known to be zero on both sides without reading.
-    pub bytes_skipped: u64,
-    pub elapsed: Duration,
-}
-
-/// Compares `[0, src.size())` of both sides; fails with the first differing
-/// offset. Runs both sides report as zeros are not read.
-pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<VerifyStats> {
-    let t0 = Instant::now();
-    let size = src.size();
-    if dst.size() < size {
-        return Err(CopyError::Mismatch(format!(
-            "destination is {} bytes, the source {size}",
-            dst.size()
-        )));
-    }
-    let align = src.min_block().max(dst.min_block());
-    let request = request_size(src, dst, opts);
-    let planner = Mutex::new(Planner {
-        src,
-        size,
-        pos: 0,
-        queue: VecDeque::new(),
-        data_chunk: request,
-        // Zero runs are checked against the destination's map in pieces of
-        // this size, read where the destination has data.
-        zero_chunk: 64 << 20,
-    });
-    // The first mismatch found is enough to fail; it need not be the lowest.
-    let errors = FirstError::default();
-    let compared = AtomicU64::new(0);
-    let skipped = AtomicU64::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..opts.requests.clamp(1, 16) {
-            s.spawn(|| {
-                let mut a = IoBuf::new(request as usize, align.max(4096) as usize);
-                let mut b = IoBuf::new(request as usize, align.max(4096) as usize);
-                while let Some(w) = next_work(&planner, &errors) {
-                    let r = match w {
-                        Work::Data { offset, len } => {
-                            verify_data(src, dst, &mut a, &mut b, offset, len).map(|_| {
-                                compared.fetch_add(len, Ordering::Relaxed);
-                            })
-                        }
-                        Work::Zero { offset, len } => {
-                            verify_zero(dst, &mut b, offset, len, request, &compared, &skipped)
-                        }
-                    };
-                    if let Err(e) = r {
-                        errors.set(e);
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    if let Some(e) = errors.into_inner() {
-        return Err(e);
-    }
-    Ok(VerifyStats {
-        bytes_compared: compared.into_inner(),
-        bytes_skipped: skipped.into_inner(),
-        elapsed: t0.elapsed(),
-    })
-}
-
-fn verify_data(
-    src: &Endpoint,
-    dst: &Endpoint,
-    a: &mut IoBuf,
-    b: &mut IoBuf,
-    offset: u64,
-    len: u64,
-) -> Result<()> {
-    a.set_len(len as usize);
-    b.set_len(len as usize);
-    src.read_buf(a, offset)
-        .map_err(CopyError::io(Side::Source))?;
-    dst.read_buf(b, offset)
-        .map_err(CopyError::io(Side::Destination))?;
-    if a.as_slice() != b.as_slice() {
-        let i = a
-            .as_slice()
-            .iter()
-            .zip(b.as_slice())
-            .position(|(x, y)| x != y)
-            .unwrap_or(0);
-        return Err(CopyError::Mismatch(format!(
-            "{} and {} differ at offset {}",
-            src.name(),
-            dst.name(),
-            offset + i as u64
-        )));
-    }
-    Ok(())
-}
-
-fn verify_zero(
-    dst: &Endpoint,
-    b: &mut IoBuf,
-    offset: u64,
-    len: u64,
-    request: u64,
-    compared: &AtomicU64,
-    skipped: &AtomicU64,
-) -> Result<()> {
-    let end = offset + len;
-    let mut pos = offset;
-    while pos < end {
-        let exts = dst
-            .extents(pos, end - pos)
-            .map_err(CopyError::io(Side::Destination))?;
-        if exts.is_empty() {
-            break;
-        }
-        for e in exts {
-            let e_end = (e.offset + e.len).min(end);
-            if e.zero {
-                skipped.fetch_add(e_end - e.offset, Ordering::Relaxed);
-            } else {
-                let mut p = e.offset;
-                while p < e_end {
-                    let n = (e_end - p).min(request);
-                    b.set_len(n as usize);
-                    dst.read_buf(b, p)
-                        .map_err(CopyError::io(Side::Destination))?;
-                    if !is_zero(b.as_slice()) {
-                        let i = b.as_slice().iter().position(|&x| x != 0).unwrap_or(0);
-                        return Err(CopyError::Mismatch(format!(
-                            "{} has non-zero data at offset {} where the source reads as zeros",
-                            dst.name(),
-                            p + i as u64
-                        )));
-                    }
-                    compared.fetch_add(n, Ordering::Relaxed);
-                    p += n;
-                }
-            }
-            pos = e_end;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

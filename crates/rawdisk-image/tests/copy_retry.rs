@@ -1,0 +1,445 @@
+//! `copy` surviving a dropped connection: the destination or the source
+//! server is killed with SIGKILL in the middle of a copy and restarted on
+//! the same socket with the same file, several times, with several
+//! connections; the copy reconnects, re-issues what was in flight and ends
+//! byte-identical. `rawdisk serve` (over a Unix socket and over TCP),
+//! nbdkit and qemu-nbd as the restarted server. A server that never comes
+//! back ends the copy after the retry timeout with an error saying so.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rawdisk_image::copy::{self, CopyOptions, CopyStats};
+use rawdisk_testkit::{pattern, MIB};
+
+/// The `rawdisk` binary (see tests/copy.rs).
+fn rawdisk_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("RAWDISK_BIN") {
+        return bin.into();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().and_then(Path::parent).unwrap().join("rawdisk");
+    assert!(bin.exists(), "no rawdisk binary at {}", bin.display());
+    bin
+}
+
+/// A server that can be killed and started again at the same address.
+struct Restartable {
+    kind: &'static str,
+    file: PathBuf,
+    read_only: bool,
+    /// Unix socket path, or a TCP port.
+    sock: Option<PathBuf>,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Restartable {
+    fn new(kind: &'static str, dir: &Path, file: &Path, read_only: bool, tcp: bool) -> Self {
+        let port = if tcp {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        } else {
+            0
+        };
+        let mut s = Restartable {
+            kind,
+            file: file.to_path_buf(),
+            read_only,
+            sock: (!tcp).then(|| dir.join(format!("{kind}.sock"))),
+            port,
+            child: None,
+        };
+        s.start();
+        s
+    }
+
+    fn uri(&self) -> String {
+        match &self.sock {
+            Some(p) => format!("nbd+unix:///?socket={}", p.display()),
+            None => format!("nbd://127.0.0.1:{}/", self.port),
+        }
+    }
+
+    fn start(&mut self) {
+        if let Some(p) = &self.sock {
+            let _ = std::fs::remove_file(p);
+        }
+        let mut c;
+        if self.kind == "qemu-nbd" {
+            c = Command::new("qemu-nbd");
+            c.args(["-f", "raw", "-t", "-e", "8", "--cache=writeback"]);
+            match &self.sock {
+                Some(p) => c.arg("-k").arg(p),
+                None => c.args(["-b", "127.0.0.1", "-p", &self.port.to_string()]),
+            };
+            if self.read_only {
+                c.arg("-r");
+            }
+            c.arg(&self.file);
+        } else if self.kind == "nbdkit" {
+            c = Command::new("nbdkit");
+            c.args(["-f", "--exit-with-parent"]);
+            match &self.sock {
+                Some(p) => c.arg("-U").arg(p),
+                None => c.args(["-i", "127.0.0.1", "-p", &self.port.to_string()]),
+            };
+            if self.read_only {
+                c.arg("-r");
+            }
+            c.arg("file").arg(format!("file={}", self.file.display()));
+        } else {
+            c = Command::new(rawdisk_bin());
+            c.arg("serve");
+            match &self.sock {
+                Some(p) => c.arg("--socket").arg(p),
+                None => c.args(["--bind", &format!("127.0.0.1:{}", self.port)]),
+            };
+            if self.read_only {
+                c.arg("--read-only");
+            }
+            c.arg(&self.file);
+        }
+        c.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(c.spawn().unwrap());
+        let t0 = Instant::now();
+        while !self.listening() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{} did not start",
+                self.kind
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn listening(&self) -> bool {
+        match &self.sock {
+            Some(p) => std::os::unix::net::UnixStream::connect(p).is_ok(),
+            None => std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok(),
+        }
+    }
+
+    /// Connections the server has accepted (sockets on its address in
+    /// /proc/net/unix state 03, /proc/net/tcp state 01).
+    fn clients(&self) -> usize {
+        match &self.sock {
+            Some(p) => std::fs::read_to_string("/proc/net/unix")
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .filter(|f| f.len() >= 8 && f[5] == "03" && Path::new(f[7]) == p.as_path())
+                .count(),
+            None => {
+                let port = format!(":{:04X}", self.port);
+                std::fs::read_to_string("/proc/net/tcp")
+                    .unwrap_or_default()
+                    .lines()
+                    .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                    .filter(|f| f.len() >= 4 && f[1].ends_with(&port) && f[3] == "01")
+                    .count()
+            }
+        }
+    }
+
+    /// Waits until the copy is past its handshakes: both connections of
+    /// `opts` accepted (or one, for a server without multi-conn, after a
+    /// while), or `finished` says it ended. A kill before that would fail
+    /// the copy's first connect, which is not retried.
+    fn wait_for_client_or(&self, finished: impl Fn() -> bool) {
+        let t0 = Instant::now();
+        let mut first = None;
+        while !finished() {
+            let n = self.clients();
+            if n >= 1 {
+                let t = *first.get_or_insert_with(Instant::now);
+                if n >= 2 || t.elapsed() > Duration::from_millis(300) {
+                    return;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no client connected"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn wait_for_client(&self) {
+        self.wait_for_client_or(|| false)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Restartable {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+const SIZE: u64 = 256 * MIB + 4096;
+
+fn random_file(path: &Path, seed: u64) {
+    let f = std::fs::File::create(path).unwrap();
+    let mut buf = vec![0u8; 8 * MIB as usize];
+    let mut off = 0;
+    while off < SIZE {
+        let n = (SIZE - off).min(buf.len() as u64) as usize;
+        pattern(seed, off, &mut buf[..n]);
+        f.write_all_at(&buf[..n], off).unwrap();
+        off += n as u64;
+    }
+}
+
+#[track_caller]
+fn assert_same_files(a: &Path, b: &Path) {
+    let (fa, fb) = (
+        std::fs::File::open(a).unwrap(),
+        std::fs::File::open(b).unwrap(),
+    );
+    assert_eq!(fa.metadata().unwrap().len(), fb.metadata().unwrap().len());
+    let (mut x, mut y) = (vec![0u8; 8 << 20], vec![0u8; 8 << 20]);
+    let mut off = 0;
+    while off < SIZE {
+        let n = (SIZE - off).min(x.len() as u64) as usize;
+        fa.read_exact_at(&mut x[..n], off).unwrap();
+        fb.read_exact_at(&mut y[..n], off).unwrap();
+        if let Some(i) = x[..n].iter().zip(&y[..n]).position(|(p, q)| p != q) {
+            panic!(
+                "{} and {} differ at {}",
+                a.display(),
+                b.display(),
+                off + i as u64
+            );
+        }
+        off += n as u64;
+    }
+}
+
+fn opts(retry: Duration) -> CopyOptions {
+    CopyOptions {
+        // Small requests, few in flight: slow enough to be killed mid-copy.
+        requests: 4,
+        connections: 2,
+        request_size: 64 << 10,
+        retry_timeout: retry,
+        ..Default::default()
+    }
+}
+
+/// Copies with `side` served by `srv`, killing and restarting it `kills`
+/// times while the copy runs.
+fn copy_through_restarts(src: &str, dst: &str, srv: &mut Restartable, kills: usize) -> CopyStats {
+    let (src, dst) = (src.to_string(), dst.to_string());
+    let h = std::thread::spawn(move || copy::copy(&src, &dst, &opts(Duration::from_secs(30))));
+    let mut done = 0;
+    // The first kill early: a local server moves a few hundred MiB a second.
+    let mut wait = Duration::from_millis(40);
+    while done < kills {
+        srv.wait_for_client_or(|| h.is_finished());
+        std::thread::sleep(wait);
+        if h.is_finished() {
+            break;
+        }
+        srv.kill();
+        std::thread::sleep(Duration::from_millis(300));
+        srv.start();
+        done += 1;
+        wait = Duration::from_millis(150);
+    }
+    let st = h
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{}: {e}", srv.kind));
+    assert!(
+        done >= 1,
+        "{}: the copy ended before the first kill",
+        srv.kind
+    );
+    st
+}
+
+fn restart_matrix(kind: &'static str, tcp: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file(&src, 1);
+    random_file(&dst, 2);
+    // The destination server dies.
+    let mut srv = Restartable::new(kind, dir.path(), &dst, false, tcp);
+    let st = copy_through_restarts(src.to_str().unwrap(), &srv.uri(), &mut srv, 3);
+    assert!(st.reconnects >= 1, "{kind}: {st:?}");
+    drop(srv);
+    assert_same_files(&src, &dst);
+    // The source server dies.
+    let back = dir.path().join("back.img");
+    random_file(&back, 3);
+    let mut srv = Restartable::new(kind, dir.path(), &src, true, tcp);
+    let st = copy_through_restarts(&srv.uri(), back.to_str().unwrap(), &mut srv, 3);
+    assert!(st.reconnects >= 1, "{kind}: {st:?}");
+    drop(srv);
+    assert_same_files(&src, &back);
+}
+
+#[test]
+fn rawdisk_serve_restarted_mid_copy() {
+    restart_matrix("rawdisk", false);
+}
+
+#[test]
+fn rawdisk_serve_restarted_mid_copy_over_tcp() {
+    restart_matrix("rawdisk", true);
+}
+
+#[test]
+fn nbdkit_restarted_mid_copy() {
+    restart_matrix("nbdkit", false);
+}
+
+#[test]
+fn qemu_nbd_restarted_mid_copy() {
+    restart_matrix("qemu-nbd", false);
+}
+
+#[test]
+fn server_that_never_comes_back_fails_after_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file(&src, 4);
+    random_file(&dst, 5);
+    let mut srv = Restartable::new("rawdisk", dir.path(), &dst, false, false);
+    let uri = srv.uri();
+    let h = {
+        let src = src.clone();
+        let uri = uri.clone();
+        std::thread::spawn(move || {
+            copy::copy(src.to_str().unwrap(), &uri, &opts(Duration::from_secs(2)))
+        })
+    };
+    srv.wait_for_client();
+    std::thread::sleep(Duration::from_millis(40));
+    assert!(!h.is_finished(), "copy ended before the kill");
+    srv.kill();
+    let t0 = Instant::now();
+    let e = h.join().unwrap().unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(10),
+        "{took:?}"
+    );
+    let msg = e.to_string();
+    // An I/O error of the destination ("destination URI: ...").
+    assert!(msg.starts_with(&format!("destination {uri}: ")), "{msg}");
+    assert!(msg.contains("gave up reconnecting after 2s"), "{msg}");
+    assert!(msg.contains("did not come back"), "{msg}");
+
+    // The binary: --retry-timeout 0 fails at once, as before; exit 1.
+    srv.start();
+    let child = Command::new(rawdisk_bin())
+        .args(["copy", "--retry-timeout", "0", "-m", "2", "-C", "1"])
+        .args(["--request-size", "256K", src.to_str().unwrap(), &uri])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    srv.kill();
+    let t0 = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        // The copy won the race: nothing to check about the kill.
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{err}");
+    assert!(!err.contains("reconnecting"), "{err}");
+}
+
+#[test]
+fn binary_reconnects_and_verifies_through_new_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file(&src, 6);
+    random_file(&dst, 7);
+    let mut srv = Restartable::new("nbdkit", dir.path(), &dst, false, false);
+    let child = Command::new(rawdisk_bin())
+        .args([
+            "copy",
+            "--verify",
+            "--retry-timeout",
+            "20s",
+            "-m",
+            "4",
+            "-C",
+            "2",
+        ])
+        .args(["--request-size", "64K", src.to_str().unwrap(), &srv.uri()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    srv.wait_for_client();
+    std::thread::sleep(Duration::from_millis(60));
+    srv.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    srv.start();
+    let out = child.wait_with_output().unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{e}");
+    assert!(
+        o.contains("reconnected 1 time(s)") && o.contains("verified"),
+        "{o}"
+    );
+    assert!(
+        e.contains("reconnecting") && e.contains("reconnected"),
+        "{e}"
+    );
+    drop(srv);
+    assert_same_files(&src, &dst);
+}
+
+#[test]
+fn export_that_comes_back_different_stops_the_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file(&src, 8);
+    random_file(&dst, 9);
+    let other = dir.path().join("other.img");
+    std::fs::File::create(&other)
+        .unwrap()
+        .set_len(SIZE - 4096)
+        .unwrap();
+    for (what, file, read_only) in [
+        ("bytes instead of", other.clone(), false),
+        ("read-only", dst.clone(), true),
+    ] {
+        let mut srv = Restartable::new("rawdisk", dir.path(), &dst, false, false);
+        let (s, uri) = (src.clone(), srv.uri());
+        let h = std::thread::spawn(move || {
+            copy::copy(s.to_str().unwrap(), &uri, &opts(Duration::from_secs(20)))
+        });
+        srv.wait_for_client();
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!h.is_finished(), "copy ended before the kill");
+        srv.kill();
+        (srv.file, srv.read_only) = (file, read_only);
+        srv.start();
+        let t0 = Instant::now();
+        let e = h.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains(what), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{e}");
+    }
+}
