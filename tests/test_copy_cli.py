@@ -90,9 +90,6 @@ def test_nbdcopy_and_qemu_img_option_spellings(workdir):
 
 
 @pytest.mark.rawdisk_only("--max-connections is rawdisk serve's option")
-@pytest.mark.xfail(strict=True, reason="the NBD client's connect leaks the connections it opened "
-                   "when an extra one fails (their reader tasks keep the sockets), so the "
-                   "server's slots stay taken for the retry with fewer connections")
 @pytest.mark.parametrize("cap", [1, 2])
 def test_server_capping_connections_gets_the_connections_it_allows(workdir, serve, cap):
     src, model = make_image(workdir, "src.img", SIZE, seed=66)

@@ -178,6 +178,21 @@ impl Conn {
             len,
             reason,
         };
+        // The reader task writes replies into `buf[range]`: a range that does
+        // not fit would panic there, far from the caller's mistake.
+        if let Some((v, range)) = &buf {
+            if range.start > range.end || range.end > v.len() || (range.len() as u64) != len {
+                return Err(Error::Invalid {
+                    cmd: cmd.verb(),
+                    offset,
+                    len,
+                    why: format!(
+                        "buffer range {range:?} of a {}-byte buffer does not hold {len} bytes",
+                        v.len()
+                    ),
+                });
+            }
+        }
         // Register before sending: the reply may arrive before send returns.
         {
             let mut st = self.state.lock().unwrap();

@@ -276,7 +276,7 @@ impl Client {
                     message: format!("timed out after {:?}", opts.timeout),
                 })??;
         let mut info = first.1;
-        let mut conns = vec![first.0];
+        let mut opened = Opened(vec![first.0]);
         if info.can_multi_conn() && opts.connections > 1 {
             let mut set = tokio::task::JoinSet::new();
             for _ in 1..opts.connections {
@@ -287,27 +287,47 @@ impl Client {
                     tokio::time::timeout(opts.timeout, open).await
                 });
             }
+            // Every extra connection is waited for (each is bounded by the
+            // timeout), so on failure `opened` holds all that did open and
+            // closes them: none keeps a server slot the retry needs.
+            let mut failed = None;
             while let Some(r) = set.join_next().await {
-                let (conn, other) = r
+                let r = r
                     .map_err(|e| Error::Connect {
                         target: target.clone(),
                         message: e.to_string(),
-                    })?
-                    .map_err(|_| Error::Connect {
-                        target: target.clone(),
-                        message: "timed out opening an extra connection".into(),
-                    })??;
-                // Multi-conn promises the same export on every connection;
-                // anything else would make the connections disagree.
-                if other.size != info.size || other.extended_headers != info.extended_headers {
-                    return Err(Error::Handshake {
-                        target: target.clone(),
-                        message: "extra connection negotiated a different export".into(),
-                    });
+                    })
+                    .and_then(|r| {
+                        r.map_err(|_| Error::Connect {
+                            target: target.clone(),
+                            message: "timed out opening an extra connection".into(),
+                        })
+                    })
+                    .and_then(|r| r);
+                match r {
+                    Ok((conn, other)) => {
+                        opened.0.push(conn);
+                        // Multi-conn promises the same export on every
+                        // connection; anything else would make them disagree.
+                        if other.size != info.size
+                            || other.extended_headers != info.extended_headers
+                        {
+                            failed.get_or_insert(Error::Handshake {
+                                target: target.clone(),
+                                message: "extra connection negotiated a different export".into(),
+                            });
+                        }
+                    }
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
                 }
-                conns.push(conn);
+            }
+            if let Some(e) = failed {
+                return Err(e);
             }
         }
+        let conns = std::mem::take(&mut opened.0);
         info.connections = conns.len();
         tracing::debug!(target = %target, ?info, "NBD export open");
         Ok(Client {
@@ -556,10 +576,25 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
-        for c in &self.conns {
-            if let Some(h) = c.reader.lock().unwrap().take() {
-                h.abort();
-            }
+        abort_readers(&self.conns);
+    }
+}
+
+/// The connections `connect` has opened so far: closed if it fails part-way.
+struct Opened(Vec<Arc<Conn>>);
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        abort_readers(&self.0);
+    }
+}
+
+/// Each reader task holds its connection (and the socket's read half), so a
+/// connection closes only once its reader is stopped.
+fn abort_readers(conns: &[Arc<Conn>]) {
+    for c in conns {
+        if let Some(h) = c.reader.lock().unwrap().take() {
+            h.abort();
         }
     }
 }
