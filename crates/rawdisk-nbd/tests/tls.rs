@@ -726,16 +726,24 @@ fn tls_handshake_holds_a_connection_slot() {
     let mut stalled = h.greeted();
     starttls(&mut stalled);
     stalled.write_all(&[0x16, 0x03]).unwrap();
-    // The only slot is taken: the next connection is closed at accept,
-    // before any greeting.
+    // The only slot is taken: the next connection is refused; it is told
+    // why (NBD_REP_ERR_POLICY to its options) and never gets an export.
     let mut refused = TcpStream::connect(("127.0.0.1", h.port)).unwrap();
     refused
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let mut b = [0u8; 18];
+    greet(&mut refused);
+    send_opt(&mut refused, OPT_GO, &go_data());
+    let (opt, typ, why) = reply(&mut refused);
+    assert_eq!(
+        (opt, typ),
+        (OPT_GO, REP_ERR_POLICY),
+        "a connection beyond the cap was served"
+    );
     assert!(
-        matches!(refused.read(&mut b), Ok(0) | Err(_)),
-        "a connection beyond the cap got a greeting"
+        String::from_utf8_lossy(&why).contains("too many connections"),
+        "{}",
+        String::from_utf8_lossy(&why)
     );
     assert!(
         closed_within(&mut stalled, 8),
