@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
 use crate::proto::{error_name, Command};
 
@@ -178,8 +178,10 @@ pub(super) struct Handshakes {
 }
 
 /// Connection ids in the handshake, oldest first, each with the sender
-/// whose drop tells it to close.
-type Waiting = Arc<Mutex<VecDeque<(u64, oneshot::Sender<()>)>>>;
+/// whose drop tells it to close and its place under the connection cap.
+/// Evicting drops both at once: the place is free before the next accept,
+/// not only once the evicted task gets to run (under a flood it may not).
+type Waiting = Arc<Mutex<VecDeque<(u64, oneshot::Sender<()>, OwnedSemaphorePermit)>>>;
 
 /// A place among the connections in the handshake; given up when dropped.
 pub(super) struct HandshakeSlot {
@@ -190,9 +192,19 @@ pub(super) struct HandshakeSlot {
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = q.iter().position(|(id, _)| *id == self.id) {
+        if let Some(i) = q.iter().position(|(id, ..)| *id == self.id) {
             q.remove(i);
         }
+    }
+}
+
+impl HandshakeSlot {
+    /// The handshake is over: leave the queue, keeping the place under the
+    /// cap; None if the connection was evicted meanwhile.
+    pub(super) fn finish(self) -> Option<OwnedSemaphorePermit> {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let i = q.iter().position(|(id, ..)| *id == self.id)?;
+        q.remove(i).map(|(_, _, place)| place)
     }
 }
 
@@ -210,12 +222,16 @@ impl Handshakes {
 
     /// A place for connection `id`, and what resolves if it is taken away;
     /// true if the oldest connection had to give its place up.
-    pub(super) fn enter(&self, id: u64) -> (HandshakeSlot, oneshot::Receiver<()>, bool) {
+    pub(super) fn enter(
+        &self,
+        id: u64,
+        place: OwnedSemaphorePermit,
+    ) -> (HandshakeSlot, oneshot::Receiver<()>, bool) {
         let (tx, rx) = oneshot::channel();
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         // Dropping its sender wakes the evicted connection.
         let evicted = q.len() >= self.cap && q.pop_front().is_some();
-        q.push_back((id, tx));
+        q.push_back((id, tx, place));
         let slot = HandshakeSlot {
             id,
             queue: self.queue.clone(),
@@ -251,12 +267,14 @@ mod tests {
 
     #[test]
     fn handshakes_beyond_the_share_evict_the_oldest() {
+        let cap = Arc::new(tokio::sync::Semaphore::new(3));
+        let place = || cap.clone().try_acquire_owned().unwrap();
         let h = Handshakes::new(2);
-        let (a, mut ra, e) = h.enter(1);
+        let (a, mut ra, e) = h.enter(1, place());
         assert!(!e);
-        let (b, mut rb, e) = h.enter(2);
+        let (b, mut rb, e) = h.enter(2, place());
         assert!(!e);
-        let (_c, mut rc, e) = h.enter(3);
+        let (_c, mut rc, e) = h.enter(3, place());
         assert!(e);
         assert!(matches!(
             ra.try_recv(),
@@ -266,15 +284,21 @@ mod tests {
             rb.try_recv(),
             Err(oneshot::error::TryRecvError::Empty)
         ));
-        // A finished handshake frees its place without evicting anyone.
-        drop(b);
-        drop(a);
-        let (_d, _rd, e) = h.enter(4);
+        // The evicted connection's place is free at once, before its task
+        // has run (`a` is still alive here).
+        assert_eq!(cap.available_permits(), 1);
+        assert!(a.finish().is_none(), "an evicted connection keeps no place");
+        // A finished handshake keeps its place and evicts no one.
+        let kept = b.finish().expect("place kept");
+        assert_eq!(cap.available_permits(), 1);
+        let (_d, _rd, e) = h.enter(4, place());
         assert!(!e);
         assert!(matches!(
             rc.try_recv(),
             Err(oneshot::error::TryRecvError::Empty)
         ));
+        drop(kept);
+        assert_eq!(cap.available_permits(), 1);
     }
 
     #[test]

@@ -46,7 +46,7 @@ use std::time::Duration;
 
 use rawdisk_storage::{CacheMode, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 use tracing::{debug, warn, Instrument};
 
@@ -304,7 +304,7 @@ impl Server {
 /// handshake, which a newer connection may take (`evicted` resolves).
 struct Admission {
     id: u64,
-    _conn: OwnedSemaphorePermit,
+    /// Holds the place under the cap until the handshake is over.
     handshake: HandshakeSlot,
     evicted: tokio::sync::oneshot::Receiver<()>,
 }
@@ -327,7 +327,7 @@ impl Shared {
         };
         self.stats.accepted();
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let (handshake, evicted, full) = self.handshakes.enter(id);
+        let (handshake, evicted, full) = self.handshakes.enter(id, conn);
         if full {
             self.stats.evicted();
             if let Some(skipped) = self.evictions.allow() {
@@ -341,7 +341,6 @@ impl Shared {
         }
         Some(Admission {
             id,
-            _conn: conn,
             handshake,
             evicted,
         })
@@ -445,9 +444,7 @@ async fn connection<R, W>(
     let rd = Input::new(rd);
     let wr = BufWriter::with_capacity(64 << 10, wr);
     let negotiate = handshake::handshake(&sh, rd, wr, &peer);
-    // `_conn` holds this connection's place under the cap until it ends.
     let Admission {
-        _conn,
         handshake: in_handshake,
         mut evicted,
         ..
@@ -485,7 +482,11 @@ async fn connection<R, W>(
         }
         Ok(Ok(Some(s))) => s,
     };
-    drop(in_handshake);
+    // The place under the cap is held until the connection ends.
+    let Some(_place) = in_handshake.finish() else {
+        debug!("{peer}: closed in the handshake to admit a newer connection");
+        return;
+    };
     match link {
         Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, peer, shutdown).await,
         Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, peer, shutdown).await,
