@@ -42,6 +42,9 @@ pub struct CompareOptions {
     pub threads: usize,
     /// NBD connections per side when the server allows multi-conn.
     pub connections: usize,
+    /// Compare only the first N bytes and ignore what lies past them: `copy
+    /// --verify`, whose destination may be longer than its source.
+    pub only_first: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -229,8 +232,10 @@ pub fn compare_endpoints(
 ) -> Result<CompareReport, endpoint::Error> {
     let t0 = Instant::now();
     let (size_a, size_b) = (a.size(), b.size());
-    let common = size_a.min(size_b);
-    let longer = size_a.max(size_b);
+    let (common, longer) = match opts.only_first {
+        Some(n) => (size_a.min(size_b).min(n), size_a.min(size_b).min(n)),
+        None => (size_a.min(size_b), size_a.max(size_b)),
+    };
     let mut report = CompareReport {
         outcome: Outcome::Identical,
         size_a,

@@ -63,14 +63,6 @@ impl<'a> Link<'a> {
         Link { first: ep, retry }
     }
 
-    /// A side that is never reconnected.
-    pub(super) fn fixed(ep: &'a Endpoint) -> Link<'a> {
-        Link {
-            first: ep,
-            retry: None,
-        }
-    }
-
     /// Ends the connection made by a reconnect (the caller closes `first`).
     pub(super) fn close_reconnected(&self) -> endpoint::Result<()> {
         let cur = self

@@ -52,6 +52,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         strict: a.strict,
         threads: 0,
         connections: 4,
+        ..Default::default()
     };
     let bar = if a.progress && !a.quiet {
         Bar::stderr()
