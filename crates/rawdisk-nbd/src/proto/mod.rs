@@ -1018,7 +1018,9 @@ impl OptionReply {
             }
             e if e & REP_FLAG_ERROR != 0 => Ok(OptionReply::Error {
                 reply: e,
-                message: lossy_string(&data[..data.len().min(MAX_STRING)]),
+                // Invalid UTF-8 grows in the lossy decode (U+FFFD is 3 bytes):
+                // clip again so what decodes is what `encode` sends back.
+                message: clip(&lossy_string(&data[..data.len().min(MAX_STRING)])).to_owned(),
             }),
             _ => Ok(OptionReply::Unknown {
                 reply,
