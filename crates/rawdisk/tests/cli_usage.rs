@@ -68,3 +68,34 @@ fn run_errors_give_one_line_and_exit_1() {
     run_rawdisk(&["info", &uri]).fails_one_line(1);
     run_rawdisk(&["map", &uri]).fails_one_line(1);
 }
+
+/// clap's detail survives the flattening to one line, and the hint names the
+/// help of the subcommand being typed.
+#[test]
+fn usage_errors_keep_the_detail() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["copy"],
+            &["<SOURCE>", "<DESTINATION>", "(see 'rawdisk copy --help')"],
+        ),
+        (
+            &["info", "--output", "jsn", "x.img"],
+            &["human, json", "'json'", "(see 'rawdisk info --help')"],
+        ),
+        (
+            &["serve", "--read-onyl", "x.img"],
+            &["'--read-only'", "(see 'rawdisk serve --help')"],
+        ),
+        (&["mapp", "x.img"], &["'map'", "(see 'rawdisk --help')"]),
+    ];
+    for (args, wants) in cases {
+        let r = run_rawdisk(args).fails_one_line(2);
+        for want in *wants {
+            assert!(
+                r.stderr.contains(want),
+                "{args:?}: {want} in {:?}",
+                r.stderr
+            );
+        }
+    }
+}
