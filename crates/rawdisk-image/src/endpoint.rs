@@ -16,8 +16,7 @@ use rawdisk_storage::{CacheMode, ExtentKind, Kind, OpenOptions, Target, ZeroFlag
 
 /// A failed operation on an endpoint: which endpoint, and the operation's own
 /// message (which names the operation, offset, length and errno).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{endpoint}: {message}")]
+#[derive(Debug, Clone)]
 pub struct Error {
     pub endpoint: String,
     pub message: String,
@@ -26,6 +25,22 @@ pub struct Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The object once: a message whose first part already names the
+        // endpoint ("'U': unknown parameter", "open PATH: ...") is not
+        // prefixed; a cause deeper in the message does not count.
+        let head = self.message.split(": ").next().unwrap_or("");
+        if head.contains(&self.endpoint) {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.endpoint, self.message)
+        }
+    }
+}
+
+impl std::error::Error for Error {}
 
 /// The runtime NBD connections live on (two worker threads: the reader tasks
 /// only move bytes).

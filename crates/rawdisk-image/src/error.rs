@@ -74,6 +74,15 @@ impl fmt::Display for Error {
         // otherwise repeat it ("...: No space left: No space left").
         f.write_str(&self.context)?;
         if let Some(s) = &self.source {
+            let s = s.to_string();
+            // The object once: "cannot connect to 'U'" followed by a cause
+            // that starts by quoting 'U' again drops the cause's copy.
+            let s = match self.context.rfind(" '") {
+                Some(i) => s
+                    .strip_prefix(&format!("{}: ", &self.context[i + 1..]))
+                    .unwrap_or(&s),
+                None => &s,
+            };
             write!(f, ": {s}")?;
         }
         if let Some(n) = &self.note {

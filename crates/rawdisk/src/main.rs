@@ -93,10 +93,28 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("rawdisk: {e:#}");
+            eprintln!("rawdisk: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// A failure as one line: each cause in the chain once. An error whose text
+/// already includes its source (an io::Error's "No such file or directory")
+/// and also returns it from `source()` would otherwise print it twice.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if out.contains(&s) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&s);
+    }
+    out
 }
 
 /// Flattens clap's rendered error into one line: the message and its detail

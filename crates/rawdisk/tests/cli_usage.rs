@@ -99,3 +99,51 @@ fn usage_errors_keep_the_detail() {
         }
     }
 }
+
+/// The cause is said once, and the object once, in every command.
+#[test]
+fn causes_and_objects_said_once() {
+    let d = tempdir();
+    let missing = d.path().join("nosuch.img");
+    let m = missing.to_str().unwrap();
+    let dst = d.path().join("dst.img");
+    let dst = dst.to_str().unwrap();
+    let cmds: Vec<Vec<&str>> = vec![
+        vec!["serve", m],
+        vec!["info", m],
+        vec!["map", m],
+        vec!["probe", m],
+        vec!["copy", m, dst],
+        vec!["checksum", m],
+        vec!["resize", m, "1M"],
+    ];
+    for args in &cmds {
+        let r = run_rawdisk(args).fails_one_line(1);
+        assert_eq!(
+            r.stderr.matches("No such file or directory").count(),
+            1,
+            "{args:?}: {:?}",
+            r.stderr
+        );
+    }
+    let uri = format!("nbd+unix:///?sock={}", d.path().join("s").display());
+    for args in [
+        vec!["info", uri.as_str()],
+        vec!["map", uri.as_str()],
+        vec!["copy", uri.as_str(), dst],
+        vec!["checksum", uri.as_str()],
+    ] {
+        let r = run_rawdisk(&args).fails_one_line(1);
+        assert_eq!(
+            r.stderr.matches(&uri).count(),
+            1,
+            "{args:?}: {:?}",
+            r.stderr
+        );
+        assert!(
+            r.stderr.contains("did you mean \"socket\"?"),
+            "{args:?}: {:?}",
+            r.stderr
+        );
+    }
+}
