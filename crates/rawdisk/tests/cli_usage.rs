@@ -147,3 +147,27 @@ fn causes_and_objects_said_once() {
         );
     }
 }
+
+/// `10GB` and `5MB` are refused (qemu-img refuses them) with the forms that
+/// are accepted; a negative size reaches the size parser and is named so.
+#[test]
+fn decimal_looking_and_negative_sizes_refused() {
+    let d = tempdir();
+    let img = d.path().join("x.img");
+    let img_s = img.to_str().unwrap();
+    for (args, want) in [
+        (vec!["create", img_s, "10GB"], "write 10G or 10GiB"),
+        (vec!["create", img_s, "5MB"], "write 5M or 5MiB"),
+        (vec!["resize", img_s, "5MB"], "write 5M or 5MiB"),
+        (vec!["create", img_s, "-5M"], "negative size"),
+        (vec!["serve", "--create", "-5M", img_s], "negative size"),
+        (vec!["copy", "-S", "-4K", img_s, img_s], "negative size"),
+    ] {
+        let r = run_rawdisk(&args).fails_one_line(2);
+        assert!(r.stderr.contains(want), "{args:?}: {:?}", r.stderr);
+        assert!(!img.exists(), "{args:?} created the file");
+    }
+    // The binary spellings stay accepted.
+    run_rawdisk(&["create", img_s, "64KiB"]).ok();
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 65536);
+}

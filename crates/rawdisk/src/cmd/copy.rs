@@ -43,10 +43,16 @@ pub struct Args {
     connections: u32,
     /// Bytes per read and write request, at most the NBD server's maximum
     /// [default: 2M].
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, allow_hyphen_values = true, value_parser = size_arg)]
     request_size: Option<u64>,
     /// Zero blocks of this size in the data become zero requests (0: off).
-    #[arg(short = 'S', long = "sparse-size", default_value = "4K", value_parser = size_arg)]
+    #[arg(
+        short = 'S',
+        long = "sparse-size",
+        default_value = "4K",
+        allow_hyphen_values = true,
+        value_parser = size_arg
+    )]
     sparse_size: u64,
     /// Keep zeroed ranges allocated in the destination (NBD_CMD_FLAG_NO_HOLE).
     #[arg(long, conflicts_with = "target_is_zero")]

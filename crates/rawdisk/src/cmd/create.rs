@@ -52,7 +52,7 @@ pub struct Args {
     /// File to create, or block device.
     target: PathBuf,
     /// Size, with qemu-img suffixes: 512, 64K, 10G, 1.5T.
-    #[arg(value_parser = crate::size::size_arg)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::size::size_arg)]
     size: u64,
 }
 

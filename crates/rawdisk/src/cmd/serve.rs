@@ -44,7 +44,7 @@ pub struct Args {
     cache: CacheArg,
     /// Create TARGET with this size first (qemu-img suffixes); an existing
     /// target of the same size is served as it is, another size refused.
-    #[arg(long, value_name = "SIZE", value_parser = crate::size::size_arg)]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::size::size_arg)]
     create: Option<u64>,
     /// Allocation of a file made by --create.
     #[arg(long, value_enum, requires = "create", default_value = "off")]
