@@ -42,6 +42,20 @@ impl std::fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// The text of a failed open, worded the same in every command: a directory
+/// opened for writing fails with EISDIR, for reading the engine refuses it as
+/// "not a regular file or block device"; both are said the second way.
+pub fn open_error_message(path: &Path, e: &rawdisk_storage::Error) -> String {
+    if e.errno() == Some(libc::EISDIR) {
+        format!(
+            "open {}: not a regular file or block device",
+            path.display()
+        )
+    } else {
+        e.to_string()
+    }
+}
+
 /// The runtime NBD connections live on (two worker threads: the reader tasks
 /// only move bytes).
 pub fn runtime() -> &'static tokio::runtime::Runtime {
@@ -140,7 +154,7 @@ impl Endpoint {
         .map_err(|e| Error {
             endpoint: path.display().to_string(),
             errno: e.errno(),
-            message: e.to_string(),
+            message: open_error_message(path, &e),
         })?;
         Ok(Endpoint::Local {
             path: path.to_path_buf(),

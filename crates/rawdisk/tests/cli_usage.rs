@@ -171,3 +171,53 @@ fn decimal_looking_and_negative_sizes_refused() {
     run_rawdisk(&["create", img_s, "64KiB"]).ok();
     assert_eq!(std::fs::metadata(&img).unwrap().len(), 65536);
 }
+
+/// The same mistake gets the same words in every command: an NBD URI where
+/// only a local target makes sense, and a directory.
+#[test]
+fn same_mistake_same_words() {
+    let d = tempdir();
+    let uri = format!("nbd+unix:///?socket={}", d.path().join("s").display());
+    for args in [
+        vec!["create", uri.as_str(), "1M"],
+        vec!["probe", uri.as_str()],
+        vec!["resize", uri.as_str(), "1M"],
+        vec!["serve", uri.as_str()],
+    ] {
+        let r = run_rawdisk(&args).fails_one_line(1);
+        assert!(
+            r.stderr.contains("NBD URIs are not accepted here"),
+            "{args:?}: {:?}",
+            r.stderr
+        );
+    }
+    let dir = d.path().join("dir");
+    std::fs::create_dir(&dir).unwrap();
+    let dir = dir.to_str().unwrap();
+    let file = d.path().join("f.img");
+    std::fs::write(&file, b"data").unwrap();
+    let file = file.to_str().unwrap();
+    for args in [
+        vec!["info", dir],
+        vec!["map", dir],
+        vec!["probe", dir],
+        vec!["copy", dir, file],
+        vec!["copy", file, dir],
+        vec!["checksum", dir],
+        vec!["compare", dir, file],
+        vec!["serve", dir],
+        vec!["serve", "--create", "1M", dir],
+        vec!["create", dir, "1M"],
+        vec!["resize", dir, "1M"],
+    ] {
+        // compare keeps cmp's codes: 1 means "different", 2 an error.
+        let code = if args[0] == "compare" { 2 } else { 1 };
+        let r = run_rawdisk(&args).fails_one_line(code);
+        assert!(
+            r.stderr.contains("not a regular file or block device"),
+            "{args:?}: {:?}",
+            r.stderr
+        );
+    }
+    assert_eq!(std::fs::read(file).unwrap(), b"data");
+}

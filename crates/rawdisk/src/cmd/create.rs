@@ -58,6 +58,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let FormatArg::Raw = args.format;
+    super::local_only(&args.target, "create")?;
     let opts = CreateOptions {
         path: args.target,
         size: args.size,

@@ -9,7 +9,22 @@ pub mod probe;
 pub mod resize;
 pub mod serve;
 
+use std::path::Path;
+
 use rawdisk_storage::{CacheMode, Prealloc};
+
+/// Commands that work on a local file or block device only refuse an NBD URI
+/// by name, instead of failing to open a file called "nbd://...".
+pub fn local_only(path: &Path, verb: &str) -> anyhow::Result<()> {
+    if let Some(s) = path.to_str() {
+        if rawdisk_nbd::uri::looks_like_nbd_uri(s) {
+            anyhow::bail!(
+                "cannot {verb} '{s}': NBD URIs are not accepted here ({verb} works on a local file or block device)"
+            );
+        }
+    }
+    Ok(())
+}
 
 /// `--preallocation`, shared by create, serve --create and copy.
 #[derive(Clone, Copy, clap::ValueEnum)]

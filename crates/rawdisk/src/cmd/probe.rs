@@ -25,6 +25,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    super::local_only(&args.target, "probe")?;
     let r = probe(&ProbeOptions {
         path: args.target,
         destructive: args.destructive,

@@ -60,6 +60,7 @@ fn size_spec(s: &str) -> Result<SizeSpec, String> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    super::local_only(&a.target, "resize")?;
     let opts = ResizeOptions {
         path: a.target,
         size: a.size,

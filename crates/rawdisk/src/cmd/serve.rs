@@ -108,6 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // First, while the process has one thread: it unsets the variables, and
     // setenv/unsetenv race with any other thread's getenv.
     let activated = take_activation_fd();
+    super::local_only(&args.target, "serve")?;
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
@@ -144,8 +145,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let target = match opened {
         Ok(t) => Arc::new(t),
         Err(e) => {
-            return Err(anyhow::Error::new(e))
-                .with_context(|| format!("cannot serve '{}'", args.target.display()));
+            let msg = rawdisk_image::endpoint::open_error_message(&args.target, &e);
+            bail!("cannot serve '{}': {msg}", args.target.display());
         }
     };
     if let Some(size) = args.create {
