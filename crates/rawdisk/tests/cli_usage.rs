@@ -221,3 +221,32 @@ fn same_mistake_same_words() {
     }
     assert_eq!(std::fs::read(file).unwrap(), b"data");
 }
+
+/// A file the user may not write, served without --read-only: the error says
+/// so and names the flag. Root ignores the mode bits, so for root the file is
+/// made immutable instead (EPERM).
+#[test]
+fn read_only_file_served_suggests_read_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempdir();
+    let img = d.path().join("ro.img");
+    std::fs::write(&img, vec![7u8; 4096]).unwrap();
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let img_s = img.to_str().unwrap();
+    let root = rawdisk_testkit::is_root();
+    if root {
+        tool("chattr", &["+i", img_s]);
+    }
+    let r = run_rawdisk(&["serve", img_s]);
+    if root {
+        tool("chattr", &["-i", img_s]);
+    }
+    let r = r.fails_one_line(1);
+    assert!(
+        r.stderr.contains("serve it with --read-only"),
+        "{:?}",
+        r.stderr
+    );
+    assert_eq!(r.stderr.matches("os error").count(), 1, "{:?}", r.stderr);
+    assert_eq!(std::fs::read(&img).unwrap(), vec![7u8; 4096]);
+}

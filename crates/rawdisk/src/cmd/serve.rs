@@ -146,7 +146,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(t) => Arc::new(t),
         Err(e) => {
             let msg = rawdisk_image::endpoint::open_error_message(&args.target, &e);
-            bail!("cannot serve '{}': {msg}", args.target.display());
+            // Opened for writing by default (qemu-nbd and nbdkit do the same):
+            // a file the user may only read needs the flag, so say which.
+            let denied = e
+                .errno()
+                .map(|n| std::io::Error::from_raw_os_error(n).kind());
+            let hint = match denied {
+                Some(
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
+                ) if !args.read_only => {
+                    "; it cannot be opened for writing: serve it with --read-only"
+                }
+                _ => "",
+            };
+            bail!("cannot serve '{}': {msg}{hint}", args.target.display());
         }
     };
     if let Some(size) = args.create {
