@@ -1,5 +1,5 @@
-//! `rawdisk serve [--socket PATH | --bind HOST:PORT] [--read-only]
-//! [--export-name NAME] [--cache writeback|none] [--write-behind] [--map-writes]
+//! `rawdisk serve [-U|-k|--socket PATH | -b|-i|--bind HOST[:PORT] -p|--port PORT]
+//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer] [-v] TARGET`
@@ -27,18 +27,28 @@ use tokio::sync::watch;
 /// Export a file or block device over NBD.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Listen on this Unix socket (replaces a stale socket file).
-    #[arg(long, value_name = "PATH", conflicts_with = "bind")]
+    /// Listen on this Unix socket (replaces a stale socket file). -U as
+    /// nbdkit, -k as qemu-nbd.
+    #[arg(short = 'U', short_alias = 'k', long, value_name = "PATH", conflicts_with_all = ["bind", "port"])]
     socket: Option<PathBuf>,
-    /// Listen on this TCP address [default: 127.0.0.1:10809].
-    #[arg(long, value_name = "HOST:PORT")]
+    /// Listen on this TCP address: HOST:PORT, HOST (port from --port or
+    /// 10809), or PORT alone, which listens on 127.0.0.1 only, like the
+    /// default [default: 127.0.0.1:10809]. -b as qemu-nbd, -i as nbdkit.
+    #[arg(short = 'b', short_alias = 'i', long, value_name = "HOST[:PORT]")]
     bind: Option<String>,
+    /// TCP port to listen on [default: 10809].
+    #[arg(short = 'p', long, value_name = "PORT")]
+    port: Option<u16>,
     /// Refuse writes (NBD_FLAG_READ_ONLY); opens the target read-only.
-    #[arg(long)]
+    #[arg(short = 'r', long)]
     read_only: bool,
     /// Name of the export; clients asking for another name are refused.
-    #[arg(long, value_name = "NAME", default_value = "")]
+    #[arg(short = 'e', long, value_name = "NAME", default_value = "")]
     export_name: String,
+    /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
+    /// whatever the clients do.
+    #[arg(short = 't', long)]
+    persistent: bool,
     /// Page cache or O_DIRECT.
     #[arg(long, value_enum, default_value = "writeback")]
     cache: CacheArg,
@@ -50,7 +60,7 @@ pub struct Args {
     #[arg(long, value_enum, requires = "create", default_value = "off")]
     preallocation: PreallocArg,
     /// Write the server's pid here once it is ready; removed at exit.
-    #[arg(long, value_name = "PATH")]
+    #[arg(short = 'P', long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
@@ -386,7 +396,7 @@ fn listen(
         );
         return Ok((Bound::Unix(l), uri));
     }
-    let bind = args.bind.as_deref().unwrap_or("127.0.0.1:10809");
+    let bind = &listen_address(args.bind.as_deref(), args.port)?;
     let l =
         std::net::TcpListener::bind(bind).with_context(|| format!("cannot listen on {bind}"))?;
     l.set_nonblocking(true)
@@ -400,6 +410,42 @@ fn listen(
         Bound::Tcp(l),
         format!("nbd://{host}:{}/{export}", addr.port()),
     ))
+}
+
+/// The TCP address to listen on from --bind and --port. A bare PORT means
+/// loopback, like the default: exposing a disk on every address must be
+/// asked for by name (0.0.0.0, ::).
+fn listen_address(bind: Option<&str>, port: Option<u16>) -> anyhow::Result<String> {
+    const PORT: u16 = 10809;
+    let Some(b) = bind else {
+        return Ok(format!("127.0.0.1:{}", port.unwrap_or(PORT)));
+    };
+    let both = || anyhow::anyhow!("--bind '{b}' already names a port; --port cannot change it");
+    if !b.is_empty() && b.bytes().all(|c| c.is_ascii_digit()) {
+        return match port {
+            Some(_) => Err(both()),
+            None => Ok(format!("127.0.0.1:{b}")),
+        };
+    }
+    // HOST:PORT, [V6]:PORT; a bare V6 address has several colons.
+    let has_port = if b.starts_with('[') {
+        b.contains("]:")
+    } else {
+        b.matches(':').count() == 1
+    };
+    if has_port {
+        return match port {
+            Some(_) => Err(both()),
+            None => Ok(b.to_string()),
+        };
+    }
+    let host = b.trim_start_matches('[').trim_end_matches(']');
+    let port = port.unwrap_or(PORT);
+    Ok(if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    })
 }
 
 /// Opens (creates) the pid file now, so a bad path fails before anything is
@@ -617,12 +663,22 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::duration_arg;
+    use super::{duration_arg, listen_address};
     use std::time::Duration;
 
     #[test]
     fn durations() {
         assert_eq!(duration_arg("90"), Ok(Duration::from_secs(90)));
+        let la = |b, p| listen_address(b, p).ok();
+        assert_eq!(la(None, None).as_deref(), Some("127.0.0.1:10809"));
+        assert_eq!(la(None, Some(99)).as_deref(), Some("127.0.0.1:99"));
+        assert_eq!(la(Some("99"), None).as_deref(), Some("127.0.0.1:99"));
+        assert_eq!(la(Some("0.0.0.0"), Some(99)).as_deref(), Some("0.0.0.0:99"));
+        assert_eq!(la(Some("h:1"), None).as_deref(), Some("h:1"));
+        assert_eq!(la(Some("::1"), None).as_deref(), Some("[::1]:10809"));
+        assert_eq!(la(Some("[::1]:5"), None).as_deref(), Some("[::1]:5"));
+        assert_eq!(la(Some("h:1"), Some(2)), None);
+        assert_eq!(la(Some("1"), Some(2)), None);
         assert_eq!(duration_arg("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(duration_arg("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(duration_arg("15m"), Ok(Duration::from_secs(900)));

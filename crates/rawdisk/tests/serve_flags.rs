@@ -1,0 +1,88 @@
+//! serve's short flags, as users of qemu-nbd and nbdkit type them, checked by
+//! serving a file and reading what a client is told.
+
+mod common;
+use common::*;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+
+/// Starts `rawdisk serve ARGS` and returns it with the URI it prints once it
+/// is accepting.
+fn serve(args: &[&str]) -> (Child, String) {
+    let mut child = rawdisk()
+        .arg("serve")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(!line.is_empty(), "serve {args:?} printed no URI");
+    (child, line.trim().to_string())
+}
+
+fn stop(mut c: Child) {
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[test]
+fn short_flags_of_qemu_nbd_and_nbdkit() {
+    let d = tempdir();
+    let img = d.path().join("t.img");
+    std::fs::write(&img, vec![5u8; 1 << 20]).unwrap();
+    let img = img.to_str().unwrap();
+    let sock = d.path().join("s.sock");
+    let pid = d.path().join("p.pid");
+    for sflag in ["-U", "-k"] {
+        let (c, uri) = serve(&[
+            "-r",
+            "-e",
+            "foo",
+            sflag,
+            sock.to_str().unwrap(),
+            "-P",
+            pid.to_str().unwrap(),
+            "-t",
+            img,
+        ]);
+        let pid_text = std::fs::read_to_string(&pid).unwrap();
+        assert_eq!(pid_text.trim(), c.id().to_string());
+        assert!(uri.starts_with("nbd+unix:///foo?socket="), "{uri}");
+        let j = run_rawdisk(&["info", "--output", "json", &uri]).ok().json();
+        stop(c);
+        assert_eq!(j["read-only"], true, "{j}");
+        assert_eq!(j["nbd"]["export-name"], "foo", "{j}");
+        assert_eq!(j["virtual-size"], 1 << 20, "{j}");
+    }
+    // --bind PORT alone: loopback; -b/-i HOST with -p PORT.
+    for args in [
+        vec!["-p".to_string()],
+        vec!["--bind".to_string()],
+        vec!["-b".to_string(), "127.0.0.1".into(), "-p".into()],
+        vec!["-i".to_string(), "127.0.0.1".into(), "-p".into()],
+    ] {
+        let port = free_port().to_string();
+        let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
+        a.push(&port);
+        a.push(img);
+        let (c, uri) = serve(&a);
+        let j = run_rawdisk(&["info", "--output", "json", &uri]).ok().json();
+        stop(c);
+        assert_eq!(uri, format!("nbd://127.0.0.1:{port}/"), "{a:?}");
+        assert_eq!(j["read-only"], false, "{j}");
+    }
+    // A port given twice, and a TCP port with a Unix socket, are usage errors.
+    run_rawdisk(&["serve", "-b", "127.0.0.1:1", "-p", "2", img]).fails_one_line(1);
+    run_rawdisk(&["serve", "-U", "x.sock", "-p", "2", img]).fails_one_line(2);
+    assert_eq!(std::fs::read(img).unwrap(), vec![5u8; 1 << 20]);
+}
