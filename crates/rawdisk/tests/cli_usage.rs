@@ -250,3 +250,34 @@ fn read_only_file_served_suggests_read_only() {
     assert_eq!(r.stderr.matches("os error").count(), 1, "{:?}", r.stderr);
     assert_eq!(std::fs::read(&img).unwrap(), vec![7u8; 4096]);
 }
+
+/// `-f raw` as qemu-img users type it, in info, map and copy (and -O raw in
+/// copy); any other format is refused with the one accepted.
+#[test]
+fn format_raw_accepted_others_refused() {
+    let d = tempdir();
+    let src = d.path().join("s.img");
+    std::fs::write(&src, vec![9u8; 65536]).unwrap();
+    let src = src.to_str().unwrap();
+    let dst = d.path().join("d.img");
+    let dst_s = dst.to_str().unwrap();
+    run_rawdisk(&["info", "-f", "raw", src]).ok();
+    run_rawdisk(&["map", "-f", "raw", src]).ok();
+    run_rawdisk(&["copy", "-q", "-f", "raw", "-O", "raw", src, dst_s]).ok();
+    assert_eq!(std::fs::read(&dst).unwrap(), vec![9u8; 65536]);
+    std::fs::remove_file(&dst).unwrap();
+    for args in [
+        vec!["info", "-f", "qcow2", src],
+        vec!["map", "--format", "vmdk", src],
+        vec!["copy", "-f", "qcow2", src, dst_s],
+        vec!["copy", "-O", "qcow2", src, dst_s],
+    ] {
+        let r = run_rawdisk(&args).fails_one_line(2);
+        assert!(
+            r.stderr.contains("[possible values: raw]"),
+            "{args:?}: {:?}",
+            r.stderr
+        );
+    }
+    assert!(!dst.exists());
+}

@@ -10,7 +10,7 @@
 //! after the requests in flight, with a line saying how far it got and exit
 //! status 130 or 143.
 
-use super::{CacheArg, PreallocArg};
+use super::{CacheArg, FormatArg, PreallocArg};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
@@ -34,6 +34,12 @@ pub struct Args {
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
+    /// Source format, for qemu-img convert habits: only raw.
+    #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
+    _format: FormatArg,
+    /// Destination format, for qemu-img convert habits: only raw.
+    #[arg(short = 'O', long = "output-format", value_enum, default_value = "raw")]
+    _output_format: FormatArg,
     /// Requests in flight [default: 16 when a side is NBD; between local
     /// files and devices one per CPU, 16 with --cache none].
     #[arg(short = 'm', long, visible_short_alias = 'R', value_parser = clap::value_parser!(u32).range(1..=1024))]

@@ -7,7 +7,7 @@
 //! how much it wrote instead. Progress (bytes/s, ETA) goes to stderr while
 //! data is written, only when stderr is a terminal.
 
-use super::{CacheArg, PreallocArg};
+use super::{CacheArg, FormatArg, PreallocArg};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,11 +15,6 @@ use std::sync::Arc;
 
 use rawdisk_image::create::{create, CreateOptions};
 use rawdisk_image::progress::Bar;
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum FormatArg {
-    Raw,
-}
 
 /// Create a raw image (or check, and with --zero zero, a block device).
 ///
@@ -45,7 +40,7 @@ pub struct Args {
     keep_on_error: bool,
     /// Image format, for qemu-img habits: only raw.
     #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
-    format: FormatArg,
+    _format: FormatArg,
     /// Print nothing on success and no progress.
     #[arg(short, long)]
     quiet: bool,
@@ -57,7 +52,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let FormatArg::Raw = args.format;
     super::local_only(&args.target, "create")?;
     let opts = CreateOptions {
         path: args.target,

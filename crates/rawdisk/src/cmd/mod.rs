@@ -66,6 +66,13 @@ impl From<CacheArg> for CacheMode {
     }
 }
 
+/// `-f`/`--format`, for qemu-img habits: rawdisk reads and writes raw only,
+/// so any other format is refused by clap with the one allowed value.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum FormatArg {
+    Raw,
+}
+
 /// `--output`, shared by info, map and probe (qemu-img's `--output=json`).
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum OutputArg {
