@@ -13,7 +13,7 @@ mod size;
 #[command(
     name = "rawdisk",
     version,
-    about = "Serve, create, probe, map and copy raw disk images and block devices"
+    about = "Serve, create, probe, map, copy, resize and compare raw disk images and block devices"
 )]
 struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.

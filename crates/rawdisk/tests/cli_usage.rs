@@ -281,3 +281,41 @@ fn format_raw_accepted_others_refused() {
     }
     assert!(!dst.exists());
 }
+
+/// Every command the README's table lists is in `rawdisk --help`, and the
+/// README's tagline names no command that does not exist.
+#[test]
+fn help_lists_the_readme_commands() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let help = run_rawdisk(&["--help"]).ok().stdout;
+    let listed: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let documented: Vec<&str> = readme
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `rawdisk "))
+        .filter_map(|l| l.split([' ', '`']).next())
+        .collect();
+    assert!(documented.len() >= 9, "{documented:?}");
+    for c in &documented {
+        assert!(
+            listed.contains(c),
+            "README's {c} missing from --help: {listed:?}"
+        );
+        run_rawdisk(&[c, "--help"]).ok();
+    }
+    let tagline = readme.lines().nth(2).unwrap();
+    for word in tagline.split([',', ' ']).filter(|w| w.len() > 2) {
+        let w = word.to_ascii_lowercase();
+        let verbish = ["zero", "trim", "discard", "convert", "check"];
+        assert!(
+            !verbish.contains(&w.as_str()) || listed.contains(&w.as_str()),
+            "README tagline names '{w}', which is no command: {tagline}"
+        );
+    }
+}
