@@ -307,7 +307,10 @@ fn help_lists_the_readme_commands() {
             listed.contains(c),
             "README's {c} missing from --help: {listed:?}"
         );
-        run_rawdisk(&[c, "--help"]).ok();
+        // Each command's help ends with examples of itself.
+        let h = run_rawdisk(&[c, "--help"]).ok().stdout;
+        let want = format!("Examples:\n  rawdisk {c} ");
+        assert!(h.contains(&want), "{c} --help has no examples: {h}");
     }
     let tagline = readme.lines().nth(2).unwrap();
     for word in tagline.split([',', ' ']).filter(|w| w.len() > 2) {

@@ -35,7 +35,7 @@ impl From<DigestArg> for DigestAlg {
 /// endian), blocks of --block-size bytes (the last one shorter). Holes and
 /// zero extents are not read; blocks are hashed on all cores.
 #[derive(clap::Args)]
-#[command(after_help = "Example:\n  \
+#[command(after_help = "Examples:\n  \
     rawdisk checksum disk.img\n  \
     rawdisk checksum --digest blake2b512 nbd+unix:///?socket=/tmp/nbd.sock")]
 pub struct Args {

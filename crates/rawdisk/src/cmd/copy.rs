@@ -24,6 +24,10 @@ use crate::size::size_arg;
 /// Copy between files, block devices and NBD exports, sparse-aware and in
 /// parallel (like `qemu-img convert -n` and `nbdcopy`).
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk copy -p fedora.img nbd+unix:///?socket=/tmp/disk.sock\n  \
+    rawdisk copy nbd://server/vm backup.img\n  \
+    rawdisk copy disk.img /dev/vg0/lv0")]
 pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
     /// nbd+unix:///export?socket=PATH).

@@ -22,6 +22,9 @@ use rawdisk_image::progress::Bar;
 /// method allocated the space (fallocate, or zeros written where fallocate
 /// is unsupported). A failed create removes the file it created.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk create disk.img 10G\n  \
+    rawdisk create --preallocation falloc vm.img 20G")]
 pub struct Args {
     /// How to allocate the image's space.
     #[arg(long, value_enum, default_value = "off")]

@@ -10,6 +10,9 @@ use super::{FormatArg, OutputArg};
 /// kind, sector sizes and I/O hints; for an NBD URI the export's flags and
 /// block sizes, as nbdinfo shows them).
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk info disk.img\n  \
+    rawdisk info --output json nbd://server/vm")]
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,

@@ -13,6 +13,10 @@ use crate::size::size_arg;
 /// JSON: the keys and merging of `qemu-img map --output=json`. Human: the
 /// data runs in qemu-img's table.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk map disk.img\n  \
+    rawdisk map --output json --start-offset 1G --max-length 64M disk.img\n  \
+    rawdisk map nbd+unix:///?socket=/tmp/disk.sock")]
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,

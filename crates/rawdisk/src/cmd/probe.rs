@@ -13,6 +13,9 @@ use super::OutputArg;
 /// (removed after); the file itself is not changed. For a block device only
 /// sysfs and ioctls are read, unless --destructive.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk probe disk.img\n  \
+    rawdisk probe --output json /dev/vg0/lv0")]
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,

@@ -26,6 +26,10 @@ use tokio::sync::watch;
 
 /// Export a file or block device over NBD.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
+    rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
+    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0")]
 pub struct Args {
     /// Listen on this Unix socket (replaces a stale socket file). -U as
     /// nbdkit, -k as qemu-nbd.
