@@ -86,3 +86,47 @@ fn short_flags_of_qemu_nbd_and_nbdkit() {
     run_rawdisk(&["serve", "-U", "x.sock", "-p", "2", img]).fails_one_line(2);
     assert_eq!(std::fs::read(img).unwrap(), vec![5u8; 1 << 20]);
 }
+
+/// Waits for a process that must end by itself; kills it and fails if it
+/// does not within 60 s.
+fn wait_ends(mut cmd: std::process::Command) -> i32 {
+    let mut c = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    for _ in 0..6000 {
+        if let Some(st) = c.try_wait().unwrap() {
+            return st.code().unwrap_or(-1);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    stop(c);
+    panic!("serve --run did not stop after its command ended");
+}
+
+/// `--run CMD` (nbdkit's): the command gets $uri, the server stops when it
+/// exits, and the command's status is the server's.
+#[test]
+fn run_copies_out_and_stops_with_the_commands_status() {
+    let d = tempdir();
+    let src = d.path().join("src.img");
+    let data: Vec<u8> = (0..3 << 20).map(|i: u32| (i * 7 % 251) as u8).collect();
+    std::fs::write(&src, &data).unwrap();
+    let out = d.path().join("out.img");
+    let sock = d.path().join("r.sock");
+    let mut cmd = rawdisk();
+    cmd.env("RAWDISK", env!("CARGO_BIN_EXE_rawdisk"))
+        .env("OUT", &out)
+        .args(["serve", "-r", "-U", sock.to_str().unwrap(), "--run"])
+        .arg(r#""$RAWDISK" copy -q "$uri" "$OUT""#)
+        .arg(&src);
+    assert_eq!(wait_ends(cmd), 0);
+    assert_eq!(std::fs::read(&out).unwrap(), data);
+    assert_eq!(std::fs::read(&src).unwrap(), data);
+    let mut cmd = rawdisk();
+    cmd.args(["serve", "-U", sock.to_str().unwrap(), "--run"])
+        .arg("test -n \"$uri\" && exit 3")
+        .arg(&src);
+    assert_eq!(wait_ends(cmd), 3);
+}

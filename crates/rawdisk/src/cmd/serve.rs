@@ -1,5 +1,5 @@
 //! `rawdisk serve [-U|-k|--socket PATH | -b|-i|--bind HOST[:PORT] -p|--port PORT]
-//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--cache writeback|none] [--write-behind] [--map-writes]
+//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer] [-v] TARGET`
@@ -53,6 +53,11 @@ pub struct Args {
     /// whatever the clients do.
     #[arg(short = 't', long)]
     persistent: bool,
+    /// Run this shell command once the server is ready, with $uri set to
+    /// the URI to connect to, then stop the server when it exits and exit
+    /// with its status (nbdkit's --run). The URI is not printed.
+    #[arg(long, value_name = "CMD")]
+    run: Option<String>,
     /// Page cache or O_DIRECT.
     #[arg(long, value_enum, default_value = "writeback")]
     cache: CacheArg,
@@ -517,7 +522,8 @@ async fn serve(
     tracing::info!("storage capabilities: {}", target.caps().snapshot());
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    handle_signals(stop_tx, server.clone())?;
+    let stop_tx = Arc::new(stop_tx);
+    handle_signals(stop_tx.clone(), server.clone())?;
 
     if let (Some(mut f), Some(p)) = (pid_file, &args.pid_file) {
         writeln!(f, "{}", std::process::id())
@@ -525,11 +531,15 @@ async fn serve(
     }
     // Serving starts: the created image stays whatever happens next.
     cleanup.created = None;
-    {
-        let mut out = io::stdout().lock();
-        writeln!(out, "{uri}").context("stdout")?;
-        out.flush().context("stdout")?;
-    }
+    let run = match &args.run {
+        Some(cmd) => Some(start_run(cmd, &uri, stop_tx)?),
+        None => {
+            let mut out = io::stdout().lock();
+            writeln!(out, "{uri}").context("stdout")?;
+            out.flush().context("stdout")?;
+            None
+        }
+    };
 
     server
         .serve(listener, stop_rx)
@@ -540,14 +550,54 @@ async fn serve(
     } else {
         tracing::info!("all connections closed; target flushed");
     }
-    Ok(ExitCode::SUCCESS)
+    match run {
+        // Stopped by a signal before the command ended: the command's status
+        // is not known; the server's own is the answer.
+        Some(status) => match status.try_recv() {
+            Ok(code) => Ok(ExitCode::from(code)),
+            Err(_) => Ok(ExitCode::SUCCESS),
+        },
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
+
+/// Starts `sh -c CMD` with $uri set; when it exits the server is stopped as
+/// by SIGTERM, and its exit status (128+signal when killed, as the shell
+/// reports it) is sent on the returned channel.
+fn start_run(
+    cmd: &str,
+    uri: &str,
+    stop: Arc<watch::Sender<bool>>,
+) -> anyhow::Result<std::sync::mpsc::Receiver<u8>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(cmd)
+        .env("uri", uri)
+        .spawn()
+        .with_context(|| format!("cannot run '{cmd}'"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let code = match child.wait() {
+            Ok(st) => st
+                .code()
+                .map(|c| c as u8)
+                .or(st.signal().map(|n| 128 + n as u8))
+                .unwrap_or(1),
+            Err(_) => 1,
+        };
+        tracing::info!("--run command exited with status {code}: stopping");
+        let _ = tx.send(code);
+        let _ = stop.send(true);
+    });
+    Ok(rx)
 }
 
 /// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
 /// otherwise end the process without a flush): stop accepting, finish
 /// in-flight requests, flush, exit 0; a second one exits at once with
 /// status 1. SIGUSR1: log the totals and go on.
-fn handle_signals(stop: watch::Sender<bool>, server: Server) -> anyhow::Result<()> {
+fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Result<()> {
     let kinds = [
         (SignalKind::terminate(), "SIGTERM"),
         (SignalKind::interrupt(), "SIGINT"),
