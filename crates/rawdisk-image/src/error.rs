@@ -77,11 +77,19 @@ impl fmt::Display for Error {
             let s = s.to_string();
             // The object once: "cannot connect to 'U'" followed by a cause
             // that starts by quoting 'U' again drops the cause's copy.
+            // The client's "NBD handshake with U: ..." likewise loses its U.
             let s = match self.context.rfind(" '") {
-                Some(i) => s
-                    .strip_prefix(&format!("{}: ", &self.context[i + 1..]))
-                    .unwrap_or(&s),
-                None => &s,
+                Some(i) => {
+                    let quoted = &self.context[i + 1..];
+                    let bare = quoted.trim_matches('\'');
+                    // "cannot connect to 'U'" + "cannot connect to U: why".
+                    let same = format!("{} {bare}: ", &self.context[..i]);
+                    s.strip_prefix(&format!("{quoted}: "))
+                        .or_else(|| s.strip_prefix(&same))
+                        .unwrap_or(&s)
+                        .replacen(&format!(" with {bare}: "), ": ", 1)
+                }
+                None => s,
             };
             write!(f, ": {s}")?;
         }

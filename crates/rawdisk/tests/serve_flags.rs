@@ -130,3 +130,43 @@ fn run_copies_out_and_stops_with_the_commands_status() {
         .arg(&src);
     assert_eq!(wait_ends(cmd), 3);
 }
+
+/// A wrong export name: the error lists what the server offers, and names
+/// the URI once.
+#[test]
+fn wrong_export_name_lists_the_exports() {
+    let d = tempdir();
+    let img = d.path().join("t.img");
+    std::fs::write(&img, vec![1u8; 65536]).unwrap();
+    let sock = d.path().join("e.sock");
+    let (c, _) = serve(&[
+        "-r",
+        "-e",
+        "foo",
+        "-U",
+        sock.to_str().unwrap(),
+        img.to_str().unwrap(),
+    ]);
+    let uri = format!("nbd+unix:///bar?socket={}", sock.display());
+    let results: Vec<Run> = ["info", "map"]
+        .iter()
+        .map(|cmd| run_rawdisk(&[cmd, uri.as_str()]))
+        .collect();
+    stop(c);
+    for r in results {
+        let r = r.fails_one_line(1);
+        assert!(
+            r.stderr.contains("the server offers 'foo'"),
+            "{:?}",
+            r.stderr
+        );
+        assert_eq!(r.stderr.matches(&uri).count(), 1, "{:?}", r.stderr);
+    }
+    // Nobody listening: the URI once too.
+    let none = format!(
+        "nbd+unix:///?socket={}",
+        d.path().join("none.sock").display()
+    );
+    let r = run_rawdisk(&["info", &none]).fails_one_line(1);
+    assert_eq!(r.stderr.matches(&none).count(), 1, "{:?}", r.stderr);
+}
