@@ -83,9 +83,14 @@ impl fmt::Display for Error {
                     let quoted = &self.context[i + 1..];
                     let bare = quoted.trim_matches('\'');
                     // "cannot connect to 'U'" + "cannot connect to U: why".
-                    let same = format!("{} {bare}: ", &self.context[..i]);
+                    let verb = &self.context[..i];
+                    let same = format!("{verb} {bare}: ");
+                    // "cannot open 'P'" + "open P: why" (the storage error).
+                    let last = verb.rsplit(' ').next().unwrap_or(verb);
+                    let op = format!("{last} {bare}: ");
                     s.strip_prefix(&format!("{quoted}: "))
                         .or_else(|| s.strip_prefix(&same))
+                        .or_else(|| s.strip_prefix(&op))
                         .unwrap_or(&s)
                         .replacen(&format!(" with {bare}: "), ": ", 1)
                 }

@@ -94,7 +94,11 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("rawdisk: {}", one_line(&e));
-            ExitCode::FAILURE
+            if e.downcast_ref::<cmd::UsageError>().is_some() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -125,6 +125,7 @@ fn causes_and_objects_said_once() {
             "{args:?}: {:?}",
             r.stderr
         );
+        assert_eq!(r.stderr.matches(m).count(), 1, "{args:?}: {:?}", r.stderr);
     }
     let uri = format!("nbd+unix:///?sock={}", d.path().join("s").display());
     for args in [

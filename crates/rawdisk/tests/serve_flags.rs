@@ -82,7 +82,7 @@ fn short_flags_of_qemu_nbd_and_nbdkit() {
         assert_eq!(j["read-only"], false, "{j}");
     }
     // A port given twice, and a TCP port with a Unix socket, are usage errors.
-    run_rawdisk(&["serve", "-b", "127.0.0.1:1", "-p", "2", img]).fails_one_line(1);
+    run_rawdisk(&["serve", "-b", "127.0.0.1:1", "-p", "2", img]).fails_one_line(2);
     run_rawdisk(&["serve", "-U", "x.sock", "-p", "2", img]).fails_one_line(2);
     assert_eq!(std::fs::read(img).unwrap(), vec![5u8; 1 << 20]);
 }

@@ -13,6 +13,19 @@ use std::path::Path;
 
 use rawdisk_storage::{CacheMode, Prealloc};
 
+/// A command line clap accepts but the command cannot (two flags that say
+/// the same thing differently): exit 2, as clap's own usage errors.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
 /// Commands that work on a local file or block device only refuse an NBD URI
 /// by name, instead of failing to open a file called "nbd://...".
 pub fn local_only(path: &Path, verb: &str) -> anyhow::Result<()> {

@@ -165,6 +165,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok(t) => Arc::new(t),
         Err(e) => {
             let msg = rawdisk_image::endpoint::open_error_message(&args.target, &e);
+            // The path once: "cannot serve 'P': why", not "...: open P: why".
+            let open = format!("open {}: ", args.target.display());
+            let msg = msg.strip_prefix(&open).unwrap_or(&msg);
             // Opened for writing by default (qemu-nbd and nbdkit do the same):
             // a file the user may only read needs the flag, so say which.
             let denied = e
@@ -429,7 +432,11 @@ fn listen_address(bind: Option<&str>, port: Option<u16>) -> anyhow::Result<Strin
     let Some(b) = bind else {
         return Ok(format!("127.0.0.1:{}", port.unwrap_or(PORT)));
     };
-    let both = || anyhow::anyhow!("--bind '{b}' already names a port; --port cannot change it");
+    let both = || {
+        anyhow::Error::new(super::UsageError(format!(
+            "--bind '{b}' already names a port; --port cannot change it (see 'rawdisk serve --help')"
+        )))
+    };
     if !b.is_empty() && b.bytes().all(|c| c.is_ascii_digit()) {
         return match port {
             Some(_) => Err(both()),
