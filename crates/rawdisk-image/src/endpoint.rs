@@ -16,8 +16,7 @@ use rawdisk_storage::{CacheMode, ExtentKind, Kind, OpenOptions, Target, ZeroFlag
 
 /// A failed operation on an endpoint: which endpoint, and the operation's own
 /// message (which names the operation, offset, length and errno).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{endpoint}: {message}")]
+#[derive(Debug, Clone)]
 pub struct Error {
     pub endpoint: String,
     pub message: String,
@@ -26,6 +25,36 @@ pub struct Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The object once: a message whose first part already names the
+        // endpoint ("'U': unknown parameter", "open PATH: ...") is not
+        // prefixed; a cause deeper in the message does not count.
+        let head = self.message.split(": ").next().unwrap_or("");
+        if head.contains(&self.endpoint) {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.endpoint, self.message)
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// The text of a failed open, worded the same in every command: a directory
+/// opened for writing fails with EISDIR, for reading the engine refuses it as
+/// "not a regular file or block device"; both are said the second way.
+pub fn open_error_message(path: &Path, e: &rawdisk_storage::Error) -> String {
+    if e.errno() == Some(libc::EISDIR) {
+        format!(
+            "open {}: not a regular file or block device",
+            path.display()
+        )
+    } else {
+        e.to_string()
+    }
+}
 
 /// The runtime NBD connections live on (two worker threads: the reader tasks
 /// only move bytes).
@@ -125,7 +154,7 @@ impl Endpoint {
         .map_err(|e| Error {
             endpoint: path.display().to_string(),
             errno: e.errno(),
-            message: e.to_string(),
+            message: open_error_message(path, &e),
         })?;
         Ok(Endpoint::Local {
             path: path.to_path_buf(),

@@ -74,6 +74,28 @@ impl fmt::Display for Error {
         // otherwise repeat it ("...: No space left: No space left").
         f.write_str(&self.context)?;
         if let Some(s) = &self.source {
+            let s = s.to_string();
+            // The object once: "cannot connect to 'U'" followed by a cause
+            // that starts by quoting 'U' again drops the cause's copy.
+            // The client's "NBD handshake with U: ..." likewise loses its U.
+            let s = match self.context.rfind(" '") {
+                Some(i) => {
+                    let quoted = &self.context[i + 1..];
+                    let bare = quoted.trim_matches('\'');
+                    // "cannot connect to 'U'" + "cannot connect to U: why".
+                    let verb = &self.context[..i];
+                    let same = format!("{verb} {bare}: ");
+                    // "cannot open 'P'" + "open P: why" (the storage error).
+                    let last = verb.rsplit(' ').next().unwrap_or(verb);
+                    let op = format!("{last} {bare}: ");
+                    s.strip_prefix(&format!("{quoted}: "))
+                        .or_else(|| s.strip_prefix(&same))
+                        .or_else(|| s.strip_prefix(&op))
+                        .unwrap_or(&s)
+                        .replacen(&format!(" with {bare}: "), ": ", 1)
+                }
+                None => s,
+            };
             write!(f, ": {s}")?;
         }
         if let Some(n) = &self.note {

@@ -49,6 +49,42 @@ pub enum UriError {
     Invalid { uri: String, why: String },
 }
 
+/// The query parameters this parser understands (URI spec: "Query
+/// parameters"), for the "did you mean" of a typo.
+const QUERY_PARAMS: &[&str] = &[
+    "socket",
+    "tls-certificates",
+    "tls-psk-file",
+    "tls-hostname",
+    "tls-verify-peer",
+    "tls-type",
+];
+
+/// The known parameter a typo most likely meant: a prefix of it (`sock`), or
+/// at most two edits away (`sokcet`).
+fn closest_param(k: &str) -> Option<&'static str> {
+    QUERY_PARAMS
+        .iter()
+        .map(|p| (edit_distance(k, p), *p))
+        .filter(|(d, p)| *d <= 2 || (k.len() >= 3 && p.starts_with(k)))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, p)| p)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// Whether `s` looks like an NBD URI (any `nbd…:` scheme), so callers can
 /// decide between a local path and a URI before parsing. A local file whose
 /// name starts with `nbd:` can still be named as `./nbd:…`.
@@ -153,7 +189,13 @@ impl NbdUri {
                         // prefix); nothing here understands them.
                         tracing::debug!(param = k, "ignoring experimental NBD URI parameter");
                     }
-                    other => return Err(invalid(&format!("unknown query parameter '{other}'"))),
+                    other => {
+                        let hint = match closest_param(other) {
+                            Some(k) => format!(" (did you mean \"{k}\"?)"),
+                            None => String::new(),
+                        };
+                        return Err(invalid(&format!("unknown query parameter '{other}'{hint}")));
+                    }
                 }
             }
         }

@@ -13,7 +13,7 @@ mod size;
 #[command(
     name = "rawdisk",
     version,
-    about = "Serve, create, probe, map and copy raw disk images and block devices"
+    about = "Serve, create, probe, map, copy, resize and compare raw disk images and block devices"
 )]
 struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
@@ -64,14 +64,13 @@ fn main() -> ExitCode {
                 };
             }
             // One line, not clap's multi-line usage block: scripts grep it and
-            // users read it.
-            let text = e.render().to_string();
-            let first = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
-            eprintln!("rawdisk: {first} (see 'rawdisk --help')");
+            // users read it. The detail (missing names, allowed values, "did
+            // you mean") is kept.
+            let sub = subcommand_typed();
+            eprintln!(
+                "rawdisk: {}",
+                usage_line(&e.render().to_string(), sub.as_deref())
+            );
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -94,10 +93,92 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("rawdisk: {e:#}");
-            ExitCode::FAILURE
+            eprintln!("rawdisk: {}", one_line(&e));
+            if e.downcast_ref::<cmd::UsageError>().is_some() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
+}
+
+/// A failure as one line: each cause in the chain once. An error whose text
+/// already includes its source (an io::Error's "No such file or directory")
+/// and also returns it from `source()` would otherwise print it twice.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if out.contains(&s) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&s);
+    }
+    out
+}
+
+/// Flattens clap's rendered error into one line: the message and its detail
+/// lines (missing arguments, possible values, tips) joined, then a hint naming
+/// the help of the subcommand the user was typing.
+fn usage_line(text: &str, sub: Option<&str>) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut help = match sub {
+        Some(sub) => format!("rawdisk {sub} --help"),
+        None => "rawdisk --help".to_string(),
+    };
+    for line in text.lines().map(str::trim) {
+        if let Some(usage) = line.strip_prefix("Usage: ") {
+            // "Usage: rawdisk copy [OPTIONS] <SRC> <DST>": the command path is
+            // the words before the first option or placeholder.
+            let path: Vec<&str> = usage
+                .split_whitespace()
+                .take_while(|w| !w.starts_with(['[', '<', '-']))
+                .collect();
+            if !path.is_empty() {
+                help = format!("{} --help", path.join(" "));
+            }
+            continue;
+        }
+        if line.is_empty() || line.starts_with("For more information") {
+            continue;
+        }
+        let line = line.trim_start_matches("error: ");
+        let line = line.strip_prefix("tip: ").unwrap_or(line);
+        match parts.last_mut() {
+            // "...not provided:" is followed by the names, one per line.
+            Some(last) if last.ends_with(':') => {
+                last.push(' ');
+                last.push_str(line);
+            }
+            Some(last) if line.starts_with('<') || line.starts_with("--") => {
+                last.push_str(", ");
+                last.push_str(line);
+            }
+            Some(last) if line.starts_with('[') => {
+                last.push(' ');
+                last.push_str(line);
+            }
+            _ => parts.push(line.to_string()),
+        }
+    }
+    if parts.is_empty() {
+        parts.push("invalid arguments".into());
+    }
+    format!("{} (see '{help}')", parts.join("; "))
+}
+
+/// The subcommand named on the command line, when clap's error does not carry
+/// a usage line (an invalid value) to say which help to point at.
+fn subcommand_typed() -> Option<String> {
+    use clap::CommandFactory;
+    let cmd = Cli::command();
+    std::env::args()
+        .skip(1)
+        .find(|a| cmd.get_subcommands().any(|c| c.get_name() == a.as_str()))
 }
 
 fn init_logging(verbose: u8, quiet: bool) {

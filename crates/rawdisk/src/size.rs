@@ -1,11 +1,15 @@
 //! Sizes as qemu-img and nbdkit users type them: `10G`, `512`, `1.5T`,
-//! `4k`, `64KiB`, `2MB`. Suffixes are binary (1K = 1024), as in qemu-img.
+//! `4k`, `64KiB`. Suffixes are binary (1K = 1024), as in qemu-img; `GB` and
+//! `MB` are refused as qemu-img refuses them, since they read as decimal.
 
 /// Parse a size. Plain numbers are bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     if t.is_empty() {
         return Err("empty size".into());
+    }
+    if t.starts_with('-') {
+        return Err(format!("invalid size '{s}': negative size"));
     }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -16,15 +20,22 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     }
     let shift = match suffix.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        "p" | "pb" | "pib" => 50,
-        "e" | "eb" | "eib" => 60,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        "p" | "pib" => 50,
+        "e" | "eib" => 60,
+        other @ ("kb" | "mb" | "gb" | "tb" | "pb" | "eb") => {
+            let unit = other[..1].to_ascii_uppercase();
+            return Err(format!(
+                "invalid size '{s}': '{}' could mean powers of 1000; write {num}{unit} or {num}{unit}iB (binary, as qemu-img)",
+                suffix.trim()
+            ));
+        }
         other => {
             return Err(format!(
-                "invalid size '{s}': unknown suffix '{other}' (use K, M, G, T, P or E)"
+                "invalid size '{s}': unknown suffix '{other}' (use bytes, or K, M, G, T, P, E, optionally followed by iB)"
             ))
         }
     };
@@ -99,7 +110,9 @@ mod tests {
         assert!(parse_size("").is_err());
         assert!(parse_size("G").is_err());
         assert!(parse_size("10X").is_err());
-        assert!(parse_size("-1").is_err());
+        assert!(parse_size("-1").unwrap_err().contains("negative size"));
+        assert!(parse_size("10GB").unwrap_err().contains("10G or 10GiB"));
+        assert!(parse_size("5mb").is_err());
         assert!(parse_size("1.2.3").is_err());
         assert!(parse_size("0.3").is_err()); // 0.3 bytes
         assert!(parse_size("9E").is_err()); // > i64::MAX

@@ -94,5 +94,5 @@ fn errors_are_one_line() {
     let uri = format!("nbd+unix:///?socket={}", d.path().join("nobody").display());
     run_rawdisk(&["checksum", &uri]).fails_one_line(1);
     let h = run_rawdisk(&["checksum", "--help"]).ok();
-    assert!(h.stdout.contains("Example:"), "{}", h.stdout);
+    assert!(h.stdout.contains("Examples:"), "{}", h.stdout);
 }

@@ -220,7 +220,7 @@ fn errors_exit_2_with_one_line() {
     let r = run_rawdisk(&["compare", "-q", a.to_str().unwrap(), b.to_str().unwrap()]);
     assert_eq!((r.code, r.stdout.as_str()), (1, ""));
     let h = run_rawdisk(&["compare", "--help"]).ok();
-    assert!(h.stdout.contains("Example:"), "{}", h.stdout);
+    assert!(h.stdout.contains("Examples:"), "{}", h.stdout);
 }
 
 #[test]

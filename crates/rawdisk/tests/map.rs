@@ -177,3 +177,37 @@ fn map_of_nbd_export_matches_qemu_img_and_nbdinfo() {
     );
     assert_eq!(o, local);
 }
+
+/// `--start-offset`/`--max-length` cut the map as qemu-img cuts it, byte for
+/// byte, including ranges that start or end inside a run and past the end.
+#[test]
+fn map_range_matches_qemu_img() {
+    let d = tempdir();
+    let img = d.path().join("m.img");
+    make_image(&img);
+    let p = img.to_str().unwrap();
+    for (start, len) in [
+        (Some("512K"), Some("2M")),
+        (Some("1100K"), None),
+        (None, Some("5632K")),
+        (Some("15M"), Some("64M")),
+        (Some("20M"), None),
+        (Some("0"), Some("0")),
+    ] {
+        let mut args: Vec<&str> = vec!["map", "--output=json", "-f", "raw"];
+        if let Some(s) = start {
+            args.extend(["--start-offset", s]);
+        }
+        if let Some(l) = len {
+            args.extend(["--max-length", l]);
+        }
+        args.push(p);
+        let qemu = tool("qemu-img", &args);
+        let ours = run_rawdisk(&args).ok().stdout;
+        assert_eq!(ours.trim_end(), qemu.trim_end(), "{args:?}");
+        args[1] = "--output=human";
+        let qemu = tool("qemu-img", &args);
+        let ours = run_rawdisk(&args).ok().stdout;
+        assert_eq!(ours, qemu, "{args:?}");
+    }
+}

@@ -87,7 +87,7 @@ fn bad_command_lines_exit_2_and_failures_1() {
     let r = run_rawdisk(&["resize", d.path().to_str().unwrap(), "1M"]).fails_one_line(1);
     assert!(r.stderr.contains("not a regular file"), "{}", r.stderr);
     let h = run_rawdisk(&["resize", "--help"]).ok();
-    assert!(h.stdout.contains("Example:"), "{}", h.stdout);
+    assert!(h.stdout.contains("Examples:"), "{}", h.stdout);
 }
 
 #[test]

@@ -182,7 +182,15 @@ pub(super) async fn handshake(
                 break;
             }
             OptionReply::Error { reply, message } => {
-                return Err(rep_error("export", export, reply, &message))
+                let mut e = rep_error("export", export, reply, &message);
+                // A wrong name: say which the server has, as nbdinfo --list
+                // would (the option phase goes on after an error reply).
+                if reply == REP_ERR_UNKNOWN {
+                    if let Some(names) = list_exports(r, w).await {
+                        e.push_str(&offered(&names));
+                    }
+                }
+                return Err(e);
             }
             other => return Err(format!("unexpected reply {other:?} to NBD_OPT_GO")),
         }
@@ -195,6 +203,35 @@ pub(super) async fn handshake(
     }
     info.meta_context = context.as_ref().map(|c| c.1.clone());
     Ok((info, context.map(|c| c.0)))
+}
+
+/// NBD_OPT_LIST: the export names, or None when the server refuses to list
+/// them (spec: it may, by policy).
+async fn list_exports(r: &mut Reader, w: &mut Writer) -> Option<Vec<String>> {
+    send_option(w, &ClientOption::List).await.ok()?;
+    let mut names = Vec::new();
+    loop {
+        match option_reply(r, OPT_LIST).await.ok()? {
+            OptionReply::Server { name, .. } => names.push(name),
+            OptionReply::Ack => return Some(names),
+            _ => return None,
+        }
+    }
+}
+
+/// "; the server offers 'a', 'b'" (the default export shown as '').
+fn offered(names: &[String]) -> String {
+    const SHOWN: usize = 10;
+    if names.is_empty() {
+        return "; the server lists no exports".into();
+    }
+    let mut s = "; the server offers ".to_string();
+    let quoted: Vec<String> = names.iter().take(SHOWN).map(|n| format!("'{n}'")).collect();
+    s.push_str(&quoted.join(", "));
+    if names.len() > SHOWN {
+        s.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    s
 }
 
 fn rep_error(what: &str, export: &str, reply: u32, message: &str) -> String {

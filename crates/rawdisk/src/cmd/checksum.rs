@@ -35,7 +35,7 @@ impl From<DigestArg> for DigestAlg {
 /// endian), blocks of --block-size bytes (the last one shorter). Holes and
 /// zero extents are not read; blocks are hashed on all cores.
 #[derive(clap::Args)]
-#[command(after_help = "Example:\n  \
+#[command(after_help = "Examples:\n  \
     rawdisk checksum disk.img\n  \
     rawdisk checksum --digest blake2b512 nbd+unix:///?socket=/tmp/nbd.sock")]
 pub struct Args {
@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(short, long, value_enum, default_value = "sha256")]
     digest: DigestArg,
     /// Bytes hashed per block; other values give other checksums.
-    #[arg(long, default_value = "64K", value_parser = block_size)]
+    #[arg(long, default_value = "64K", allow_hyphen_values = true, value_parser = block_size)]
     block_size: u64,
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]

@@ -20,7 +20,7 @@ use super::OutputArg;
 /// zeros, unless --strict. Allocation is not compared: a hole and written
 /// zeros are the same content.
 #[derive(clap::Args)]
-#[command(after_help = "Example:\n  \
+#[command(after_help = "Examples:\n  \
     rawdisk compare disk.img nbd://backup-host/disk\n  \
     rawdisk compare -s a.img /dev/vg/b\n  \
     rawdisk compare --output json a.img b.img")]

@@ -10,7 +10,7 @@
 //! after the requests in flight, with a line saying how far it got and exit
 //! status 130 or 143.
 
-use super::{CacheArg, PreallocArg};
+use super::{CacheArg, FormatArg, PreallocArg};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
@@ -24,6 +24,10 @@ use crate::size::size_arg;
 /// Copy between files, block devices and NBD exports, sparse-aware and in
 /// parallel (like `qemu-img convert -n` and `nbdcopy`).
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk copy -p fedora.img nbd+unix:///?socket=/tmp/disk.sock\n  \
+    rawdisk copy nbd://server/vm backup.img\n  \
+    rawdisk copy disk.img /dev/vg0/lv0")]
 pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
     /// nbd+unix:///export?socket=PATH).
@@ -34,6 +38,12 @@ pub struct Args {
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
+    /// Source format, for qemu-img convert habits: only raw.
+    #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
+    _format: FormatArg,
+    /// Destination format, for qemu-img convert habits: only raw.
+    #[arg(short = 'O', long = "output-format", value_enum, default_value = "raw")]
+    _output_format: FormatArg,
     /// Requests in flight [default: 16 when a side is NBD; between local
     /// files and devices one per CPU, 16 with --cache none].
     #[arg(short = 'm', long, visible_short_alias = 'R', value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -43,10 +53,16 @@ pub struct Args {
     connections: u32,
     /// Bytes per read and write request, at most the NBD server's maximum
     /// [default: 2M].
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, allow_hyphen_values = true, value_parser = size_arg)]
     request_size: Option<u64>,
     /// Zero blocks of this size in the data become zero requests (0: off).
-    #[arg(short = 'S', long = "sparse-size", default_value = "4K", value_parser = size_arg)]
+    #[arg(
+        short = 'S',
+        long = "sparse-size",
+        default_value = "4K",
+        allow_hyphen_values = true,
+        value_parser = size_arg
+    )]
     sparse_size: u64,
     /// Keep zeroed ranges allocated in the destination (NBD_CMD_FLAG_NO_HOLE).
     #[arg(long, conflicts_with = "target_is_zero")]

@@ -7,7 +7,7 @@
 //! how much it wrote instead. Progress (bytes/s, ETA) goes to stderr while
 //! data is written, only when stderr is a terminal.
 
-use super::{CacheArg, PreallocArg};
+use super::{CacheArg, FormatArg, PreallocArg};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,17 +16,15 @@ use std::sync::Arc;
 use rawdisk_image::create::{create, CreateOptions};
 use rawdisk_image::progress::Bar;
 
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum FormatArg {
-    Raw,
-}
-
 /// Create a raw image (or check, and with --zero zero, a block device).
 ///
 /// On success prints one line on stdout saying what was done and which
 /// method allocated the space (fallocate, or zeros written where fallocate
 /// is unsupported). A failed create removes the file it created.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk create disk.img 10G\n  \
+    rawdisk create --preallocation falloc vm.img 20G")]
 pub struct Args {
     /// How to allocate the image's space.
     #[arg(long, value_enum, default_value = "off")]
@@ -45,19 +43,19 @@ pub struct Args {
     keep_on_error: bool,
     /// Image format, for qemu-img habits: only raw.
     #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
-    format: FormatArg,
+    _format: FormatArg,
     /// Print nothing on success and no progress.
     #[arg(short, long)]
     quiet: bool,
     /// File to create, or block device.
     target: PathBuf,
     /// Size, with qemu-img suffixes: 512, 64K, 10G, 1.5T.
-    #[arg(value_parser = crate::size::size_arg)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::size::size_arg)]
     size: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let FormatArg::Raw = args.format;
+    super::local_only(&args.target, "create")?;
     let opts = CreateOptions {
         path: args.target,
         size: args.size,

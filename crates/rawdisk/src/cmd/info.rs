@@ -4,15 +4,21 @@ use std::process::ExitCode;
 
 use rawdisk_image::info;
 
-use super::OutputArg;
+use super::{FormatArg, OutputArg};
 
 /// Print size, allocation and properties, as `qemu-img info` does (plus
 /// kind, sector sizes and I/O hints; for an NBD URI the export's flags and
 /// block sizes, as nbdinfo shows them).
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk info disk.img\n  \
+    rawdisk info --output json nbd://server/vm")]
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
+    /// Image format, for qemu-img habits: only raw.
+    #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
+    _format: FormatArg,
     /// File, block device, or NBD URI.
     target: String,
 }

@@ -9,7 +9,35 @@ pub mod probe;
 pub mod resize;
 pub mod serve;
 
+use std::path::Path;
+
 use rawdisk_storage::{CacheMode, Prealloc};
+
+/// A command line clap accepts but the command cannot (two flags that say
+/// the same thing differently): exit 2, as clap's own usage errors.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// Commands that work on a local file or block device only refuse an NBD URI
+/// by name, instead of failing to open a file called "nbd://...".
+pub fn local_only(path: &Path, verb: &str) -> anyhow::Result<()> {
+    if let Some(s) = path.to_str() {
+        if rawdisk_nbd::uri::looks_like_nbd_uri(s) {
+            anyhow::bail!(
+                "cannot {verb} '{s}': NBD URIs are not accepted here ({verb} works on a local file or block device)"
+            );
+        }
+    }
+    Ok(())
+}
 
 /// `--preallocation`, shared by create, serve --create and copy.
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -49,6 +77,13 @@ impl From<CacheArg> for CacheMode {
             CacheArg::None => CacheMode::None,
         }
     }
+}
+
+/// `-f`/`--format`, for qemu-img habits: rawdisk reads and writes raw only,
+/// so any other format is refused by clap with the one allowed value.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum FormatArg {
+    Raw,
 }
 
 /// `--output`, shared by info, map and probe (qemu-img's `--output=json`).

@@ -13,6 +13,9 @@ use super::OutputArg;
 /// (removed after); the file itself is not changed. For a block device only
 /// sysfs and ioctls are read, unless --destructive.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk probe disk.img\n  \
+    rawdisk probe --output json /dev/vg0/lv0")]
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
@@ -25,6 +28,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    super::local_only(&args.target, "probe")?;
     let r = probe(&ProbeOptions {
         path: args.target,
         destructive: args.destructive,

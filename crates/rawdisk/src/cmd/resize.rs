@@ -19,7 +19,7 @@ use crate::size::parse_size;
 /// running `rawdisk serve` may keep the file open: its existing connections
 /// keep the old size, new connections see the new one.
 #[derive(clap::Args)]
-#[command(after_help = "Example:\n  \
+#[command(after_help = "Examples:\n  \
     rawdisk resize disk.img +10G\n  \
     rawdisk resize --preallocation falloc disk.img 64G\n  \
     rawdisk resize --shrink disk.img -512M")]
@@ -60,6 +60,7 @@ fn size_spec(s: &str) -> Result<SizeSpec, String> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    super::local_only(&a.target, "resize")?;
     let opts = ResizeOptions {
         path: a.target,
         size: a.size,

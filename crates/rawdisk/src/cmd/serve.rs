@@ -1,5 +1,5 @@
-//! `rawdisk serve [--socket PATH | --bind HOST:PORT] [--read-only]
-//! [--export-name NAME] [--cache writeback|none] [--write-behind] [--map-writes]
+//! `rawdisk serve [-U|-k|--socket PATH | -b|-i|--bind HOST[:PORT] -p|--port PORT]
+//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer] [-v] TARGET`
@@ -26,31 +26,50 @@ use tokio::sync::watch;
 
 /// Export a file or block device over NBD.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
+    rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
+    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0")]
 pub struct Args {
-    /// Listen on this Unix socket (replaces a stale socket file).
-    #[arg(long, value_name = "PATH", conflicts_with = "bind")]
+    /// Listen on this Unix socket (replaces a stale socket file). -U as
+    /// nbdkit, -k as qemu-nbd.
+    #[arg(short = 'U', short_alias = 'k', long, value_name = "PATH", conflicts_with_all = ["bind", "port"])]
     socket: Option<PathBuf>,
-    /// Listen on this TCP address [default: 127.0.0.1:10809].
-    #[arg(long, value_name = "HOST:PORT")]
+    /// Listen on this TCP address: HOST:PORT, HOST (port from --port or
+    /// 10809), or PORT alone, which listens on 127.0.0.1 only, like the
+    /// default [default: 127.0.0.1:10809]. -b as qemu-nbd, -i as nbdkit.
+    #[arg(short = 'b', short_alias = 'i', long, value_name = "HOST[:PORT]")]
     bind: Option<String>,
+    /// TCP port to listen on [default: 10809].
+    #[arg(short = 'p', long, value_name = "PORT")]
+    port: Option<u16>,
     /// Refuse writes (NBD_FLAG_READ_ONLY); opens the target read-only.
-    #[arg(long)]
+    #[arg(short = 'r', long)]
     read_only: bool,
     /// Name of the export; clients asking for another name are refused.
-    #[arg(long, value_name = "NAME", default_value = "")]
+    #[arg(short = 'e', long, value_name = "NAME", default_value = "")]
     export_name: String,
+    /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
+    /// whatever the clients do.
+    #[arg(short = 't', long)]
+    persistent: bool,
+    /// Run this shell command once the server is ready, with $uri set to
+    /// the URI to connect to, then stop the server when it exits and exit
+    /// with its status (nbdkit's --run). The URI is not printed.
+    #[arg(long, value_name = "CMD")]
+    run: Option<String>,
     /// Page cache or O_DIRECT.
     #[arg(long, value_enum, default_value = "writeback")]
     cache: CacheArg,
     /// Create TARGET with this size first (qemu-img suffixes); an existing
     /// target of the same size is served as it is, another size refused.
-    #[arg(long, value_name = "SIZE", value_parser = crate::size::size_arg)]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::size::size_arg)]
     create: Option<u64>,
     /// Allocation of a file made by --create.
     #[arg(long, value_enum, requires = "create", default_value = "off")]
     preallocation: PreallocArg,
     /// Write the server's pid here once it is ready; removed at exit.
-    #[arg(long, value_name = "PATH")]
+    #[arg(short = 'P', long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
@@ -108,6 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // First, while the process has one thread: it unsets the variables, and
     // setenv/unsetenv race with any other thread's getenv.
     let activated = take_activation_fd();
+    super::local_only(&args.target, "serve")?;
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
@@ -144,8 +164,24 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let target = match opened {
         Ok(t) => Arc::new(t),
         Err(e) => {
-            return Err(anyhow::Error::new(e))
-                .with_context(|| format!("cannot serve '{}'", args.target.display()));
+            let msg = rawdisk_image::endpoint::open_error_message(&args.target, &e);
+            // The path once: "cannot serve 'P': why", not "...: open P: why".
+            let open = format!("open {}: ", args.target.display());
+            let msg = msg.strip_prefix(&open).unwrap_or(&msg);
+            // Opened for writing by default (qemu-nbd and nbdkit do the same):
+            // a file the user may only read needs the flag, so say which.
+            let denied = e
+                .errno()
+                .map(|n| std::io::Error::from_raw_os_error(n).kind());
+            let hint = match denied {
+                Some(
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
+                ) if !args.read_only => {
+                    "; it cannot be opened for writing: serve it with --read-only"
+                }
+                _ => "",
+            };
+            bail!("cannot serve '{}': {msg}{hint}", args.target.display());
         }
     };
     if let Some(size) = args.create {
@@ -372,7 +408,7 @@ fn listen(
         );
         return Ok((Bound::Unix(l), uri));
     }
-    let bind = args.bind.as_deref().unwrap_or("127.0.0.1:10809");
+    let bind = &listen_address(args.bind.as_deref(), args.port)?;
     let l =
         std::net::TcpListener::bind(bind).with_context(|| format!("cannot listen on {bind}"))?;
     l.set_nonblocking(true)
@@ -386,6 +422,46 @@ fn listen(
         Bound::Tcp(l),
         format!("nbd://{host}:{}/{export}", addr.port()),
     ))
+}
+
+/// The TCP address to listen on from --bind and --port. A bare PORT means
+/// loopback, like the default: exposing a disk on every address must be
+/// asked for by name (0.0.0.0, ::).
+fn listen_address(bind: Option<&str>, port: Option<u16>) -> anyhow::Result<String> {
+    const PORT: u16 = 10809;
+    let Some(b) = bind else {
+        return Ok(format!("127.0.0.1:{}", port.unwrap_or(PORT)));
+    };
+    let both = || {
+        anyhow::Error::new(super::UsageError(format!(
+            "--bind '{b}' already names a port; --port cannot change it (see 'rawdisk serve --help')"
+        )))
+    };
+    if !b.is_empty() && b.bytes().all(|c| c.is_ascii_digit()) {
+        return match port {
+            Some(_) => Err(both()),
+            None => Ok(format!("127.0.0.1:{b}")),
+        };
+    }
+    // HOST:PORT, [V6]:PORT; a bare V6 address has several colons.
+    let has_port = if b.starts_with('[') {
+        b.contains("]:")
+    } else {
+        b.matches(':').count() == 1
+    };
+    if has_port {
+        return match port {
+            Some(_) => Err(both()),
+            None => Ok(b.to_string()),
+        };
+    }
+    let host = b.trim_start_matches('[').trim_end_matches(']');
+    let port = port.unwrap_or(PORT);
+    Ok(if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    })
 }
 
 /// Opens (creates) the pid file now, so a bad path fails before anything is
@@ -453,7 +529,8 @@ async fn serve(
     tracing::info!("storage capabilities: {}", target.caps().snapshot());
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    handle_signals(stop_tx, server.clone())?;
+    let stop_tx = Arc::new(stop_tx);
+    handle_signals(stop_tx.clone(), server.clone())?;
 
     if let (Some(mut f), Some(p)) = (pid_file, &args.pid_file) {
         writeln!(f, "{}", std::process::id())
@@ -461,11 +538,15 @@ async fn serve(
     }
     // Serving starts: the created image stays whatever happens next.
     cleanup.created = None;
-    {
-        let mut out = io::stdout().lock();
-        writeln!(out, "{uri}").context("stdout")?;
-        out.flush().context("stdout")?;
-    }
+    let run = match &args.run {
+        Some(cmd) => Some(start_run(cmd, &uri, stop_tx)?),
+        None => {
+            let mut out = io::stdout().lock();
+            writeln!(out, "{uri}").context("stdout")?;
+            out.flush().context("stdout")?;
+            None
+        }
+    };
 
     server
         .serve(listener, stop_rx)
@@ -476,14 +557,54 @@ async fn serve(
     } else {
         tracing::info!("all connections closed; target flushed");
     }
-    Ok(ExitCode::SUCCESS)
+    match run {
+        // Stopped by a signal before the command ended: the command's status
+        // is not known; the server's own is the answer.
+        Some(status) => match status.try_recv() {
+            Ok(code) => Ok(ExitCode::from(code)),
+            Err(_) => Ok(ExitCode::SUCCESS),
+        },
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
+
+/// Starts `sh -c CMD` with $uri set; when it exits the server is stopped as
+/// by SIGTERM, and its exit status (128+signal when killed, as the shell
+/// reports it) is sent on the returned channel.
+fn start_run(
+    cmd: &str,
+    uri: &str,
+    stop: Arc<watch::Sender<bool>>,
+) -> anyhow::Result<std::sync::mpsc::Receiver<u8>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(cmd)
+        .env("uri", uri)
+        .spawn()
+        .with_context(|| format!("cannot run '{cmd}'"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let code = match child.wait() {
+            Ok(st) => st
+                .code()
+                .map(|c| c as u8)
+                .or(st.signal().map(|n| 128 + n as u8))
+                .unwrap_or(1),
+            Err(_) => 1,
+        };
+        tracing::info!("--run command exited with status {code}: stopping");
+        let _ = tx.send(code);
+        let _ = stop.send(true);
+    });
+    Ok(rx)
 }
 
 /// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
 /// otherwise end the process without a flush): stop accepting, finish
 /// in-flight requests, flush, exit 0; a second one exits at once with
 /// status 1. SIGUSR1: log the totals and go on.
-fn handle_signals(stop: watch::Sender<bool>, server: Server) -> anyhow::Result<()> {
+fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Result<()> {
     let kinds = [
         (SignalKind::terminate(), "SIGTERM"),
         (SignalKind::interrupt(), "SIGINT"),
@@ -603,12 +724,22 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::duration_arg;
+    use super::{duration_arg, listen_address};
     use std::time::Duration;
 
     #[test]
     fn durations() {
         assert_eq!(duration_arg("90"), Ok(Duration::from_secs(90)));
+        let la = |b, p| listen_address(b, p).ok();
+        assert_eq!(la(None, None).as_deref(), Some("127.0.0.1:10809"));
+        assert_eq!(la(None, Some(99)).as_deref(), Some("127.0.0.1:99"));
+        assert_eq!(la(Some("99"), None).as_deref(), Some("127.0.0.1:99"));
+        assert_eq!(la(Some("0.0.0.0"), Some(99)).as_deref(), Some("0.0.0.0:99"));
+        assert_eq!(la(Some("h:1"), None).as_deref(), Some("h:1"));
+        assert_eq!(la(Some("::1"), None).as_deref(), Some("[::1]:10809"));
+        assert_eq!(la(Some("[::1]:5"), None).as_deref(), Some("[::1]:5"));
+        assert_eq!(la(Some("h:1"), Some(2)), None);
+        assert_eq!(la(Some("1"), Some(2)), None);
         assert_eq!(duration_arg("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(duration_arg("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(duration_arg("15m"), Ok(Duration::from_secs(900)));
