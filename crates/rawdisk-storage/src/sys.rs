@@ -1,4 +1,6 @@
 //! The one narrow layer every syscall of the storage engine goes through.
+//! One file on purpose, though long: the table and the real call behind each
+//! entry are the whole seam, read in one place.
 //!
 //! `syscalls!` is the table of them; [`Sys`] is declared from it and
 //! [`RealSys`] calls the kernel. The fault injector (`FaultSys` in fault.rs,

@@ -1,4 +1,5 @@
-//! The transmission phase of one connection.
+//! The transmission phase of one connection. One file on purpose, though
+//! long: the reader's scheduling rules and its two waits hold only together.
 //!
 //! The connection's task is the [`Reader`]: for each request it takes the
 //! permits, receives the header and payload, and schedules the request: run
