@@ -53,8 +53,7 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.source)
-    }
-}
+/// The errno is part of the message, so it is not also returned as the
+/// source: a printer that walks the chain would say it twice.
+/// [`Error::errno`] and the `source` field give it to code.
+impl std::error::Error for Error {}

@@ -103,22 +103,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// A failure as one line: each cause in the chain once. An error whose text
-/// already includes its source (an io::Error's "No such file or directory")
-/// and also returns it from `source()` would otherwise print it twice.
+/// A failure as one line: the context and each cause, joined by ": ".
+/// Errors that put their cause in their own message (the storage engine's,
+/// the image commands') return no source, so nothing repeats.
 fn one_line(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let s = cause.to_string();
-        if out.contains(&s) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&s);
-    }
-    out
+    format!("{e:#}")
 }
 
 /// Flattens clap's rendered error into one line: the message and its detail
