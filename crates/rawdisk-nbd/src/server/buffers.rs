@@ -153,13 +153,7 @@ impl<R: AsyncRead + Unpin> Input<R> {
         // The buffer is empty here: refill it with this read and what follows.
         self.pos = 0;
         self.end = 0;
-        let limit = (rest + ahead).min(self.buf.len());
-        while self.end < rest {
-            match self.r.read(&mut self.buf[self.end..limit]).await? {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                k => self.end += k,
-            }
-        }
+        self.fill_to(rest, ahead).await?;
         dst[done..].copy_from_slice(&self.buf[..rest]);
         self.pos = rest;
         Ok(())
