@@ -17,6 +17,22 @@ where
     }
 }
 
+/// Makes an ext4 file system on `dev`, a fresh sparse image that already
+/// reads as zeros: no discard, and lazy inode-table and journal init (mount
+/// it with `noinit_itable` so ext4lazyinit does not write in the background).
+pub(crate) fn mkfs_ext4(dev: &std::path::Path) {
+    run(
+        "mkfs.ext4",
+        [
+            OsStr::new("-q"),
+            OsStr::new("-F"),
+            OsStr::new("-E"),
+            OsStr::new("nodiscard,lazy_itable_init=1,lazy_journal_init=1"),
+            dev.as_os_str(),
+        ],
+    );
+}
+
 pub(crate) fn try_run(prog: &str, args: &[std::ffi::OsString]) -> Result<String, String> {
     let shown = format!(
         "{prog} {}",

@@ -4,7 +4,7 @@
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
-use crate::cmd::run;
+use crate::cmd::{mkfs_ext4, run};
 use crate::stack::{sparse_file, tmpfs_size_for, Stack};
 use crate::{require_root, MIB};
 
@@ -130,16 +130,7 @@ impl Fs {
             // noinit_itable so the ext4lazyinit thread does not write inode
             // tables in the background while the tests time things.
             FsKind::Ext4 => {
-                run(
-                    "mkfs.ext4",
-                    [
-                        OsStr::new("-q"),
-                        OsStr::new("-F"),
-                        OsStr::new("-E"),
-                        OsStr::new("nodiscard,lazy_itable_init=1,lazy_journal_init=1"),
-                        dev.as_os_str(),
-                    ],
-                );
+                mkfs_ext4(&dev);
             }
             FsKind::Xfs => {
                 let mut args = vec![OsStr::new("-q"), OsStr::new("-f"), OsStr::new("-K")];

@@ -1,10 +1,9 @@
 //! Loop devices: the [`LoopDev`] guard, on an ext4 file or directly on a
 //! tmpfs file.
 
-use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
-use crate::cmd::run;
+use crate::cmd::mkfs_ext4;
 use crate::stack::{sparse_file, tmpfs_size_for, Stack};
 use crate::{require_root, MIB};
 
@@ -65,16 +64,7 @@ impl LoopDev {
             let img = ram.join("fs.img");
             sparse_file(&img, backing_fs_size);
             let fsdev = st.attach(&img, 512);
-            run(
-                "mkfs.ext4",
-                [
-                    OsStr::new("-q"),
-                    OsStr::new("-F"),
-                    OsStr::new("-E"),
-                    OsStr::new("nodiscard,lazy_itable_init=1,lazy_journal_init=1"),
-                    fsdev.as_os_str(),
-                ],
-            );
+            mkfs_ext4(&fsdev);
             let mnt = st.subdir(&base, "fs");
             st.mount(
                 "ext4",
@@ -139,6 +129,7 @@ impl LoopDev {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cmd::run;
     use crate::{check_pattern, size_of, write_pattern};
 
     #[test]

@@ -122,11 +122,7 @@ impl Target {
                 _ => self.try_falloc(m, offset, len),
             }
         };
-        match r {
-            Ok(Try::Done) => Trial::Works(self.seen(offset, len, before)),
-            Ok(Try::Unsupported(e)) => Trial::Unsupported(e),
-            Err(e) => Trial::Failed(e.source),
-        }
+        self.trial(r, offset, len, before)
     }
 
     /// fallocate(0) of [offset, offset+len), which grows a file whose end
@@ -137,17 +133,23 @@ impl Target {
             self.sys
                 .fallocate(self.fd(), FallocMode::Allocate, offset, len)
         });
-        match self.judge(Method::Fallocate, offset, len, r) {
-            Ok(Try::Done) => Trial::Works(self.seen(offset, len, before)),
-            Ok(Try::Unsupported(e)) => Trial::Unsupported(e),
-            Err(e) => Trial::Failed(e.source),
-        }
+        self.trial(
+            self.judge(Method::Fallocate, offset, len, r),
+            offset,
+            len,
+            before,
+        )
     }
 
     /// lseek(SEEK_HOLE) from `offset`: where the next hole starts (None: at
     /// or past the end).
     pub fn try_seek_hole(&self, offset: u64) -> Trial<Option<u64>> {
-        match retry(|| self.sys.seek_hole(self.fd(), offset)) {
+        self.learn_seek(retry(|| self.sys.seek_hole(self.fd(), offset)))
+    }
+
+    /// Learn SEEK_HOLE/SEEK_DATA from the answer of one lseek.
+    fn learn_seek<T>(&self, r: io::Result<T>) -> Trial<T> {
+        match r {
             Ok(h) => {
                 self.learn(Method::SeekHole, Tri::Works, None);
                 Trial::Works(h)
@@ -180,6 +182,15 @@ impl Target {
             ),
             Err(e) if is_unsupported(&e, Einval::Unsupported) => Trial::Unsupported(e),
             Err(e) => Trial::Failed(e),
+        }
+    }
+
+    /// The [`Trial`] of a zeroing call judged as the zero chain judges it.
+    fn trial(&self, r: Result<Try>, offset: u64, len: u64, allocated_before: u64) -> Trial {
+        match r {
+            Ok(Try::Done) => Trial::Works(self.seen(offset, len, allocated_before)),
+            Ok(Try::Unsupported(e)) => Trial::Unsupported(e),
+            Err(e) => Trial::Failed(e.source),
         }
     }
 
@@ -318,17 +329,10 @@ impl Target {
     }
 
     fn probe_seek(&self) -> Probe {
-        let r = retry(|| self.sys.seek_data(self.fd(), 0));
-        let result = match r {
-            Ok(_) => {
-                self.learn(Method::SeekHole, Tri::Works, None);
-                Ok(Tri::Works)
-            }
-            Err(e) if is_unsupported(&e, Method::SeekHole.einval()) => {
-                self.learn(Method::SeekHole, Tri::Fails, Some(&e));
-                Ok(Tri::Fails)
-            }
-            Err(e) => Err(Error::new("probe (SEEK_DATA)", 0, 0, e)),
+        let result = match self.learn_seek(retry(|| self.sys.seek_data(self.fd(), 0))) {
+            Trial::Works(_) => Ok(Tri::Works),
+            Trial::Unsupported(_) => Ok(Tri::Fails),
+            Trial::Failed(e) | Trial::NotTried(e) => Err(Error::new("probe (SEEK_DATA)", 0, 0, e)),
         };
         Probe {
             method: Method::SeekHole,

@@ -80,10 +80,7 @@ fn probe_check(t: &Target, s: &rawdisk_testkit::Scratch, kind: rawdisk_testkit::
 fn smoke_every_storage_kind() {
     use rawdisk_testkit::{Scratch, StorageKind, MIB};
     use std::thread;
-    let trim = ZeroFlags {
-        may_trim: true,
-        fast_only: false,
-    };
+    let trim = TRIM;
     let nohole = ZeroFlags::default();
     let fast_nohole = ZeroFlags {
         may_trim: false,

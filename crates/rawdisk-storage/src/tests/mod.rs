@@ -21,6 +21,11 @@ mod zero;
 const PUNCH: CallKind = CallKind::Fallocate(FallocMode::PunchHole);
 const ZRANGE: CallKind = CallKind::Fallocate(FallocMode::ZeroRange { keep_size: true });
 const ALLOC: CallKind = CallKind::Fallocate(FallocMode::Allocate);
+/// Zero, trimming where the storage can (NBD_CMD_WRITE_ZEROES without NO_HOLE).
+const TRIM: ZeroFlags = ZeroFlags {
+    may_trim: true,
+    fast_only: false,
+};
 
 struct Tmp {
     _dir: tempfile::TempDir,

@@ -56,15 +56,7 @@ fn eintr_is_retried() {
     t.read_at(&mut back, 0).unwrap();
     assert_eq!(back, data);
     assert_eq!(f.calls(CallKind::Pwrite), 2);
-    t.zero(
-        1000,
-        3000,
-        ZeroFlags {
-            may_trim: true,
-            fast_only: false,
-        },
-    )
-    .unwrap();
+    t.zero(1000, 3000, TRIM).unwrap();
     assert_eq!(f.calls(PUNCH), 2);
     check_zeroed(&t, 8192, 1000, 3000);
 }

@@ -10,16 +10,7 @@ fn zero_uses_punch_hole_on_ext4_and_frees() {
     fill(&t, size);
     t.flush().unwrap();
     let before = t.allocated_bytes().unwrap();
-    let o = t
-        .zero(
-            1 << 20,
-            2 << 20,
-            ZeroFlags {
-                may_trim: true,
-                fast_only: false,
-            },
-        )
-        .unwrap();
+    let o = t.zero(1 << 20, 2 << 20, TRIM).unwrap();
     assert_eq!(o.methods, vec![Method::PunchHole]);
     check_zeroed(&t, size, 1 << 20, 2 << 20);
     let after = t.allocated_bytes().unwrap();
@@ -53,10 +44,7 @@ fn eopnotsupp_falls_through_and_is_remembered() {
     let (t, f) = open_fault(&tmp, OpenOptions::default());
     fill(&t, size);
     f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
-    let trim = ZeroFlags {
-        may_trim: true,
-        fast_only: false,
-    };
+    let trim = TRIM;
     let o = t.zero(4096, 8192, trim).unwrap();
     assert_eq!(o.methods, vec![Method::ZeroRange]);
     assert_eq!(t.caps().get(Method::PunchHole), Tri::Fails);
@@ -146,16 +134,7 @@ fn real_errors_are_returned_without_falling_through_or_learning() {
         let (t, f) = open_fault(&tmp, OpenOptions::default());
         fill(&t, size);
         f.fail_once(PUNCH, 1, errno);
-        let e = t
-            .zero(
-                4096,
-                8192,
-                ZeroFlags {
-                    may_trim: true,
-                    fast_only: false,
-                },
-            )
-            .unwrap_err();
+        let e = t.zero(4096, 8192, TRIM).unwrap_err();
         assert_eq!(e.errno(), Some(errno));
         assert!(e.to_string().contains("offset 4096 length 8192"), "{e}");
         assert_eq!(f.fallocate_calls(), 1, "fell through: {:?}", f.counts());
@@ -209,16 +188,7 @@ fn fast_only_with_only_slow_methods_left_fails_at_once_and_changes_nothing() {
     assert!(!t.can_fast_zero());
     check_zeroed(&t, size, 0, 0);
     // Without fast_only the same request writes.
-    let o = t
-        .zero(
-            8192,
-            65536,
-            ZeroFlags {
-                may_trim: true,
-                fast_only: false,
-            },
-        )
-        .unwrap();
+    let o = t.zero(8192, 65536, TRIM).unwrap();
     assert_eq!(o.methods, vec![Method::WriteZeros]);
     check_zeroed(&t, size, 8192, 65536);
 }
@@ -238,16 +208,7 @@ fn write_zeros_fallback_advances_every_chunk() {
     f.fail_from(PUNCH, 1, libc::EOPNOTSUPP);
     f.fail_from(ZRANGE, 1, libc::EOPNOTSUPP);
     let writes_before = f.calls(CallKind::Pwrite);
-    let o = t
-        .zero(
-            777,
-            50_001,
-            ZeroFlags {
-                may_trim: true,
-                fast_only: false,
-            },
-        )
-        .unwrap();
+    let o = t.zero(777, 50_001, TRIM).unwrap();
     assert_eq!(o.methods, vec![Method::WriteZeros]);
     assert_eq!(f.calls(CallKind::Pwrite) - writes_before, 51);
     check_zeroed(&t, size, 777, 50_001);
@@ -269,16 +230,7 @@ fn zero_is_split_at_the_per_call_limit() {
     // Fails on the third chunk: the first two were punched, the rest must
     // continue with the next method from where the failure happened.
     f.fail_from(PUNCH, 3, libc::EOPNOTSUPP);
-    let o = t
-        .zero(
-            5,
-            700_000,
-            ZeroFlags {
-                may_trim: true,
-                fast_only: false,
-            },
-        )
-        .unwrap();
+    let o = t.zero(5, 700_000, TRIM).unwrap();
     assert_eq!(o.methods, vec![Method::PunchHole, Method::ZeroRange]);
     assert_eq!(f.calls(PUNCH), 3);
     assert_eq!(f.calls(ZRANGE), 5);
