@@ -1,5 +1,5 @@
 //! Walking an endpoint's allocation forward, for the commands that read a
-//! whole image (checksum, compare): which runs read as zeros without being
+//! whole image (checksum, compare, copy): which runs read as zeros without being
 //! read (holes: SEEK_DATA/SEEK_HOLE on files, `base:allocation` on NBD), and
 //! the number of worker threads to read and hash with.
 
@@ -41,24 +41,8 @@ impl<'a> ExtentCursor<'a> {
         }
         if self.queue.is_empty() {
             let want = (self.end - off).min(LOOKAHEAD);
-            let mut p = off;
-            for e in self.ep.extents(off, want)? {
-                if e.offset != p || e.len == 0 {
-                    break;
-                }
-                p += e.len;
-                self.queue.push_back(e);
-            }
-            if p == off {
-                // Nothing usable (a file that shrank, a server that answered
-                // nothing): read the rest rather than loop.
-                self.queue.push_back(MapExtent {
-                    offset: off,
-                    len: self.end - off,
-                    data: true,
-                    zero: false,
-                });
-            }
+            let runs = self.ep.extents(off, want)?;
+            queue_runs(&mut self.queue, off, self.end, runs);
         }
         let f = self.queue.front().expect("refilled");
         Ok((f.zero, (f.offset + f.len).min(self.end)))
@@ -78,6 +62,36 @@ impl<'a> ExtentCursor<'a> {
         }
         Ok(p.min(limit))
     }
+}
+
+/// Appends to `queue` the leading `runs` that follow on from `off` without a
+/// gap and returns where they end. When none does (a file that shrank, a
+/// server that answered nothing) it queues the rest up to `end` as data, to
+/// be read rather than asked about forever, and returns `end`.
+pub(crate) fn queue_runs(
+    queue: &mut VecDeque<MapExtent>,
+    off: u64,
+    end: u64,
+    runs: Vec<MapExtent>,
+) -> u64 {
+    let mut p = off;
+    for e in runs {
+        if e.offset != p || e.len == 0 {
+            break;
+        }
+        p += e.len;
+        queue.push_back(e);
+    }
+    if p > off {
+        return p;
+    }
+    queue.push_back(MapExtent {
+        offset: off,
+        len: end - off,
+        data: true,
+        zero: false,
+    });
+    end
 }
 
 /// Worker threads for reading and hashing or comparing: one per core (the

@@ -271,26 +271,8 @@ impl<'a> Planner<'a> {
             }
             // Look ahead far enough that the lock is rarely taken for I/O.
             let (pos, len) = (self.pos, (self.size - self.pos).min(8 << 30));
-            let v = self.src.with(|e| e.extents(pos, len))?;
-            let mut p = self.pos;
-            for e in v {
-                if e.offset != p || e.len == 0 {
-                    break;
-                }
-                p += e.len;
-                self.queue.push_back(e);
-            }
-            if p == self.pos {
-                // No progress would loop forever: treat the rest as data.
-                self.queue.push_back(MapExtent {
-                    offset: self.pos,
-                    len: self.size - self.pos,
-                    data: true,
-                    zero: false,
-                });
-                p = self.size;
-            }
-            self.pos = p;
+            let runs = self.src.with(|e| e.extents(pos, len))?;
+            self.pos = crate::scan::queue_runs(&mut self.queue, pos, self.size, runs);
         }
         let data_chunk = match self.offload {
             Some(o) if o.may_work() => offload::OFFLOAD_CHUNK.max(self.data_chunk),
