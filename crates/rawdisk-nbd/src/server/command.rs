@@ -18,9 +18,6 @@ use super::{Session, Shared};
 use crate::proto::*;
 use crate::sock::Pipe;
 
-/// Writes of at least this many bytes start their write-back at once under
-/// `write_behind` (nbdcopy writes 256 KiB at a time, qemu-img 2 MiB).
-pub(super) const WRITE_BEHIND_MIN: u64 = 256 << 10;
 /// Reads at least this long ask the storage for holes first and answer them
 /// with hole chunks; below it a lookup costs more than reading zeros.
 const SPARSE_READ_MIN: u64 = 64 << 10;
@@ -323,7 +320,7 @@ pub(super) fn execute(
                 return whole(small_ok(s, to));
             };
             let r = t.write_at(&buf[start..start + n], req.offset, fua);
-            if r.is_ok() && sh.cfg.write_behind && !fua && n as u64 >= WRITE_BEHIND_MIN {
+            if r.is_ok() && !fua && sh.write_behind.after_write(req.offset, n as u64) {
                 t.start_writeback(req.offset, n as u64);
             }
             sh.pool.put(buf);
@@ -333,7 +330,10 @@ pub(super) fn execute(
             }
         }
         Command::Flush => match t.flush() {
-            Ok(()) => whole(small_ok(s, to)),
+            Ok(()) => {
+                sh.write_behind.flushed();
+                whole(small_ok(s, to))
+            }
             Err(e) => fail("flush", &e),
         },
         Command::Trim => {

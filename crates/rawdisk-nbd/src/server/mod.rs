@@ -38,6 +38,7 @@ mod handshake;
 mod limits;
 mod refuse;
 mod transmission;
+mod writeback;
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,6 +56,8 @@ use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
 use handshake::Link;
 use limits::{more, HandshakeSlot, Handshakes, RateLimit, Stats};
+use writeback::Policy;
+pub use writeback::WriteBehind;
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -92,12 +95,10 @@ pub struct ServerConfig {
     /// After shutdown is requested, connections get this long to finish
     /// their in-flight requests before they are dropped.
     pub shutdown_grace: Duration,
-    /// Start writing back each page-cache write of WRITE_BEHIND_MIN or more
-    /// as soon as it is done (sync_file_range WRITE), so that a client's
-    /// final FLUSH finds little left to write. A bulk import that ends with
-    /// a flush gains; a stream of writes that is never flushed pays for
-    /// device writes it would otherwise not have made in that time.
-    pub write_behind: bool,
+    /// When page-cache writes start their write-back at once
+    /// (sync_file_range WRITE) so that a client's final FLUSH finds little
+    /// left to write; `Auto` decides from what the clients do (writeback.rs).
+    pub write_behind: WriteBehind,
     /// Receive page-cache writes of MAP_WRITE_MIN or more straight into the
     /// target's mapped page cache (`Target::map_write`). A client that
     /// vanishes mid-payload then leaves the part that arrived written;
@@ -125,7 +126,7 @@ impl Default for ServerConfig {
             max_option_len: 64 << 10,
             max_payload: 32 << 20,
             shutdown_grace: Duration::from_secs(10),
-            write_behind: false,
+            write_behind: WriteBehind::Auto,
             map_writes: false,
             tls: None,
         }
@@ -167,6 +168,7 @@ struct Shared {
     caps_logged: AtomicU64,
     next_conn: AtomicU64,
     sparse_skip: AtomicU64,
+    write_behind: Policy,
 }
 
 impl Server {
@@ -198,6 +200,11 @@ impl Server {
                 caps_logged: AtomicU64::new(caps_gen),
                 next_conn: AtomicU64::new(1),
                 sparse_skip: AtomicU64::new(0),
+                write_behind: Policy::new(
+                    cfg.write_behind,
+                    target.has_write_back() && !read_only,
+                    target.size(),
+                ),
                 target,
                 cfg,
                 read_only,

@@ -32,9 +32,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
-use super::command::{
-    execute, small_error, small_ok, storage_error, validate, whole, Encoded, WRITE_BEHIND_MIN,
-};
+use super::command::{execute, small_error, small_ok, storage_error, validate, whole, Encoded};
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
@@ -629,7 +627,7 @@ where
                 drop(mw);
                 match r {
                     Ok(()) => {
-                        if self.sh.cfg.write_behind && payload >= WRITE_BEHIND_MIN {
+                        if self.sh.write_behind.after_write(to.offset, payload) {
                             self.sh.target.start_writeback(to.offset, payload);
                         }
                         self.batch.reply(whole(small_ok(&self.s, to)), permits);

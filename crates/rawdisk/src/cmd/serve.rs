@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_nbd::server::{Listener, Server, ServerConfig, WriteBehind};
 use rawdisk_nbd::tls::ServerTls;
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 use tokio::signal::unix::{signal, SignalKind};
@@ -83,13 +83,15 @@ pub struct Args {
     /// [default: never].
     #[arg(long, value_name = "DURATION", value_parser = duration_arg)]
     idle_timeout: Option<Duration>,
-    /// Start writing back every write of 256 KiB or more right away
-    /// (sync_file_range), so the client's final flush has little left to
-    /// do: faster imports that end with a flush (qemu-img convert, nbdcopy
-    /// --flush), slower streams of writes that are never flushed. No effect
-    /// with --cache none.
-    #[arg(long)]
-    write_behind: bool,
+    /// When writes of 256 KiB or more start their write-back right away
+    /// (sync_file_range), so a client's final flush has little left to do:
+    /// on (faster imports that end with a flush, slower streams of writes
+    /// that are never flushed), off, or auto: on until the clients rewrite
+    /// what they wrote since their last flush. `--write-behind` alone is
+    /// on. No effect with --cache none or on tmpfs/ramfs.
+    #[arg(long, value_enum, value_name = "WHEN", default_value = "auto",
+          num_args = 0..=1, default_missing_value = "on")]
+    write_behind: WriteBehindArg,
     /// Receive write payloads of 64 KiB or more straight into the file's
     /// page cache through a shared mapping (regular files, pages already
     /// cached, no FUA): one copy instead of two, and less memory. The cost:
@@ -200,7 +202,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         max_connections: args.max_connections.max(1),
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         idle_timeout: args.idle_timeout,
-        write_behind: args.write_behind,
+        write_behind: args.write_behind.into(),
         map_writes: args.map_writes,
         tls,
         ..Default::default()
@@ -515,10 +517,10 @@ async fn serve(
             CacheArg::None => "none",
         },
         if args.read_only { ", read-only" } else { "" },
-        if args.write_behind && args.cache == CacheArg::Writeback {
-            ", write-behind"
-        } else {
-            ""
+        match (args.write_behind, args.cache) {
+            (WriteBehindArg::On, CacheArg::Writeback) => ", write-behind",
+            (WriteBehindArg::Off, CacheArg::Writeback) => ", write-behind off",
+            _ => "",
         },
         if args.map_writes && args.cache == CacheArg::Writeback {
             ", map-writes"
@@ -746,6 +748,24 @@ mod tests {
         assert_eq!(duration_arg("2h"), Ok(Duration::from_secs(7200)));
         for bad in ["", "0", "-1", "1d", "s", "1..2s", "inf"] {
             assert!(duration_arg(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}
+
+/// `--write-behind`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WriteBehindArg {
+    On,
+    Off,
+    Auto,
+}
+
+impl From<WriteBehindArg> for WriteBehind {
+    fn from(w: WriteBehindArg) -> WriteBehind {
+        match w {
+            WriteBehindArg::On => WriteBehind::On,
+            WriteBehindArg::Off => WriteBehind::Off,
+            WriteBehindArg::Auto => WriteBehind::Auto,
         }
     }
 }
