@@ -29,7 +29,8 @@ use tokio::sync::watch;
 #[command(after_help = "Examples:\n  \
     rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
     rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
-    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0")]
+    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0\n  \
+    rawdisk serve --dir /var/lib/images -U /run/images.sock")]
 pub struct Args {
     /// Listen on this Unix socket (replaces a stale socket file). -U as
     /// nbdkit, -k as qemu-nbd.
@@ -47,8 +48,23 @@ pub struct Args {
     #[arg(short = 'r', long)]
     read_only: bool,
     /// Name of the export; clients asking for another name are refused.
-    #[arg(short = 'e', long, value_name = "NAME", default_value = "")]
+    #[arg(
+        short = 'e',
+        long,
+        value_name = "NAME",
+        default_value = "",
+        conflicts_with = "dir"
+    )]
     export_name: String,
+    /// Export every regular file and block device directly inside DIR, each
+    /// under its file name (nbdkit's dir=); files added or removed are seen
+    /// by the next connection. Symlinks are followed only inside DIR.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["target", "create"])]
+    dir: Option<PathBuf>,
+    /// With --dir: the export a client asking for the empty name gets
+    /// (otherwise it is refused and told to pick a name).
+    #[arg(long, value_name = "NAME", requires = "dir")]
+    default_export: Option<String>,
     /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
     /// whatever the clients do.
     #[arg(short = 't', long)]
@@ -122,14 +138,17 @@ pub struct Args {
     #[arg(long)]
     tls_verify_peer: bool,
     /// File or block device to export.
-    target: PathBuf,
+    #[arg(required_unless_present = "dir")]
+    target: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // First, while the process has one thread: it unsets the variables, and
     // setenv/unsetenv race with any other thread's getenv.
     let activated = take_activation_fd();
-    super::local_only(&args.target, "serve")?;
+    if let Some(t) = &args.target {
+        super::local_only(t, "serve")?;
+    }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
@@ -147,55 +166,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut cleanup = Cleanup::default();
     let listening = listen(&args, activated, &mut cleanup)?;
     let pid_file = open_pid_file(&args, &mut cleanup)?;
-    let created = match args.create {
-        Some(size) => create_target(&args.target, size, args.preallocation.into(), cache)?,
-        None => false,
-    };
-    if created {
-        // Removed again if serving fails before it starts.
-        cleanup.created = Some(args.target.clone());
-    }
-    let opened = Target::open(
-        &args.target,
-        &OpenOptions {
-            read_only: args.read_only,
-            cache,
-            ..Default::default()
-        },
-    );
-    let target = match opened {
-        Ok(t) => Arc::new(t),
-        Err(e) => {
-            let msg = rawdisk_image::endpoint::open_error_message(&args.target, &e);
-            // The path once: "cannot serve 'P': why", not "...: open P: why".
-            let open = format!("open {}: ", args.target.display());
-            let msg = msg.strip_prefix(&open).unwrap_or(&msg);
-            // Opened for writing by default (qemu-nbd and nbdkit do the same):
-            // a file the user may only read needs the flag, so say which.
-            let denied = e
-                .errno()
-                .map(|n| std::io::Error::from_raw_os_error(n).kind());
-            let hint = match denied {
-                Some(
-                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
-                ) if !args.read_only => {
-                    "; it cannot be opened for writing: serve it with --read-only"
-                }
-                _ => "",
-            };
-            bail!("cannot serve '{}': {msg}{hint}", args.target.display());
-        }
-    };
-    if let Some(size) = args.create {
-        if !created && target.size() != size {
-            bail!(
-                "'{}' exists with size {} bytes, not the {size} bytes --create asks for",
-                args.target.display(),
-                target.size()
-            );
-        }
-    }
-
     let cfg = ServerConfig {
         export_name: args.export_name.clone(),
         read_only: args.read_only,
@@ -206,6 +176,30 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         map_writes: args.map_writes,
         tls,
         ..Default::default()
+    };
+    let open = OpenOptions {
+        read_only: args.read_only,
+        cache,
+        ..Default::default()
+    };
+    let (server, what) = match (&args.dir, &args.target) {
+        (Some(dir), _) => {
+            let server = Server::new_dir(dir, open, args.default_export.clone(), cfg)
+                .map_err(|e| anyhow::anyhow!("cannot serve directory {e}"))?;
+            (server, format!("directory '{}'", dir.display()))
+        }
+        (None, Some(path)) => {
+            let target = open_target(&args, path, open, &mut cleanup)?;
+            let what = format!(
+                "'{}' ({} bytes, {:?})",
+                path.display(),
+                target.size(),
+                target.kind()
+            );
+            tracing::info!("storage capabilities: {}", target.caps().snapshot());
+            (Server::new(target, cfg), what)
+        }
+        (None, None) => unreachable!("clap requires TARGET or --dir"),
     };
 
     // Storage calls block on the blocking pool. Through the page cache more
@@ -229,7 +223,58 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(serve(args, target, cfg, listening, pid_file, cleanup))
+    rt.block_on(serve(args, server, what, listening, pid_file, cleanup))
+}
+
+/// Opens TARGET, made first by --create; errors say how to fix them.
+fn open_target(
+    args: &Args,
+    path: &Path,
+    open: OpenOptions,
+    cleanup: &mut Cleanup,
+) -> anyhow::Result<Arc<Target>> {
+    let created = match args.create {
+        Some(size) => create_target(path, size, args.preallocation.into(), open.cache)?,
+        None => false,
+    };
+    if created {
+        // Removed again if serving fails before it starts.
+        cleanup.created = Some(path.to_path_buf());
+    }
+    let opened = Target::open(path, &open);
+    let target = match opened {
+        Ok(t) => Arc::new(t),
+        Err(e) => {
+            let msg = rawdisk_image::endpoint::open_error_message(path, &e);
+            // The path once: "cannot serve 'P': why", not "...: open P: why".
+            let open = format!("open {}: ", path.display());
+            let msg = msg.strip_prefix(&open).unwrap_or(&msg);
+            // Opened for writing by default (qemu-nbd and nbdkit do the same):
+            // a file the user may only read needs the flag, so say which.
+            let denied = e
+                .errno()
+                .map(|n| std::io::Error::from_raw_os_error(n).kind());
+            let hint = match denied {
+                Some(
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
+                ) if !args.read_only => {
+                    "; it cannot be opened for writing: serve it with --read-only"
+                }
+                _ => "",
+            };
+            bail!("cannot serve '{}': {msg}{hint}", path.display());
+        }
+    };
+    if let Some(size) = args.create {
+        if !created && target.size() != size {
+            bail!(
+                "'{}' exists with size {} bytes, not the {size} bytes --create asks for",
+                path.display(),
+                target.size()
+            );
+        }
+    }
+    Ok(target)
 }
 
 /// A duration: seconds, or a number with ms, s, m or h.
@@ -480,8 +525,8 @@ fn open_pid_file(args: &Args, cleanup: &mut Cleanup) -> anyhow::Result<Option<fs
 
 async fn serve(
     args: Args,
-    target: Arc<Target>,
-    cfg: ServerConfig,
+    server: Server,
+    what: String,
     (bound, uri): (Bound, String),
     pid_file: Option<fs::File>,
     mut cleanup: Cleanup,
@@ -496,22 +541,18 @@ async fn serve(
     };
 
     // The URI spec's schemes for "TLS or nothing".
-    let uri = match &cfg.tls {
+    let uri = match server.tls() {
         Some(t) if t.required() => uri.replacen("nbd", "nbds", 1),
         _ => uri,
     };
-    if let Some(t) = &cfg.tls {
+    if let Some(t) = server.tls() {
         let mode = if t.required() { "required" } else { "offered" };
         tracing::info!("TLS {mode}: {}", t.describe());
     }
-    let read_only = cfg.read_only || target.is_read_only();
-    let server = Server::new(target.clone(), cfg);
+    let read_only = server.read_only();
     let (min, pref, max) = server.block_sizes();
     tracing::info!(
-        "serving '{}' ({} bytes, {:?}, cache={}{}{}{}) block sizes {min}/{pref}/{max}",
-        args.target.display(),
-        target.size(),
-        target.kind(),
+        "serving {what} (cache={}{}{}{}) block sizes {min}/{pref}/{max}",
         match args.cache {
             CacheArg::Writeback => "writeback",
             CacheArg::None => "none",
@@ -528,7 +569,6 @@ async fn serve(
             ""
         },
     );
-    tracing::info!("storage capabilities: {}", target.caps().snapshot());
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
