@@ -54,12 +54,14 @@ def test_convert_with_out_of_order_writes(workdir, serve):
 
 
 @pytest.mark.rawdisk_only("rawdisk serve's --write-behind")
-def test_convert_with_write_behind(workdir, serve):
-    """--write-behind starts write-back of every big write as it lands; the
-    bytes are the same, the trailing FLUSH just has less to do."""
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_convert_with_write_behind(workdir, serve, mode):
+    """--write-behind starts write-back of big writes as they land (auto: while
+    they land on ranges not written since the last flush); the bytes are the
+    same in every mode, the trailing FLUSH just has less to do."""
     src, model = make_image(workdir, "src.img", SIZE, seed=6, sparse=True)
     dst, _ = make_image(workdir, "dst.img", SIZE, seed=7)
-    srv = serve(dst, extra=("--write-behind",))
+    srv = serve(dst, extra=("--write-behind", mode))
     qemu_img("convert", "-n", "-W", "-m", "16", "-f", "raw", "-O", "raw", src, srv.uri)
     assert_export_is(srv.uri, model)
     assert_target_is(dst, model)

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rawdisk_nbd::proto::*;
-use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_nbd::server::{Listener, Server, ServerConfig, WriteBehind};
 use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{FaultSys, OpenOptions, Target};
 use tokio::sync::watch;
@@ -1380,14 +1380,14 @@ fn splice_errors_are_reported_and_a_missing_splice_is_learned() {
 
 /// --write-behind starts write-back of each write of 256 KiB or more, not of
 /// smaller or FUA writes; it is advisory, so a failing sync_file_range
-/// leaves the write successful, and without the option it never runs.
+/// leaves the write successful, and with `off` it never runs.
 #[test]
 fn write_behind_starts_write_back_of_big_writes_only() {
-    for on in [false, true] {
+    for (mode, on) in [(WriteBehind::Off, false), (WriteBehind::On, true)] {
         let mut h = Harness::start(Setup {
             fault: true,
             cfg: ServerConfig {
-                write_behind: on,
+                write_behind: mode,
                 ..Setup::default().cfg
             },
             ..Default::default()
@@ -1438,6 +1438,48 @@ fn write_behind_starts_write_back_of_big_writes_only() {
         h.stop().unwrap();
         h.check_file();
     }
+}
+
+/// `--write-behind auto` (the default) writes behind while the clients write
+/// new ranges, stops once they rewrite what they wrote since their last
+/// FLUSH, and starts again after the next FLUSH; every byte stays right.
+#[test]
+fn write_behind_auto_follows_rewrites_and_flushes() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    assert_eq!(Setup::default().cfg.write_behind, WriteBehind::Auto);
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let calls = |f: &FaultSys| f.calls(CallKind::StartWriteback);
+    let write = |c: &mut Conn, h: &mut Harness, off: u64, seed: u64| {
+        let data = random(MIB as usize, seed);
+        c.write(off, &data);
+        h.model[off as usize..(off + MIB) as usize].copy_from_slice(&data);
+    };
+    let n0 = calls(&fault);
+    // First pass over 8 MiB: each write is new, each is written behind.
+    for i in 0..8 {
+        write(&mut c, &mut h, i * MIB, i);
+    }
+    assert_eq!(calls(&fault), n0 + 8, "first pass");
+    // Rewriting it without a flush: a few re-sent requests are tolerated
+    // (64 chunks of 64 KiB), then write-behind stops.
+    for i in 0..8 {
+        write(&mut c, &mut h, i * MIB, 100 + i);
+    }
+    assert_eq!(calls(&fault), n0 + 8 + 4, "rewrites without a flush");
+    // A FLUSH: on again.
+    assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
+    for i in 0..8 {
+        write(&mut c, &mut h, i * MIB, 200 + i);
+    }
+    assert_eq!(calls(&fault), n0 + 8 + 4 + 8, "after a flush");
+    assert!(c.read(0, 8 * MIB) == h.model, "data differs");
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
 }
 
 // ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Export a file or block device over NBD.
-    Serve(cmd::serve::Args),
+    Serve(Box<cmd::serve::Args>),
     /// Create an image, with preallocation.
     Create(cmd::create::Args),
     /// Report what the storage under a target supports.
@@ -80,7 +80,7 @@ fn main() -> ExitCode {
     let quiet = !matches!(cli.command, Command::Serve(_));
     init_logging(cli.verbose, quiet);
     let result = match cli.command {
-        Command::Serve(a) => cmd::serve::run(a),
+        Command::Serve(a) => cmd::serve::run(*a),
         Command::Create(a) => cmd::create::run(a),
         Command::Probe(a) => cmd::probe::run(a),
         Command::Map(a) => cmd::map::run(a),

@@ -9,18 +9,16 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, ExtentKind, Kind, Method, ZeroFlags};
-use tracing::{debug, info, trace, warn};
+use tracing::{debug, trace, warn};
 
 use super::buffers::PIPE_BYTES;
+use super::exports::Export;
 use super::handshake::BASE_ALLOCATION_ID;
 use super::limits::more;
 use super::{Session, Shared};
 use crate::proto::*;
 use crate::sock::Pipe;
 
-/// Writes of at least this many bytes start their write-back at once under
-/// `write_behind` (nbdcopy writes 256 KiB at a time, qemu-img 2 MiB).
-pub(super) const WRITE_BEHIND_MIN: u64 = 256 << 10;
 /// Reads at least this long ask the storage for holes first and answer them
 /// with hole chunks; below it a lookup costs more than reading zeros.
 const SPARSE_READ_MIN: u64 = 64 << 10;
@@ -38,7 +36,7 @@ const MAX_DESCRIPTORS: usize = 16 << 10;
 /// header's own send.
 const SPLICE_MIN: u64 = 64 << 10;
 
-impl Shared {
+impl Export {
     /// Whether a read is worth a hole lookup: not on block devices (no
     /// SEEK_HOLE there), not on fully allocated files (one fstat tells), not
     /// right after lookups that were slow and found only data.
@@ -69,21 +67,6 @@ impl Shared {
     /// read.
     fn holes_made(&self) {
         self.sparse_skip.store(0, Ordering::Relaxed);
-    }
-
-    /// Logs the target's learned capabilities once per change.
-    pub(super) fn note_caps(&self) {
-        let caps = self.target.caps();
-        let gen = caps.generation();
-        let last = self.caps_logged.load(Ordering::Relaxed);
-        if gen != last
-            && self
-                .caps_logged
-                .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        {
-            info!("storage capabilities: {}", caps.snapshot());
-        }
     }
 }
 
@@ -313,7 +296,7 @@ pub(super) fn execute(
     to: ReplyTo,
     data: Option<(Vec<u8>, usize, usize)>,
 ) -> Encoded {
-    let t = &*sh.target;
+    let t = &*s.export.target;
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(sh, s, req, to, op, e);
     match req.command {
@@ -323,7 +306,7 @@ pub(super) fn execute(
                 return whole(small_ok(s, to));
             };
             let r = t.write_at(&buf[start..start + n], req.offset, fua);
-            if r.is_ok() && sh.cfg.write_behind && !fua && n as u64 >= WRITE_BEHIND_MIN {
+            if r.is_ok() && !fua && s.export.write_behind.after_write(req.offset, n as u64) {
                 t.start_writeback(req.offset, n as u64);
             }
             sh.pool.put(buf);
@@ -333,7 +316,10 @@ pub(super) fn execute(
             }
         }
         Command::Flush => match t.flush() {
-            Ok(()) => whole(small_ok(s, to)),
+            Ok(()) => {
+                s.export.write_behind.flushed();
+                whole(small_ok(s, to))
+            }
             Err(e) => fail("flush", &e),
         },
         Command::Trim => {
@@ -341,7 +327,7 @@ pub(super) fn execute(
                 return whole(small_ok(s, to));
             }
             match t.trim(req.offset, req.length) {
-                Ok(()) => sh.holes_made(),
+                Ok(()) => s.export.holes_made(),
                 // Trim is advisory; "not supported" is success (and the spec
                 // reserves ENOTSUP for fast zero).
                 Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
@@ -374,7 +360,7 @@ pub(super) fn execute(
             match t.zero(req.offset, req.length, flags) {
                 Ok(outcome) => {
                     trace!("zero used {:?}", outcome.methods);
-                    sh.holes_made();
+                    s.export.holes_made();
                 }
                 Err(e) => {
                     let mut err = storage_errno(&e);
@@ -392,7 +378,7 @@ pub(super) fn execute(
             }
             whole(small_ok(s, to))
         }
-        Command::BlockStatus => block_status(sh, s, req, to),
+        Command::BlockStatus => block_status(s, req, to),
         Command::Disc | Command::Resize | Command::Unknown(_) => {
             small_error(s, to, NBD_EINVAL, "unknown command")
         }
@@ -400,7 +386,7 @@ pub(super) fn execute(
 }
 
 fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
-    let t = &*sh.target;
+    let t = &*s.export.target;
     let n = req.length as usize;
     let df = req.flags & CMD_FLAG_DF != 0;
     let read_err = |e: &rawdisk_storage::Error| storage_error(sh, s, req, to, "read", e);
@@ -426,7 +412,7 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                 encode_chunk_none(&mut b, s.mode, to);
                 return whole(b);
             }
-            if !df && req.length >= SPARSE_READ_MIN && sh.may_have_holes(s.size) {
+            if !df && req.length >= SPARSE_READ_MIN && s.export.may_have_holes(s.size) {
                 let t0 = Instant::now();
                 if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
                     if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
@@ -437,7 +423,9 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                 // lookups up to the next hole, not just this read's range):
                 // inside a long run, stop asking for a while.
                 if t0.elapsed() > SPARSE_LOOKUP_SLOW {
-                    sh.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
+                    s.export
+                        .sparse_skip
+                        .store(SPARSE_SKIP_READS, Ordering::Relaxed);
                 }
             }
             match splice_read(sh, s, req) {
@@ -471,7 +459,7 @@ fn splice_read(
     s: &Session,
     req: &Request,
 ) -> Option<Result<Vec<Spliced>, rawdisk_storage::Error>> {
-    let t = &*sh.target;
+    let t = &*s.export.target;
     if !s.splice
         || req.length < SPLICE_MIN
         || t.cache_mode() == CacheMode::None
@@ -524,7 +512,7 @@ fn sparse_read(
     to: ReplyTo,
     extents: &[rawdisk_storage::Extent],
 ) -> Encoded {
-    let t = &*sh.target;
+    let t = &*s.export.target;
     let end = req.offset + req.length;
     // (offset, len, hole), contiguous from req.offset to end.
     let mut pieces: Vec<(u64, u64, bool)> = Vec::with_capacity(extents.len() + 1);
@@ -579,8 +567,8 @@ fn sparse_read(
     Encoded::bytes(buf, start, at)
 }
 
-fn block_status(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
-    let t = &*sh.target;
+fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
+    let t = &*s.export.target;
     let id = s.base_allocation.unwrap_or(BASE_ALLOCATION_ID);
     let max_runs = if req.flags & CMD_FLAG_REQ_ONE != 0 {
         1

@@ -4,11 +4,13 @@
 //! TLS on NBD_OPT_STARTTLS (spec: "TLS support").
 
 use std::io;
+use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
-use tracing::{debug, trace};
+use tracing::{debug, info, trace};
 
 use super::buffers::{Input, READ_AHEAD};
+use super::exports::Export;
 use super::{protocol_error, BoxRead, BoxWrite, Session, Shared};
 use crate::proto::*;
 
@@ -17,11 +19,11 @@ pub(super) const BASE_ALLOCATION_ID: u32 = 1;
 
 /// Transmission flags from what the target can do. Computed once per
 /// connection, so they never change while it lasts.
-fn transmission_flags(sh: &Shared) -> u16 {
-    let t = &sh.target;
+fn transmission_flags(e: &Export) -> u16 {
+    let t = &e.target;
     let mut f =
         FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA | FLAG_SEND_CACHE | FLAG_CAN_MULTI_CONN;
-    if sh.read_only {
+    if e.read_only {
         f |= FLAG_READ_ONLY;
     } else {
         f |= FLAG_SEND_WRITE_ZEROES;
@@ -36,6 +38,25 @@ fn transmission_flags(sh: &Shared) -> u16 {
         f |= FLAG_ROTATIONAL;
     }
     f
+}
+
+/// The transmission flags of `e`, fixed for this connection at the first
+/// INFO/GO naming it, so INFO and GO agree (spec: NBD_OPT_INFO).
+fn flags_for(fixed: &mut Vec<(String, u16)>, e: &Export) -> u16 {
+    if let Some((_, f)) = fixed.iter().find(|(n, _)| *n == e.name) {
+        return *f;
+    }
+    let f = transmission_flags(e);
+    fixed.push((e.name.clone(), f));
+    f
+}
+
+/// The export a client named, or the reason it gets NBD_REP_ERR_UNKNOWN
+/// (logged: an operator wants to see clients asking for the wrong name).
+fn find(sh: &Shared, name: &str) -> Result<Arc<Export>, String> {
+    sh.exports
+        .find(name, sh.cfg.write_behind, sh.cfg.max_payload)
+        .inspect_err(|msg| info!("refusing export: {msg}"))
 }
 
 async fn send<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut Vec<u8>) -> io::Result<()> {
@@ -154,8 +175,8 @@ where
     let mut mode = ReplyMode::Simple;
     // (export name, selected base:allocation) from the last SET_META_CONTEXT.
     let mut meta: Option<(String, bool)> = None;
-    // Flags are fixed at the first INFO/GO so INFO and GO agree (spec).
-    let mut base_flags: Option<u16> = None;
+    // Per export, fixed at the first INFO/GO so INFO and GO agree (spec).
+    let mut base_flags: Vec<(String, u16)> = Vec::new();
     let mut data = Vec::new();
 
     for _ in 0..cfg.max_options {
@@ -216,18 +237,14 @@ where
         match opt {
             ClientOption::ExportName(export) => {
                 // No way to report an error here: the spec says hang up.
-                if export != cfg.export_name {
-                    return Err(protocol_error(format!(
-                        "NBD_OPT_EXPORT_NAME for unknown export {export:?}"
-                    )));
-                }
-                let flags =
-                    *base_flags.get_or_insert_with(|| transmission_flags(sh)) | df_flag(mode);
-                let size = sh.target.size();
+                let e = find(sh, &export)
+                    .map_err(|msg| protocol_error(format!("NBD_OPT_EXPORT_NAME: {msg}")))?;
+                let flags = flags_for(&mut base_flags, &e) | df_flag(mode);
+                let size = e.target.size();
                 encode_export_name_reply(&mut out, size, flags, no_zeroes);
                 send(wr, &mut out).await?;
                 let base_allocation = meta_for(&meta, &export);
-                let s = session(sh, mode, flags, size, base_allocation, false);
+                let s = session(sh, e, mode, flags, size, base_allocation, false);
                 return Ok(Outcome::Session(s));
             }
             ClientOption::Abort => {
@@ -237,11 +254,9 @@ where
                 return Ok(Outcome::Aborted);
             }
             ClientOption::List => {
-                OptionReply::Server {
-                    name: cfg.export_name.clone(),
-                    description: cfg.description.clone(),
+                for (name, description) in sh.exports.list(&cfg.description) {
+                    OptionReply::Server { name, description }.encode(h.option, &mut out);
                 }
-                .encode(h.option, &mut out);
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
             }
@@ -304,8 +319,11 @@ where
                     .await?;
                     continue;
                 }
-                if req.name != cfg.export_name {
-                    let msg = format!("no export named {:?}", req.name);
+                // Not logged: the INFO/GO that follows is.
+                let found = sh
+                    .exports
+                    .find(&req.name, cfg.write_behind, cfg.max_payload);
+                if let Err(msg) = found {
                     reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
                     continue;
                 }
@@ -337,18 +355,18 @@ where
             }
             ClientOption::Info(req) | ClientOption::Go(req) => {
                 let go = h.option == OPT_GO;
-                if req.name != cfg.export_name {
-                    let msg = format!("no export named {:?}", req.name);
-                    reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
-                    continue;
-                }
-                let flags =
-                    *base_flags.get_or_insert_with(|| transmission_flags(sh)) | df_flag(mode);
-                let size = sh.target.size();
+                let e = match find(sh, &req.name) {
+                    Ok(e) => e,
+                    Err(msg) => {
+                        reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
+                        continue;
+                    }
+                };
+                let flags = flags_for(&mut base_flags, &e) | df_flag(mode);
+                let size = e.target.size();
                 OptionReply::Info(Info::Export { size, flags }).encode(h.option, &mut out);
                 if req.info.contains(&INFO_NAME) {
-                    OptionReply::Info(Info::Name(cfg.export_name.clone()))
-                        .encode(h.option, &mut out);
+                    OptionReply::Info(Info::Name(e.name.clone())).encode(h.option, &mut out);
                 }
                 if req.info.contains(&INFO_DESCRIPTION) && !cfg.description.is_empty() {
                     OptionReply::Info(Info::Description(cfg.description.clone()))
@@ -357,8 +375,8 @@ where
                 // Sent even when not asked for: clients that understand it
                 // benefit, the others must ignore it (spec: NBD_OPT_INFO).
                 OptionReply::Info(Info::BlockSize {
-                    min: sh.min_block,
-                    preferred: sh.preferred_block,
+                    min: e.min_block,
+                    preferred: e.preferred_block,
                     max: cfg.max_payload,
                 })
                 .encode(h.option, &mut out);
@@ -367,7 +385,7 @@ where
                 if go {
                     let base_allocation = meta_for(&meta, &req.name);
                     let agreed = req.info.contains(&INFO_BLOCK_SIZE);
-                    let s = session(sh, mode, flags, size, base_allocation, agreed);
+                    let s = session(sh, e, mode, flags, size, base_allocation, agreed);
                     return Ok(Outcome::Session(s));
                 }
             }
@@ -427,6 +445,7 @@ fn meta_for(meta: &Option<(String, bool)>, export: &str) -> Option<u32> {
 
 fn session(
     sh: &Shared,
+    export: Arc<Export>,
     mode: ReplyMode,
     flags: u16,
     size: u64,
@@ -443,8 +462,9 @@ fn session(
             None
         },
         enforce_min_block,
-        min_block: sh.min_block,
+        min_block: export.min_block,
         max_payload: sh.cfg.max_payload,
+        export,
         splice: false,
     }
 }

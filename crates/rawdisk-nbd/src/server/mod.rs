@@ -34,17 +34,19 @@
 
 mod buffers;
 mod command;
+mod exports;
 mod handshake;
 mod limits;
 mod refuse;
 mod transmission;
+mod writeback;
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rawdisk_storage::{CacheMode, Target};
+use rawdisk_storage::{OpenOptions, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
@@ -53,8 +55,10 @@ use tracing::{debug, warn, Instrument};
 use crate::proto::*;
 use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
+use exports::{Export, Exports};
 use handshake::Link;
 use limits::{more, HandshakeSlot, Handshakes, RateLimit, Stats};
+pub use writeback::WriteBehind;
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -92,12 +96,10 @@ pub struct ServerConfig {
     /// After shutdown is requested, connections get this long to finish
     /// their in-flight requests before they are dropped.
     pub shutdown_grace: Duration,
-    /// Start writing back each page-cache write of WRITE_BEHIND_MIN or more
-    /// as soon as it is done (sync_file_range WRITE), so that a client's
-    /// final FLUSH finds little left to write. A bulk import that ends with
-    /// a flush gains; a stream of writes that is never flushed pays for
-    /// device writes it would otherwise not have made in that time.
-    pub write_behind: bool,
+    /// When page-cache writes start their write-back at once
+    /// (sync_file_range WRITE) so that a client's final FLUSH finds little
+    /// left to write; `Auto` decides from what the clients do (writeback.rs).
+    pub write_behind: WriteBehind,
     /// Receive page-cache writes of MAP_WRITE_MIN or more straight into the
     /// target's mapped page cache (`Target::map_write`). A client that
     /// vanishes mid-payload then leaves the part that arrived written;
@@ -125,7 +127,7 @@ impl Default for ServerConfig {
             max_option_len: 64 << 10,
             max_payload: 32 << 20,
             shutdown_grace: Duration::from_secs(10),
-            write_behind: false,
+            write_behind: WriteBehind::Auto,
             map_writes: false,
             tls: None,
         }
@@ -144,11 +146,8 @@ pub struct Server {
 }
 
 struct Shared {
-    target: Arc<Target>,
+    exports: Exports,
     cfg: ServerConfig,
-    read_only: bool,
-    min_block: u32,
-    preferred_block: u32,
     conns: Arc<Semaphore>,
     /// Connections still in the handshake: at most half of `conns`, so
     /// clients that never finish it cannot lock out everyone else.
@@ -164,13 +163,40 @@ struct Shared {
     bytes_per_conn: usize,
     pool: BufPool,
     pipes: PipePool,
-    caps_logged: AtomicU64,
     next_conn: AtomicU64,
-    sparse_skip: AtomicU64,
 }
 
 impl Server {
-    pub fn new(target: Arc<Target>, mut cfg: ServerConfig) -> Server {
+    pub fn new(target: Arc<Target>, cfg: ServerConfig) -> Server {
+        let export = Export::new(
+            cfg.export_name.clone(),
+            target,
+            cfg.read_only,
+            cfg.write_behind,
+            cfg.max_payload,
+            (0, 0),
+        );
+        Server::with_exports(Exports::One(Arc::new(export)), cfg)
+    }
+
+    /// A server for every regular file and block device directly inside
+    /// `dir`, each an export named by its file name (`serve --dir`); the
+    /// empty name means `default_export` when given, else it is refused.
+    pub fn new_dir(
+        dir: &std::path::Path,
+        opts: OpenOptions,
+        default_export: Option<String>,
+        cfg: ServerConfig,
+    ) -> io::Result<Server> {
+        let opts = OpenOptions {
+            read_only: opts.read_only || cfg.read_only,
+            ..opts
+        };
+        let dir = Exports::dir(dir, opts, default_export)?;
+        Ok(Server::with_exports(Exports::Dir(dir), cfg))
+    }
+
+    fn with_exports(exports: Exports, mut cfg: ServerConfig) -> Server {
         // The limits must admit the largest request, or it would wait forever.
         let biggest = cfg.max_payload as usize + 2 * DATA_ALIGN;
         cfg.max_bytes_total = cfg.max_bytes_total.max(biggest);
@@ -178,9 +204,6 @@ impl Server {
         cfg.max_connections = cfg.max_connections.max(1);
         let bytes_per_conn = cfg.max_bytes_per_conn.max(biggest);
         cfg.max_requests_per_conn = cfg.max_requests_per_conn.max(1);
-        let read_only = cfg.read_only || target.is_read_only();
-        let (min_block, preferred_block) = block_sizes(&target, cfg.max_payload);
-        let caps_gen = target.caps().generation();
         Server {
             shared: Arc::new(Shared {
                 conns: Arc::new(Semaphore::new(cfg.max_connections)),
@@ -195,23 +218,22 @@ impl Server {
                 bytes_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
-                caps_logged: AtomicU64::new(caps_gen),
                 next_conn: AtomicU64::new(1),
-                sparse_skip: AtomicU64::new(0),
-                target,
+                exports,
                 cfg,
-                read_only,
-                min_block,
-                preferred_block,
             }),
         }
     }
 
     /// (minimum, preferred, maximum payload) as advertised in
-    /// NBD_INFO_BLOCK_SIZE.
+    /// NBD_INFO_BLOCK_SIZE; for `--dir` the page-cache values (each export
+    /// has its own).
     pub fn block_sizes(&self) -> (u32, u32, u32) {
         let s = &self.shared;
-        (s.min_block, s.preferred_block, s.cfg.max_payload)
+        match s.exports.single() {
+            Some(e) => (e.min_block, e.preferred_block, s.cfg.max_payload),
+            None => (1, 4096, s.cfg.max_payload),
+        }
     }
 
     /// Accepts connections until `shutdown` becomes true, then lets every
@@ -266,12 +288,25 @@ impl Server {
             );
             tasks.shutdown().await;
         }
-        let target = sh.target.clone();
-        if !sh.read_only {
+        for e in sh.exports.open() {
+            if e.read_only {
+                continue;
+            }
+            let target = e.target.clone();
             match tokio::task::spawn_blocking(move || target.flush()).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(io::Error::other(format!("final flush: {e}"))),
-                Err(e) => return Err(io::Error::other(format!("final flush: {e}"))),
+                Ok(Err(err)) => {
+                    return Err(io::Error::other(format!(
+                        "final flush of {:?}: {err}",
+                        e.name
+                    )))
+                }
+                Err(err) => {
+                    return Err(io::Error::other(format!(
+                        "final flush of {:?}: {err}",
+                        e.name
+                    )))
+                }
             }
         }
         Ok(())
@@ -291,6 +326,18 @@ impl Server {
         };
         let (rd, wr) = tokio::io::split(stream);
         connection(sh.clone(), rd, wr, None, "stream".into(), shutdown, permit).await;
+    }
+
+    /// TLS as configured.
+    pub fn tls(&self) -> Option<&crate::tls::ServerTls> {
+        self.shared.cfg.tls.as_ref()
+    }
+
+    /// Whether every export refuses writes (`--read-only`, or the single
+    /// target could only be opened for reading).
+    pub fn read_only(&self) -> bool {
+        let s = &self.shared;
+        s.cfg.read_only || s.exports.single().is_some_and(|e| e.read_only)
     }
 
     /// The server's totals since it started, in one line (for SIGUSR1).
@@ -380,29 +427,6 @@ async fn accept(l: &Listener) -> io::Result<(BoxRead, BoxWrite, RawSock, String)
     }
 }
 
-/// Minimum and preferred block size. Through the page cache any byte range
-/// works (minimum 1); under O_DIRECT the storage needs dio_align-aligned
-/// I/O and serves anything else through a read-modify-write, so that is the
-/// honest minimum. Preferred: the device's optimal I/O size when it is a
-/// usable power of two, else 4096.
-fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
-    let g = target.geometry();
-    let mut min = 1u32;
-    if target.cache_mode() == CacheMode::None {
-        min = g.dio_align.max(g.logical_sector).max(1);
-        // Spec (Size constraints): a power of two no larger than 64 KiB.
-        if !min.is_power_of_two() || min > 65536 {
-            min = 4096;
-        }
-    }
-    let floor = min.max(4096);
-    let mut pref = g.opt_io.max(floor);
-    if !pref.is_power_of_two() || pref > max_payload {
-        pref = floor;
-    }
-    (min, pref)
-}
-
 // ---------------------------------------------------------------------------
 // Connection
 // ---------------------------------------------------------------------------
@@ -419,6 +443,8 @@ struct Session {
     /// to honour the minimum block size (spec: Size constraints).
     enforce_min_block: bool,
     min_block: u32,
+    /// The export the handshake settled on.
+    export: Arc<Export>,
     max_payload: u32,
     /// The connection is a socket that read data can be spliced into.
     splice: bool,

@@ -32,9 +32,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
-use super::command::{
-    execute, small_error, small_ok, storage_error, validate, whole, Encoded, WRITE_BEHIND_MIN,
-};
+use super::command::{execute, small_error, small_ok, storage_error, validate, whole, Encoded};
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
@@ -244,7 +242,7 @@ impl Batch {
                     _permits: j.permits.produced(),
                 });
             }
-            sh.note_caps();
+            s.export.note_caps();
         });
     }
 
@@ -602,7 +600,8 @@ where
         let mapping = if mapped {
             self.sink.as_ref().and_then(|sock| {
                 let mw = self
-                    .sh
+                    .s
+                    .export
                     .target
                     .map_write(req.offset + head, (payload - head) as usize)?;
                 Some((sock, mw))
@@ -616,7 +615,7 @@ where
             // the rest is read the ordinary way and the head's error is the
             // answer.
             if head > 0 {
-                let t = &self.sh.target;
+                let t = &self.s.export.target;
                 if let Err(e) = t.write_at(self.rd.take(head as usize), req.offset, false) {
                     failed = Some(storage_error(&self.sh, &self.s, &req, to, "write", &e));
                 }
@@ -629,8 +628,9 @@ where
                 drop(mw);
                 match r {
                     Ok(()) => {
-                        if self.sh.cfg.write_behind && payload >= WRITE_BEHIND_MIN {
-                            self.sh.target.start_writeback(to.offset, payload);
+                        let e = &self.s.export;
+                        if e.write_behind.after_write(to.offset, payload) {
+                            e.target.start_writeback(to.offset, payload);
                         }
                         self.batch.reply(whole(small_ok(&self.s, to)), permits);
                         return Ok(Some(Received::Answered));
@@ -693,7 +693,7 @@ where
         // one inode serialize on its lock anyway (docs/benchmarks.md, Write
         // path). Not under O_DIRECT, where the pool's threads are
         // the device's queue depth.
-        let own_write = self.sh.target.cache_mode() == CacheMode::Writeback
+        let own_write = self.s.export.target.cache_mode() == CacheMode::Writeback
             && req.command == Command::Write
             && req.flags & CMD_FLAG_FUA == 0
             && req.length > BATCH_MAX_LEN
@@ -722,7 +722,7 @@ where
         self.batch.dispatch();
         let reply = execute(&self.sh, &self.s, &job.req, job.to, job.data);
         let permits = job.permits.produced();
-        self.sh.note_caps();
+        self.s.export.note_caps();
         let mut w = self.wr.lock().await;
         let sent = within(self.sh.cfg.idle_timeout, async {
             put_reply(&self.sh, &mut w, self.sink.as_ref(), reply).await?;

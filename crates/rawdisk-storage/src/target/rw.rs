@@ -165,8 +165,14 @@ impl Target {
     /// where nothing is ever written back (O_DIRECT, tmpfs, ramfs): with
     /// `serve --write-behind` or a flushing copy that would be one useless
     /// syscall per request.
+    /// Whether writes go through a page cache that is written back to a
+    /// device (not `--cache none`, not tmpfs or ramfs).
+    pub fn has_write_back(&self) -> bool {
+        self.direct.is_none() && !self.memory_only
+    }
+
     pub fn start_writeback(&self, offset: u64, len: u64) {
-        if self.direct.is_some() || self.memory_only || len == 0 {
+        if !self.has_write_back() || len == 0 {
             return;
         }
         if let Err(e) = self.sys.start_writeback(self.fd(), offset, len) {

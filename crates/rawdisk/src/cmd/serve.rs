@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_nbd::server::{Listener, Server, ServerConfig, WriteBehind};
 use rawdisk_nbd::tls::ServerTls;
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 use tokio::signal::unix::{signal, SignalKind};
@@ -29,7 +29,8 @@ use tokio::sync::watch;
 #[command(after_help = "Examples:\n  \
     rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
     rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
-    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0")]
+    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0\n  \
+    rawdisk serve --dir /var/lib/images -U /run/images.sock")]
 pub struct Args {
     /// Listen on this Unix socket (replaces a stale socket file). -U as
     /// nbdkit, -k as qemu-nbd.
@@ -47,8 +48,23 @@ pub struct Args {
     #[arg(short = 'r', long)]
     read_only: bool,
     /// Name of the export; clients asking for another name are refused.
-    #[arg(short = 'e', long, value_name = "NAME", default_value = "")]
+    #[arg(
+        short = 'e',
+        long,
+        value_name = "NAME",
+        default_value = "",
+        conflicts_with = "dir"
+    )]
     export_name: String,
+    /// Export every regular file and block device directly inside DIR, each
+    /// under its file name (nbdkit's dir=); files added or removed are seen
+    /// by the next connection. Symlinks are followed only inside DIR.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["target", "create"])]
+    dir: Option<PathBuf>,
+    /// With --dir: the export a client asking for the empty name gets
+    /// (otherwise it is refused and told to pick a name).
+    #[arg(long, value_name = "NAME", requires = "dir")]
+    default_export: Option<String>,
     /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
     /// whatever the clients do.
     #[arg(short = 't', long)]
@@ -83,13 +99,15 @@ pub struct Args {
     /// [default: never].
     #[arg(long, value_name = "DURATION", value_parser = duration_arg)]
     idle_timeout: Option<Duration>,
-    /// Start writing back every write of 256 KiB or more right away
-    /// (sync_file_range), so the client's final flush has little left to
-    /// do: faster imports that end with a flush (qemu-img convert, nbdcopy
-    /// --flush), slower streams of writes that are never flushed. No effect
-    /// with --cache none.
-    #[arg(long)]
-    write_behind: bool,
+    /// When writes of 256 KiB or more start their write-back right away
+    /// (sync_file_range), so a client's final flush has little left to do:
+    /// on (faster imports that end with a flush, slower streams of writes
+    /// that are never flushed), off, or auto: on until the clients rewrite
+    /// what they wrote since their last flush. `--write-behind` alone is
+    /// on. No effect with --cache none or on tmpfs/ramfs.
+    #[arg(long, value_enum, value_name = "WHEN", default_value = "auto",
+          num_args = 0..=1, default_missing_value = "on")]
+    write_behind: WriteBehindArg,
     /// Receive write payloads of 64 KiB or more straight into the file's
     /// page cache through a shared mapping (regular files, pages already
     /// cached, no FUA): one copy instead of two, and less memory. The cost:
@@ -120,14 +138,17 @@ pub struct Args {
     #[arg(long)]
     tls_verify_peer: bool,
     /// File or block device to export.
-    target: PathBuf,
+    #[arg(required_unless_present = "dir")]
+    target: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // First, while the process has one thread: it unsets the variables, and
     // setenv/unsetenv race with any other thread's getenv.
     let activated = take_activation_fd();
-    super::local_only(&args.target, "serve")?;
+    if let Some(t) = &args.target {
+        super::local_only(t, "serve")?;
+    }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
@@ -145,65 +166,40 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut cleanup = Cleanup::default();
     let listening = listen(&args, activated, &mut cleanup)?;
     let pid_file = open_pid_file(&args, &mut cleanup)?;
-    let created = match args.create {
-        Some(size) => create_target(&args.target, size, args.preallocation.into(), cache)?,
-        None => false,
-    };
-    if created {
-        // Removed again if serving fails before it starts.
-        cleanup.created = Some(args.target.clone());
-    }
-    let opened = Target::open(
-        &args.target,
-        &OpenOptions {
-            read_only: args.read_only,
-            cache,
-            ..Default::default()
-        },
-    );
-    let target = match opened {
-        Ok(t) => Arc::new(t),
-        Err(e) => {
-            let msg = rawdisk_image::endpoint::open_error_message(&args.target, &e);
-            // The path once: "cannot serve 'P': why", not "...: open P: why".
-            let open = format!("open {}: ", args.target.display());
-            let msg = msg.strip_prefix(&open).unwrap_or(&msg);
-            // Opened for writing by default (qemu-nbd and nbdkit do the same):
-            // a file the user may only read needs the flag, so say which.
-            let denied = e
-                .errno()
-                .map(|n| std::io::Error::from_raw_os_error(n).kind());
-            let hint = match denied {
-                Some(
-                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
-                ) if !args.read_only => {
-                    "; it cannot be opened for writing: serve it with --read-only"
-                }
-                _ => "",
-            };
-            bail!("cannot serve '{}': {msg}{hint}", args.target.display());
-        }
-    };
-    if let Some(size) = args.create {
-        if !created && target.size() != size {
-            bail!(
-                "'{}' exists with size {} bytes, not the {size} bytes --create asks for",
-                args.target.display(),
-                target.size()
-            );
-        }
-    }
-
     let cfg = ServerConfig {
         export_name: args.export_name.clone(),
         read_only: args.read_only,
         max_connections: args.max_connections.max(1),
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         idle_timeout: args.idle_timeout,
-        write_behind: args.write_behind,
+        write_behind: args.write_behind.into(),
         map_writes: args.map_writes,
         tls,
         ..Default::default()
+    };
+    let open = OpenOptions {
+        read_only: args.read_only,
+        cache,
+        ..Default::default()
+    };
+    let (server, what) = match (&args.dir, &args.target) {
+        (Some(dir), _) => {
+            let server = Server::new_dir(dir, open, args.default_export.clone(), cfg)
+                .map_err(|e| anyhow::anyhow!("cannot serve directory {e}"))?;
+            (server, format!("directory '{}'", dir.display()))
+        }
+        (None, Some(path)) => {
+            let target = open_target(&args, path, open, &mut cleanup)?;
+            let what = format!(
+                "'{}' ({} bytes, {:?})",
+                path.display(),
+                target.size(),
+                target.kind()
+            );
+            tracing::info!("storage capabilities: {}", target.caps().snapshot());
+            (Server::new(target, cfg), what)
+        }
+        (None, None) => unreachable!("clap requires TARGET or --dir"),
     };
 
     // Storage calls block on the blocking pool. Through the page cache more
@@ -227,7 +223,58 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(serve(args, target, cfg, listening, pid_file, cleanup))
+    rt.block_on(serve(args, server, what, listening, pid_file, cleanup))
+}
+
+/// Opens TARGET, made first by --create; errors say how to fix them.
+fn open_target(
+    args: &Args,
+    path: &Path,
+    open: OpenOptions,
+    cleanup: &mut Cleanup,
+) -> anyhow::Result<Arc<Target>> {
+    let created = match args.create {
+        Some(size) => create_target(path, size, args.preallocation.into(), open.cache)?,
+        None => false,
+    };
+    if created {
+        // Removed again if serving fails before it starts.
+        cleanup.created = Some(path.to_path_buf());
+    }
+    let opened = Target::open(path, &open);
+    let target = match opened {
+        Ok(t) => Arc::new(t),
+        Err(e) => {
+            let msg = rawdisk_image::endpoint::open_error_message(path, &e);
+            // The path once: "cannot serve 'P': why", not "...: open P: why".
+            let open = format!("open {}: ", path.display());
+            let msg = msg.strip_prefix(&open).unwrap_or(&msg);
+            // Opened for writing by default (qemu-nbd and nbdkit do the same):
+            // a file the user may only read needs the flag, so say which.
+            let denied = e
+                .errno()
+                .map(|n| std::io::Error::from_raw_os_error(n).kind());
+            let hint = match denied {
+                Some(
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
+                ) if !args.read_only => {
+                    "; it cannot be opened for writing: serve it with --read-only"
+                }
+                _ => "",
+            };
+            bail!("cannot serve '{}': {msg}{hint}", path.display());
+        }
+    };
+    if let Some(size) = args.create {
+        if !created && target.size() != size {
+            bail!(
+                "'{}' exists with size {} bytes, not the {size} bytes --create asks for",
+                path.display(),
+                target.size()
+            );
+        }
+    }
+    Ok(target)
 }
 
 /// A duration: seconds, or a number with ms, s, m or h.
@@ -478,8 +525,8 @@ fn open_pid_file(args: &Args, cleanup: &mut Cleanup) -> anyhow::Result<Option<fs
 
 async fn serve(
     args: Args,
-    target: Arc<Target>,
-    cfg: ServerConfig,
+    server: Server,
+    what: String,
     (bound, uri): (Bound, String),
     pid_file: Option<fs::File>,
     mut cleanup: Cleanup,
@@ -494,31 +541,27 @@ async fn serve(
     };
 
     // The URI spec's schemes for "TLS or nothing".
-    let uri = match &cfg.tls {
+    let uri = match server.tls() {
         Some(t) if t.required() => uri.replacen("nbd", "nbds", 1),
         _ => uri,
     };
-    if let Some(t) = &cfg.tls {
+    if let Some(t) = server.tls() {
         let mode = if t.required() { "required" } else { "offered" };
         tracing::info!("TLS {mode}: {}", t.describe());
     }
-    let read_only = cfg.read_only || target.is_read_only();
-    let server = Server::new(target.clone(), cfg);
+    let read_only = server.read_only();
     let (min, pref, max) = server.block_sizes();
     tracing::info!(
-        "serving '{}' ({} bytes, {:?}, cache={}{}{}{}) block sizes {min}/{pref}/{max}",
-        args.target.display(),
-        target.size(),
-        target.kind(),
+        "serving {what} (cache={}{}{}{}) block sizes {min}/{pref}/{max}",
         match args.cache {
             CacheArg::Writeback => "writeback",
             CacheArg::None => "none",
         },
         if args.read_only { ", read-only" } else { "" },
-        if args.write_behind && args.cache == CacheArg::Writeback {
-            ", write-behind"
-        } else {
-            ""
+        match (args.write_behind, args.cache) {
+            (WriteBehindArg::On, CacheArg::Writeback) => ", write-behind",
+            (WriteBehindArg::Off, CacheArg::Writeback) => ", write-behind off",
+            _ => "",
         },
         if args.map_writes && args.cache == CacheArg::Writeback {
             ", map-writes"
@@ -526,7 +569,6 @@ async fn serve(
             ""
         },
     );
-    tracing::info!("storage capabilities: {}", target.caps().snapshot());
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
@@ -746,6 +788,24 @@ mod tests {
         assert_eq!(duration_arg("2h"), Ok(Duration::from_secs(7200)));
         for bad in ["", "0", "-1", "1d", "s", "1..2s", "inf"] {
             assert!(duration_arg(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}
+
+/// `--write-behind`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WriteBehindArg {
+    On,
+    Off,
+    Auto,
+}
+
+impl From<WriteBehindArg> for WriteBehind {
+    fn from(w: WriteBehindArg) -> WriteBehind {
+        match w {
+            WriteBehindArg::On => WriteBehind::On,
+            WriteBehindArg::Off => WriteBehind::Off,
+            WriteBehindArg::Auto => WriteBehind::Auto,
         }
     }
 }

@@ -1,0 +1,338 @@
+//! What the server exports: one target, or every regular file and block
+//! device directly inside a directory (`serve --dir`, like nbdkit's file
+//! plugin with `dir=`). Each [`Export`] is a target with what the server
+//! learns and decides about it (capabilities through the storage registry,
+//! write-behind, the hole-lookup skip), shared by every connection to it.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use rawdisk_storage::{CacheMode, OpenOptions, Target};
+use tracing::{debug, info, warn};
+
+use super::writeback::{Policy, WriteBehind};
+
+/// Longest export name a directory can hold (NAME_MAX).
+const NAME_MAX: usize = 255;
+/// Most names one NBD_OPT_LIST reply carries.
+const LIST_MAX: usize = 65536;
+
+/// One exported target.
+pub(super) struct Export {
+    pub name: String,
+    pub target: Arc<Target>,
+    pub read_only: bool,
+    pub min_block: u32,
+    pub preferred_block: u32,
+    pub write_behind: Policy,
+    /// Reads left that skip the hole lookup (command.rs, may_have_holes).
+    pub sparse_skip: AtomicU64,
+    /// Capability generation last logged.
+    pub caps_logged: AtomicU64,
+    /// (st_dev, st_ino) of what was opened: a file replaced under the same
+    /// name is a new export.
+    id: (u64, u64),
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Export({:?})", self.name)
+    }
+}
+
+impl Export {
+    pub(super) fn new(
+        name: String,
+        target: Arc<Target>,
+        read_only: bool,
+        write_behind: WriteBehind,
+        max_payload: u32,
+        id: (u64, u64),
+    ) -> Export {
+        let read_only = read_only || target.is_read_only();
+        let (min_block, preferred_block) = block_sizes(&target, max_payload);
+        Export {
+            name,
+            write_behind: Policy::new(
+                write_behind,
+                target.has_write_back() && !read_only,
+                target.size(),
+            ),
+            caps_logged: AtomicU64::new(target.caps().generation()),
+            sparse_skip: AtomicU64::new(0),
+            target,
+            read_only,
+            min_block,
+            preferred_block,
+            id,
+        }
+    }
+}
+
+/// A directory's exports.
+pub(super) struct Dir {
+    dir: PathBuf,
+    opts: OpenOptions,
+    /// The export an empty name means, if any (`--default-export`).
+    default: Option<String>,
+    /// Exports some connection still holds, by name.
+    open: Mutex<HashMap<String, Weak<Export>>>,
+}
+
+pub(super) enum Exports {
+    One(Arc<Export>),
+    Dir(Dir),
+}
+
+/// Why a name does not open an export: the message for NBD_REP_ERR_UNKNOWN.
+pub(super) type Unknown = String;
+
+impl Exports {
+    pub(super) fn dir(dir: &Path, opts: OpenOptions, default: Option<String>) -> io::Result<Dir> {
+        let dir = dir
+            .canonicalize()
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+        if !dir.is_dir() {
+            return Err(io::Error::other(format!(
+                "{}: not a directory",
+                dir.display()
+            )));
+        }
+        Ok(Dir {
+            dir,
+            opts,
+            default,
+            open: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The export `name` opens (NBD_OPT_INFO, GO, EXPORT_NAME,
+    /// SET_META_CONTEXT).
+    pub(super) fn find(
+        &self,
+        name: &str,
+        write_behind: WriteBehind,
+        max_payload: u32,
+    ) -> Result<Arc<Export>, Unknown> {
+        match self {
+            Exports::One(e) if e.name == name => Ok(e.clone()),
+            Exports::One(_) => Err(format!("no export named {name:?}")),
+            Exports::Dir(d) => d.find(name, write_behind, max_payload),
+        }
+    }
+
+    /// (name, description) for NBD_OPT_LIST.
+    pub(super) fn list(&self, description: &str) -> Vec<(String, String)> {
+        match self {
+            Exports::One(e) => vec![(e.name.clone(), description.to_string())],
+            Exports::Dir(d) => d.names().into_iter().map(|n| (n, String::new())).collect(),
+        }
+    }
+
+    /// Every export some connection holds (the final flush).
+    pub(super) fn open(&self) -> Vec<Arc<Export>> {
+        match self {
+            Exports::One(e) => vec![e.clone()],
+            Exports::Dir(d) => {
+                let open = d.open.lock().unwrap_or_else(|p| p.into_inner());
+                open.values().filter_map(Weak::upgrade).collect()
+            }
+        }
+    }
+
+    /// The single export, when there is one.
+    pub(super) fn single(&self) -> Option<&Arc<Export>> {
+        match self {
+            Exports::One(e) => Some(e),
+            Exports::Dir(_) => None,
+        }
+    }
+}
+
+impl Dir {
+    /// The names of the regular files and block devices in the directory,
+    /// sorted; what cannot be exported is left out.
+    fn names(&self) -> Vec<String> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("listing {}: {e}", self.dir.display());
+                return Vec::new();
+            }
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| self.resolve(n).is_ok())
+            .take(LIST_MAX)
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The path `name` stands for, checked: a plain file name, naming a
+    /// regular file or block device that (through symlinks too) is inside
+    /// the directory.
+    fn resolve(&self, name: &str) -> Result<(PathBuf, std::fs::Metadata), Unknown> {
+        if name.is_empty()
+            || name.len() > NAME_MAX
+            || name == "."
+            || name == ".."
+            || name.contains(['/', '\0'])
+        {
+            return Err(format!(
+                "{:?} is not a file name in the exported directory",
+                shorten(name)
+            ));
+        }
+        let unknown = || format!("no export named {:?}", shorten(name));
+        let path = self.dir.join(name).canonicalize().map_err(|_| unknown())?;
+        if !path.starts_with(&self.dir) {
+            return Err(format!(
+                "{:?} leads outside the exported directory",
+                shorten(name)
+            ));
+        }
+        let meta = std::fs::metadata(&path).map_err(|_| unknown())?;
+        let ft = meta.file_type();
+        if !ft.is_file() && !ft.is_block_device() {
+            return Err(format!(
+                "{:?} is not a regular file or block device",
+                shorten(name)
+            ));
+        }
+        Ok((path, meta))
+    }
+
+    fn find(
+        &self,
+        name: &str,
+        write_behind: WriteBehind,
+        max_payload: u32,
+    ) -> Result<Arc<Export>, Unknown> {
+        let name = match (name, &self.default) {
+            ("", Some(d)) => d.as_str(),
+            ("", None) => {
+                return Err("this server exports a directory: pick an export by name \
+                            (list them with nbdinfo --list or rawdisk info --list)"
+                    .into())
+            }
+            (n, _) => n,
+        };
+        let (path, meta) = self.resolve(name)?;
+        let id = (meta.dev(), meta.ino());
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|_, w| w.strong_count() > 0);
+        if let Some(e) = open.get(name).and_then(Weak::upgrade) {
+            if e.id == id {
+                return Ok(e);
+            }
+        }
+        let (target, read_only) = self.open_target(&path)?;
+        let e = Arc::new(Export::new(
+            name.to_string(),
+            Arc::new(target),
+            read_only,
+            write_behind,
+            max_payload,
+            id,
+        ));
+        debug!(
+            "export {name:?}: {} bytes{}",
+            e.target.size(),
+            if e.read_only { ", read-only" } else { "" }
+        );
+        open.insert(name.to_string(), Arc::downgrade(&e));
+        Ok(e)
+    }
+
+    /// Opens read-write unless the server is read-only; a file the server
+    /// may only read is exported read-only, as nbdkit's file plugin does.
+    fn open_target(&self, path: &Path) -> Result<(Target, bool), Unknown> {
+        let cant = |e: &rawdisk_storage::Error| {
+            warn!("cannot export {}: {e}", path.display());
+            format!("cannot open {:?}: {}", file_name(path), e)
+        };
+        match Target::open(path, &self.opts) {
+            Ok(t) => Ok((t, self.opts.read_only)),
+            Err(e)
+                if !self.opts.read_only
+                    && matches!(
+                        e.errno(),
+                        Some(libc::EACCES | libc::EPERM | libc::EROFS | libc::ETXTBSY)
+                    ) =>
+            {
+                let ro = OpenOptions {
+                    read_only: true,
+                    ..self.opts.clone()
+                };
+                debug!("{}: {e}; exporting it read-only", path.display());
+                Target::open(path, &ro)
+                    .map(|t| (t, true))
+                    .map_err(|e| cant(&e))
+            }
+            Err(e) => Err(cant(&e)),
+        }
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// A hostile name is quoted in replies and logs only in part.
+fn shorten(name: &str) -> &str {
+    match name.char_indices().nth(64) {
+        Some((i, _)) => &name[..i],
+        None => name,
+    }
+}
+
+/// Minimum and preferred block size. Through the page cache any byte range
+/// works (minimum 1); under O_DIRECT the storage needs dio_align-aligned
+/// I/O and serves anything else through a read-modify-write, so that is the
+/// honest minimum. Preferred: the device's optimal I/O size when it is a
+/// usable power of two, else 4096.
+fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
+    let g = target.geometry();
+    let mut min = 1u32;
+    if target.cache_mode() == CacheMode::None {
+        min = g.dio_align.max(g.logical_sector).max(1);
+        // Spec (Size constraints): a power of two no larger than 64 KiB.
+        if !min.is_power_of_two() || min > 65536 {
+            min = 4096;
+        }
+    }
+    let floor = min.max(4096);
+    let mut pref = g.opt_io.max(floor);
+    if !pref.is_power_of_two() || pref > max_payload {
+        pref = floor;
+    }
+    (min, pref)
+}
+
+impl Export {
+    /// Logs the target's learned capabilities once per change.
+    pub(super) fn note_caps(&self) {
+        let caps = self.target.caps();
+        let gen = caps.generation();
+        let last = self.caps_logged.load(Ordering::Relaxed);
+        if gen != last
+            && self
+                .caps_logged
+                .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            info!(
+                "storage capabilities of {:?}: {}",
+                self.name,
+                caps.snapshot()
+            );
+        }
+    }
+}

@@ -1,0 +1,244 @@
+"""serve --dir: every regular file and block device in a directory, one
+process, each an export named by its file name (nbdkit's file plugin with
+dir=). Listing, concurrent clients on many exports, hostile names, files
+added and deleted while served, the default export, socket activation."""
+
+import json
+import os
+import random
+import socket
+import struct
+import subprocess
+import threading
+import urllib.parse
+
+import nbd
+import pytest
+
+import servers
+from helpers import assert_target_is, make_image, random_bytes
+from wire import OPT_GO, OPT_LIST, REP_ACK, REP_ERR, REP_SERVER, RawClient
+
+pytestmark = pytest.mark.rawdisk_only("rawdisk serve --dir")
+
+MiB = 1 << 20
+REP_ERR_UNKNOWN = REP_ERR | 6
+
+
+def uri_for(srv, name):
+    return "nbd+unix:///%s?socket=%s" % (urllib.parse.quote(name, safe=""), srv.sock)
+
+
+def serve_dir(serve, d, *extra):
+    return serve(d, extra=tuple(extra) + ("--dir",))
+
+
+def listed(srv):
+    out = subprocess.run(["nbdinfo", "--list", "--json", uri_for(srv, "")],
+                         check=True, capture_output=True, text=True).stdout
+    return {e["export-name"]: e["export-size"] for e in json.loads(out)["exports"]}
+
+
+def raw(srv):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(srv.sock)
+    return RawClient(s).start()
+
+
+def go_reply(c, name):
+    """NBD_OPT_GO for `name` (bytes); the final reply type and payload."""
+    data = struct.pack(">I", len(name)) + name + struct.pack(">H", 0)
+    c.send_option(OPT_GO, data)
+    while True:
+        _, rtype, payload = c.read_option_reply()
+        if rtype == REP_ACK or rtype & REP_ERR:
+            return rtype, payload
+
+
+def test_twenty_exports_listed_and_written_at_once(workdir, serve):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    models = {}
+    for i in range(20):
+        name = "disk%02d.img" % i
+        size = (i % 4 + 1) * MiB
+        _, models[name] = make_image(d, name, size, seed=100 + i)
+    # Not exports: a subdirectory, a socket-like oddity, a symlink out.
+    os.mkdir(os.path.join(d, "subdir"))
+    os.symlink("/etc/passwd", os.path.join(d, "outside"))
+    srv = serve_dir(serve, d)
+    assert listed(srv) == {n: len(m) for n, m in models.items()}
+
+    errors = []
+
+    def client(name):
+        try:
+            model = bytearray(models[name])
+            rng = random.Random(name)
+            h = nbd.NBD()
+            h.connect_uri(uri_for(srv, name))
+            assert h.get_size() == len(model)
+            for k in range(20):
+                off = rng.randrange(0, len(model) - 65536)
+                n = rng.randrange(1, 65536)
+                if k % 5 == 4:
+                    h.zero(n, off)
+                    data = bytes(n)
+                else:
+                    data = random_bytes(n, rng.randrange(1 << 30))
+                    h.pwrite(data, off)
+                model[off:off + n] = data
+            h.flush()
+            got = h.pread(len(model), 0)
+            if got != model:
+                errors.append(f"{name}: read back differs")
+            h.shutdown()
+            models[name] = bytes(model)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(f"{name}: {e}")
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    srv.terminate()
+    for name, model in models.items():
+        assert_target_is(os.path.join(d, name), model, name)
+
+
+@pytest.mark.parametrize("name", [
+    b"../etc/passwd", b"/etc/passwd", b"subdir/../a.img", b"..", b".", b"outside",
+    b"subdir", b"missing.img", b"a" * 5000, b"\xff\xfe.img", b"a.img\x00x",
+], ids=lambda n: repr(n[:24]))
+def test_hostile_and_unknown_names_are_refused(workdir, serve, name):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    _, model = make_image(d, "a.img", MiB, seed=1)
+    os.mkdir(os.path.join(d, "subdir"))
+    os.symlink("/etc/passwd", os.path.join(d, "outside"))
+    srv = serve_dir(serve, d)
+    c = raw(srv)
+    rtype, payload = go_reply(c, name)
+    # Unknown names: NBD_REP_ERR_UNKNOWN; names that are not valid UTF-8
+    # or hold a NUL do not even parse (NBD_REP_ERR_INVALID).
+    assert rtype & REP_ERR, (name, rtype)
+    assert len(payload) < 1024
+    # The connection stays usable: the right name still works.
+    rtype, _ = go_reply(c, b"a.img")
+    assert rtype == REP_ACK
+    c.sock.close()
+    # Names that parse are refused with a log line; the rest (not UTF-8, a
+    # NUL, over the spec's 4096 bytes) never reach the export lookup.
+    parses = len(name) <= 4096 and b"\xff" not in name and b"\x00" not in name
+    assert ("refusing export" in srv.stderr()) == parses, srv.stderr()
+    assert_target_is(os.path.join(d, "a.img"), model)
+
+
+def test_list_over_the_wire(workdir, serve):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    for n in ["b.img", "a.img", "c.raw"]:
+        make_image(d, n, MiB, seed=2)
+    srv = serve_dir(serve, d)
+    c = raw(srv)
+    c.send_option(OPT_LIST)
+    names = []
+    while True:
+        _, rtype, payload = c.read_option_reply()
+        if rtype == REP_ACK:
+            break
+        assert rtype == REP_SERVER
+        (n,) = struct.unpack(">I", payload[:4])
+        names.append(payload[4:4 + n].decode())
+    assert names == ["a.img", "b.img", "c.raw"]
+
+
+def test_files_added_and_deleted_while_served(workdir, serve):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    _, model = make_image(d, "a.img", 2 * MiB, seed=3)
+    srv = serve_dir(serve, d)
+    h = nbd.NBD()
+    h.connect_uri(uri_for(srv, "a.img"))
+    os.unlink(os.path.join(d, "a.img"))
+    # The open connection keeps working on the open file.
+    h.pwrite(b"\x5a" * 4096, 4096)
+    h.flush()
+    model = model[:4096] + b"\x5a" * 4096 + model[8192:]
+    assert h.pread(len(model), 0) == model
+    # A new connection does not find it; a new file is seen at once.
+    assert listed(srv) == {}
+    with pytest.raises(nbd.Error):
+        nbd.NBD().connect_uri(uri_for(srv, "a.img"))
+    _, model_b = make_image(d, "b.img", MiB, seed=4)
+    assert listed(srv) == {"b.img": MiB}
+    h2 = nbd.NBD()
+    h2.connect_uri(uri_for(srv, "b.img"))
+    assert h2.pread(MiB, 0) == model_b
+    h2.shutdown()
+    h.shutdown()
+
+
+def test_default_export(workdir, serve):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    _, model = make_image(d, "vm.img", MiB, seed=5)
+    srv = serve_dir(serve, d)
+    c = raw(srv)
+    rtype, payload = go_reply(c, b"")
+    assert rtype == REP_ERR_UNKNOWN
+    assert b"pick an export by name" in payload
+    c.sock.close()
+    srv2 = serve_dir(serve, d, "--default-export", "vm.img")
+    h = nbd.NBD()
+    h.connect_uri(uri_for(srv2, ""))
+    assert h.pread(MiB, 0) == model
+    h.shutdown()
+
+
+def test_read_only_file_is_exported_read_only(workdir, serve):
+    if os.geteuid() == 0:
+        pytest.skip("root opens a mode 0444 file for writing anyway")
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    path, model = make_image(d, "ro.img", MiB, seed=6)
+    os.chmod(path, 0o444)
+    srv = serve_dir(serve, d)
+    h = nbd.NBD()
+    h.connect_uri(uri_for(srv, "ro.img"))
+    assert h.is_read_only()
+    assert h.pread(MiB, 0) == model
+    h.shutdown()
+
+
+def test_socket_activated_dir_service(workdir):
+    """systemd-socket-activate passes the listener as fd 3; --dir serves
+    every file of the directory through it."""
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    _, model_a = make_image(d, "a.img", MiB, seed=7)
+    _, model_b = make_image(d, "b.img", 2 * MiB, seed=8)
+    sock = os.path.join(workdir, "act.sock")
+    proc = subprocess.Popen(
+        ["systemd-socket-activate", "-l", sock, servers.RAWDISK_BIN, "serve", "--dir", d],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = 100
+        while not os.path.exists(sock) and deadline:
+            deadline -= 1
+            threading.Event().wait(0.05)
+        for name, model in [("a.img", model_a), ("b.img", model_b)]:
+            h = nbd.NBD()
+            h.connect_uri("nbd+unix:///%s?socket=%s" % (name, sock))
+            assert h.pread(len(model), 0) == model
+            h.pwrite(b"\x33" * 512, 0)
+            h.flush()
+            h.shutdown()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()
+    assert_target_is(os.path.join(d, "a.img"), b"\x33" * 512 + model_a[512:])
+    assert_target_is(os.path.join(d, "b.img"), b"\x33" * 512 + model_b[512:])
