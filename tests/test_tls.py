@@ -6,7 +6,6 @@ and qemu (qemu-io, qemu-img with tls-creds-x509 / tls-creds-psk objects);
 export. The PKI and the PSK files come from the session's `pki` fixture
 (tlspki.py, made by openssl in a temp dir)."""
 
-import errno
 import json
 import os
 import socket
@@ -245,43 +244,6 @@ def test_stalled_tls_handshake_is_timed_out(workdir, serve, pki):
     assert wire.wait_for_close(raw, 10), "the server kept a stalled TLS handshake open"
     assert time.monotonic() - t0 < 5
     assert_serves(tls_uri(srv, f"tls-certificates={pki['cli-nocert']}"), model)
-
-
-def test_hostile_requests_over_tls(workdir, serve, pki):
-    """The raw-socket checks that apply over TLS, each on its own
-    connection: reads past the end and of 4 GiB, an unknown command, a
-    client that vanishes mid-payload, a bad request magic. Nothing may
-    reach the file and the server serves on."""
-    path, model, srv = start(serve, workdir, True, "--tls-certificates", pki["srv"])
-
-    def tls_client():
-        raw = srv.connect_unix_or_tcp()
-        c = wire.RawClient(raw).start()
-        c.send_option(wire.OPT_STARTTLS)
-        assert c.read_option_reply()[1] == wire.REP_ACK
-        c.sock = tls_sock(raw, pki)
-        go(c)
-        return c
-
-    c = tls_client()
-    err, _ = c.request(wire.CMD_READ, SIZE - 4096, 8192)
-    assert err != 0, "a read past the end must fail"
-    assert c.request(99, 0, 4096) == (errno.EINVAL, b"")
-    cookie = c.send_request(wire.CMD_READ, 0, 0xFFFFFFFF)
-    got, err, _ = c.read_simple_reply()
-    assert got == cookie and err in (errno.EINVAL, errno.EOVERFLOW, errno.ENOMEM), err
-    err, data = c.request(wire.CMD_READ, SIZE - 4096, 4096)
-    assert err == 0 and data == model[SIZE - 4096:]
-    c.sock.sendall(b"\xde\xad\xbe\xef" + bytes(24))
-    assert wire.wait_for_close(c.sock, 10), "bad magic must close the connection"
-
-    c = tls_client()
-    c.send_request(wire.CMD_WRITE, MiB, MiB)
-    c.sock.sendall(b"\xee" * (100 * 1024))
-    c.sock.close()
-    time.sleep(0.2)
-    assert_serves(tls_uri(srv, f"tls-certificates={pki['cli-nocert']}"), model)
-    assert_target_is(path, model)
 
 
 # -- serve's command line -------------------------------------------------------
