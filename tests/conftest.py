@@ -1,6 +1,6 @@
 """Fixtures: the server under test (a command template chosen by TEST_SERVER),
-scratch directories, and storage stacks (tmpfs, ramfs, ext4, XFS, loop
-devices) that need root.
+the TLS test PKI, scratch directories, and storage stacks (tmpfs, ramfs,
+ext4, XFS, loop devices) that need root.
 
 Without root the storage fixtures skip with the reason "needs root"; as root a
 failure to build them is an error, never a skip.
@@ -13,6 +13,7 @@ import pytest
 
 import servers
 import storage
+import tlspki
 
 SERVER_KIND = servers.SERVER_KIND
 
@@ -101,6 +102,13 @@ def serve(workdir):
         finally:
             srv.kill()
     assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="session")
+def pki():
+    """The test PKI and PSK files (tlspki.made_pki), made once per run."""
+    with tlspki.made_pki() as dirs:
+        yield dirs
 
 
 # -- storage (root only) -------------------------------------------------------

@@ -176,6 +176,8 @@ def connect(uri, strict=True, meta=False, name="test"):
         h.set_strict_mode(0)
     if meta:
         h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+    # TLS URIs name the client's credentials (tls-certificates=DIR).
+    h.set_uri_allow_local_file(True)
     h.connect_uri(uri)
     return h
 

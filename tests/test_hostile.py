@@ -7,7 +7,13 @@ the handshake.
 Each gets the spec's error or a clean disconnect. After each, the server is
 still alive, has not panicked, and a fresh libnbd client reads exactly the
 bytes the export must hold (a payload parsed as requests would show up here
-as changed bytes)."""
+as changed bytes).
+
+Every test runs twice: in plaintext, and against a server that requires TLS,
+where `RawClient.start()` upgrades with NBD_OPT_STARTTLS so the hostile bytes
+after the client flags travel inside TLS (bytes sent before or instead of
+the client flags stay plaintext, which a TLS server must survive too), and
+the health checks use a TLS libnbd client."""
 
 import errno
 import socket
@@ -17,6 +23,7 @@ import time
 
 import pytest
 
+import tlspki
 import wire
 from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, make_image,
                      random_bytes)
@@ -24,25 +31,63 @@ from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, ma
 SIZE = 8 * MiB
 
 
+class Transport:
+    """Plaintext (pki None) or TLS with the test PKI: the server's flags and
+    how the clients reach it."""
+
+    def __init__(self, pki=None):
+        self.pki = pki
+        self.tls = tlspki.client_context(pki) if pki else None
+
+    def server_args(self):
+        return ["--tls-certificates", self.pki["srv"]] if self.pki else []
+
+    def uri(self, srv):
+        if not self.pki:
+            return srv.uri
+        return tlspki.tls_uri(srv, f"tls-certificates={self.pki['cli-nocert']}")
+
+
+@pytest.fixture(params=["plain", pytest.param("tls", marks=pytest.mark.rawdisk_only(
+    "rawdisk's --tls flags"))])
+def transport(request):
+    if request.param == "plain":
+        return Transport()
+    return Transport(request.getfixturevalue("pki"))
+
+
+def start_export(serve, transport, path, *args):
+    srv = serve(path, extra=transport.server_args() + list(args))
+    # raw(), uri() and the health checks take the server: it carries how to reach it.
+    srv.transport = transport
+    return srv
+
+
 @pytest.fixture
-def export(workdir, serve):
+def export(workdir, serve, transport):
     path, model = make_image(workdir, "disk.img", SIZE, seed=31)
-    return path, model, serve(path)
+    return path, model, start_export(serve, transport, path)
+
+
+def uri(srv):
+    """The URI a libnbd client uses: nbds+unix:// in TLS mode."""
+    return srv.transport.uri(srv)
 
 
 def assert_healthy(srv, path, model):
     srv.assert_alive()
-    assert_export_is(srv.uri, model, "export after the hostile client")
+    assert_export_is(uri(srv), model, "export after the hostile client")
     assert_target_is(path, model)
     srv.assert_alive()
 
 
-_open_sockets = []
+_open_clients = []
 
 
 def raw(srv):
-    c = wire.RawClient(srv.connect_unix_or_tcp())
-    _open_sockets.append(c.sock)
+    """A raw client; in TLS mode its start() does STARTTLS and the handshake."""
+    c = wire.RawClient(srv.connect_unix_or_tcp(), tls=srv.transport.tls)
+    _open_clients.append(c)
     return c
 
 
@@ -51,13 +96,15 @@ def close_raw_sockets(serve):
     """A failed test must not leave a socket open: the server would wait for
     it at SIGTERM. (Depends on `serve` so it is torn down before it.)"""
     yield
-    while _open_sockets:
-        _open_sockets.pop().close()
+    while _open_clients:
+        # The client, not the socket it started with: TLS replaced that.
+        _open_clients.pop().close()
 
 
 def warm_up(srv):
-    """Make the server start its threads and pools before memory is measured."""
-    with connected(srv.uri) as h:
+    """Make the server start its threads and pools (and over TLS its TLS
+    library state) before memory is measured."""
+    with connected(uri(srv)) as h:
         h.pread(2 * MiB, 0)
 
 
@@ -101,9 +148,10 @@ TRUNCATIONS = {
 def test_truncated_handshake_then_close(export, sent):
     path, model, srv = export
     c = raw(srv)
-    c.read_greeting()
     if sent and sent != TRUNCATIONS["half_client_flags"]:
-        c.send_client_flags()
+        c.start()  # over TLS the truncated option is inside TLS
+    else:
+        c.read_greeting()
     c.sock.sendall(sent)
     c.sock.close()
     assert_healthy(srv, path, model)
@@ -126,13 +174,17 @@ def test_unknown_option_is_unsupported_and_the_handshake_goes_on(export):
 
 
 def test_starttls_gets_a_clean_error(export):
-    """No TLS yet: STARTTLS must be refused with an error reply, not an ACK
-    (which would make the client start a TLS handshake) and not a hang."""
+    """Plaintext: no TLS configured, STARTTLS must be refused with an error
+    reply, not an ACK (which would make the client start a TLS handshake)
+    and not a hang. Over TLS: a second STARTTLS inside TLS is invalid (spec).
+    Either way the handshake goes on."""
     path, model, srv = export
     c = raw(srv).start()
     c.send_option(wire.OPT_STARTTLS)
     option, rtype, _ = c.read_option_reply()
     assert option == wire.OPT_STARTTLS and rtype & wire.REP_ERR, hex(rtype)
+    if srv.transport.tls:
+        assert rtype == wire.REP_ERR_INVALID, hex(rtype)
     c.go()
     assert c.request(wire.CMD_READ, 0, 512) == (0, bytes(model[:512]))
     c.disconnect()
@@ -158,7 +210,7 @@ def test_option_declaring_one_gib_is_not_allocated(export, option):
         # Keep feeding data as a real flood would, up to 8 MiB.
         while sent < 8 * MiB:
             sent += c.sock.send(b"\x00" * (256 * KiB))
-    except (BrokenPipeError, ConnectionResetError, socket.timeout, TimeoutError):
+    except (*wire.PEER_CLOSED, socket.timeout, TimeoutError):
         pass
     srv.assert_alive()
     assert srv.status("VmPeak") - peak_before < 512 * MiB, "server reserved the declared length"
@@ -185,7 +237,7 @@ def test_flood_of_options(export):
                 answered += 1
         c.go()
         assert c.request(wire.CMD_READ, 0, 4096) == (0, bytes(model[:4096]))
-    except (wire.Closed, BrokenPipeError, ConnectionResetError):
+    except (wire.Closed, *wire.PEER_CLOSED):
         assert answered >= 16, "cut off after too few options to be a flood"
     c.sock.close()
     assert srv.status("VmHWM") - hwm_before < 32 * MiB
@@ -263,16 +315,16 @@ def replies_until_close(c, timeout, limit=None):
         while limit is None or len(got) < limit:
             cookie, error, _ = c.read_simple_reply()
             got.append((cookie, error))
-    except (wire.Closed, socket.timeout, TimeoutError, ConnectionResetError):
+    except (wire.Closed, socket.timeout, TimeoutError, *wire.PEER_CLOSED):
         pass
     return got
 
 
 @pytest.fixture
-def big_export(workdir, serve):
+def big_export(workdir, serve, transport):
     """128 MiB, so a 64 MiB write is oversized without being out of bounds."""
     path, model = make_image(workdir, "big.img", 128 * MiB, seed=32, sparse=True)
-    return path, model, serve(path)
+    return path, model, start_export(serve, transport, path)
 
 
 def test_oversized_write_header_without_payload(big_export):
@@ -282,7 +334,7 @@ def test_oversized_write_header_without_payload(big_export):
     cookie = c.send_request(wire.CMD_WRITE, 0, declared)
     try:
         c.sock.sendall(crafted_writes(10 * 4124))
-    except (BrokenPipeError, ConnectionResetError):
+    except wire.PEER_CLOSED:
         pass  # the server already hung up: allowed
     replies = replies_until_close(c, 2)
     assert all(cookie_ == cookie and err != 0 for cookie_, err in replies), replies
@@ -300,44 +352,60 @@ def test_oversized_write_with_payload_is_never_parsed(big_export):
     cookie = c.send_request(wire.CMD_WRITE, 0, declared)
     payload = crafted_writes(declared)
 
+    failed = []
+
     def feed():
         try:
             c.sock.sendall(payload)
-        except OSError:
-            pass  # the server hung up: allowed
+        except OSError as e:
+            failed.append(e)  # the server hung up: allowed
 
     feeder = threading.Thread(target=feed)
     feeder.start()
+    if srv.transport.tls:
+        # One TLS connection must not be read and written from two threads
+        # at once (OpenSSL), so over TLS the reply is read after the payload
+        # went out or the server hung up.
+        feeder.join(30)
     replies = replies_until_close(c, 10, limit=1)
     feeder.join(30)
     assert not feeder.is_alive()
+    assert not any(isinstance(e, TimeoutError) for e in failed), \
+        "the server stopped reading the payload without closing"
     if replies:
         assert replies[0][0] == cookie and replies[0][1] != 0, replies
-        # The server answered: either it consumed the payload and the next
-        # request is read as one, or it closes now.
+    if replies and not failed:
+        # The server answered and consumed the payload: the next request is
+        # read as one (or the server closes now). After a failed send a TLS
+        # connection cannot be written to, so the check is for this case.
         try:
             read = c.send_request(wire.CMD_READ, 0, 4096)
             got, error, data = c.read_simple_reply(4096)
             assert (got, error, data) == (read, 0, bytes(model[:4096]))
-        except (wire.Closed, BrokenPipeError, ConnectionResetError):
+        except (wire.Closed, *wire.PEER_CLOSED):
             pass
     c.sock.close()
     assert_healthy(srv, path, model)
 
 
-OVERFLOWS = [
+OUT_OF_BOUNDS = [
     # The spec: ENOSPC for writes beyond the end, EINVAL for reads and trims.
     ("read", wire.CMD_READ, (1 << 64) - 1, 1, errno.EINVAL),
     ("read_wrapping", wire.CMD_READ, (1 << 64) - 4096, 8192, errno.EINVAL),
     ("write", wire.CMD_WRITE, (1 << 64) - 512, 1024, errno.ENOSPC),
     ("write_zeroes", wire.CMD_WRITE_ZEROES, (1 << 64) - 4096, 8192, errno.ENOSPC),
     ("trim", wire.CMD_TRIM, (1 << 64) - 4096, 8192, errno.EINVAL),
+    ("read_straddling_end", wire.CMD_READ, SIZE - 4096, 8192, errno.EINVAL),
+    ("write_straddling_end", wire.CMD_WRITE, SIZE - 4096, 8192, errno.ENOSPC),
 ]
 
 
 @pytest.mark.parametrize("cmd,offset,length,expected",
-                         [o[1:] for o in OVERFLOWS], ids=[o[0] for o in OVERFLOWS])
-def test_offsets_that_overflow(export, cmd, offset, length, expected):
+                         [o[1:] for o in OUT_OF_BOUNDS], ids=[o[0] for o in OUT_OF_BOUNDS])
+def test_offsets_out_of_bounds(export, cmd, offset, length, expected):
+    """Offsets that overflow 64 bits and requests straddling the end: the
+    spec's error, nothing written (a write's payload is consumed, not
+    parsed), and the connection goes on."""
     path, model, srv = export
     c = raw(srv).start().go()
     payload = b"\xee" * length if cmd == wire.CMD_WRITE else b""
@@ -398,7 +466,7 @@ def test_client_disappears_with_requests_in_flight(export):
     # block of them is either old or new, and nothing else changed.
     srv.assert_alive()
     time.sleep(0.5)
-    with connected(srv.uri) as h:
+    with connected(uri(srv)) as h:
         now = bytearray(h.pread(SIZE, 0))
     for off, data in writes:
         for b in range(0, len(data), 4 * KiB):
@@ -409,34 +477,55 @@ def test_client_disappears_with_requests_in_flight(export):
 
 
 def test_stalled_handshakes_do_not_block_other_clients(export):
+    """Clients stalled at each point of the handshake: silent, after the
+    greeting, in the options (over TLS: after the TLS handshake), and over
+    TLS inside the TLS handshake."""
     path, model, srv = export
     stalled = []
     for i in range(8):
-        s = srv.connect_unix_or_tcp()
-        _open_sockets.append(s)
-        if i % 2:
-            wire.RawClient(s).read_greeting()  # and then never answer
-        stalled.append(s)
-    with connected(srv.uri) as h:
+        c = raw(srv)
+        if i % 4 == 1:
+            c.read_greeting()  # and then never answer
+        elif i % 4 == 2:
+            c.start()
+        elif i % 4 == 3 and srv.transport.tls:
+            c.read_greeting()
+            c.send_client_flags()
+            c.send_option(wire.OPT_STARTTLS)
+            assert c.read_option_reply()[:2] == (wire.OPT_STARTTLS, wire.REP_ACK)
+            c.sock.sendall(b"\x16\x03")  # half a TLS record header
+        stalled.append(c)
+    with connected(uri(srv)) as h:
         data = random_bytes(MiB, seed=77)
         h.pwrite(data, 3 * MiB)
         h.flush()
         model[3 * MiB:4 * MiB] = data
     assert_healthy(srv, path, model)
-    for s in stalled:
-        s.close()
+    for c in stalled:
+        c.close()
 
 
 @pytest.mark.rawdisk_only("nbdkit 1.32 has no handshake timeout")
-def test_handshake_timeout_closes_a_stalled_client(export):
-    """A client that never finishes the handshake is dropped
-    after a timeout of at most 30 s."""
-    path, model, srv = export
-    s = srv.connect_unix_or_tcp()
-    _open_sockets.append(s)
-    wire.RawClient(s).read_greeting()
+def test_handshake_timeout_closes_a_stalled_client(workdir, serve, transport):
+    """A client that never finishes the handshake is dropped after a
+    timeout of at most 30 s. Over TLS the client stalls after the TLS
+    handshake: the deadline covers the whole negotiation, TLS included (a
+    2 s timeout there, so the default is waited for only once)."""
+    path, model = make_image(workdir, "disk.img", SIZE, seed=31)
+    if transport.tls:
+        srv = start_export(serve, transport, path, "--handshake-timeout", "2")
+        limit = 2
+    else:
+        srv = start_export(serve, transport, path)
+        limit = 30
+    c = raw(srv)
     start = time.monotonic()
-    assert wire.wait_for_close(s, 35), "stalled handshake still open after 35 s"
-    assert time.monotonic() - start <= 31
-    s.close()
+    if transport.tls:
+        c.start()
+    else:
+        c.read_greeting()
+    assert wire.wait_for_close(c.sock, limit + 5), "stalled handshake still open"
+    assert time.monotonic() - start <= limit + 1
+    assert "handshake not finished" in srv.stderr(), srv.stderr()[-2000:]
+    c.close()
     assert_healthy(srv, path, model)

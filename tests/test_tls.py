@@ -3,17 +3,14 @@
 and qemu (qemu-io, qemu-img with tls-creds-x509 / tls-creds-psk objects);
 `rawdisk info/map/copy` against `nbdkit --tls=require` and `qemu-nbd
 --tls-creds`; and the refusals, each followed by a good client reading the
-export. The PKI and the PSK file are made by openssl in a temp dir."""
+export. The PKI and the PSK files come from the session's `pki` fixture
+(tlspki.py, made by openssl in a temp dir)."""
 
-import errno
 import json
 import os
-import shutil
 import socket
-import ssl
 import struct
 import subprocess
-import tempfile
 import time
 
 import nbd
@@ -22,81 +19,11 @@ import pytest
 import servers
 import wire
 from helpers import MiB, assert_same_bytes, assert_target_is, make_image, random_bytes
+from tlspki import psk_file, tls_sock, tls_uri
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk's --tls flags")
 
 SIZE = 8 * MiB
-PSK = "5eb1a8c1f0c4a9c2b4d2e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a6b7"
-OTHER = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
-
-
-# -- PKI ----------------------------------------------------------------------
-
-def openssl(cwd, *args):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(d, name):
-    openssl(d, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", f"{name}-key.pem", "-out", f"{name}-cert.pem", "-days", "2",
-            "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-
-
-def make_leaf(d, name, cn, ca, ext):
-    openssl(d, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", f"{name}-key.pem", "-out", f"{name}.csr", "-subj", f"/CN={cn}")
-    with open(os.path.join(d, f"{name}.ext"), "w") as f:
-        f.write(ext)
-    openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}-cert.pem",
-            "-CAkey", f"{ca}-key.pem", "-CAcreateserial", "-days", "2",
-            "-out", f"{name}-cert.pem", "-extfile", f"{name}.ext")
-
-
-@pytest.fixture(scope="module")
-def pki():
-    """{name: directory}: srv (server, nbdkit/qemu layout), cli (CA and a
-    client certificate), cli-nocert (CA only), cli-rogue (another CA), and
-    psk / wrong-psk / mallory-psk directories holding keys.psk (qemu reads
-    that name from its dir=)."""
-    root = tempfile.mkdtemp(prefix="rawdisk-tls-")
-    try:
-        w = os.path.join(root, "work")
-        os.mkdir(w)
-        make_ca(w, "ca")
-        make_ca(w, "rogue")
-        make_leaf(w, "server", "localhost", "ca",
-                  "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-        make_leaf(w, "client", "test client", "ca", "extendedKeyUsage=clientAuth\n")
-        layout = {
-            "srv": {"ca-cert.pem": "ca-cert.pem", "server-cert.pem": "server-cert.pem",
-                    "server-key.pem": "server-key.pem"},
-            "cli": {"ca-cert.pem": "ca-cert.pem", "client-cert.pem": "client-cert.pem",
-                    "client-key.pem": "client-key.pem"},
-            "cli-nocert": {"ca-cert.pem": "ca-cert.pem"},
-            "cli-rogue": {"ca-cert.pem": "rogue-cert.pem"},
-        }
-        dirs = {}
-        for name, files in layout.items():
-            d = os.path.join(root, name)
-            os.mkdir(d)
-            for to, frm in files.items():
-                shutil.copy(os.path.join(w, frm), os.path.join(d, to))
-            dirs[name] = d
-        for name, line in {"psk": f"alice:{PSK}\n", "wrong-psk": f"alice:{OTHER}\n",
-                           "mallory-psk": f"mallory:{PSK}\n"}.items():
-            d = os.path.join(root, name)
-            os.mkdir(d)
-            with open(os.path.join(d, "keys.psk"), "w") as f:
-                f.write(line)
-            dirs[name] = d
-        yield dirs
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def psk_file(pki, name="psk"):
-    return os.path.join(pki[name], "keys.psk")
 
 
 # -- servers and clients --------------------------------------------------------
@@ -104,13 +31,6 @@ def psk_file(pki, name="psk"):
 def start(serve, workdir, tcp, *tls_args, seed=5, **opts):
     path, model = make_image(workdir, "disk.img", SIZE, seed=seed)
     return path, model, serve(path, tcp=tcp, extra=list(tls_args), **opts)
-
-
-def tls_uri(srv, query, user=None):
-    u = f"{user}@" if user else ""
-    if srv.sock:
-        return f"nbds+unix://{u}/?socket={srv.sock}&{query}"
-    return f"nbds://{u}127.0.0.1:{srv.port}/?{query}"
 
 
 def handle(uri):
@@ -274,12 +194,6 @@ def test_verify_peer_needs_a_client_certificate(workdir, serve, pki):
     assert "peer certificate CN=test client" in srv.stderr(), srv.stderr()[-2000:]
 
 
-def tls_sock(raw, pki):
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(os.path.join(pki["srv"], "ca-cert.pem"))
-    return ctx.wrap_socket(raw, server_hostname="localhost")
-
-
 def go(c):
     c.go(ask_block_size=True)
     return c.tx_flags
@@ -330,43 +244,6 @@ def test_stalled_tls_handshake_is_timed_out(workdir, serve, pki):
     assert wire.wait_for_close(raw, 10), "the server kept a stalled TLS handshake open"
     assert time.monotonic() - t0 < 5
     assert_serves(tls_uri(srv, f"tls-certificates={pki['cli-nocert']}"), model)
-
-
-def test_hostile_requests_over_tls(workdir, serve, pki):
-    """The raw-socket checks that apply over TLS, each on its own
-    connection: reads past the end and of 4 GiB, an unknown command, a
-    client that vanishes mid-payload, a bad request magic. Nothing may
-    reach the file and the server serves on."""
-    path, model, srv = start(serve, workdir, True, "--tls-certificates", pki["srv"])
-
-    def tls_client():
-        raw = srv.connect_unix_or_tcp()
-        c = wire.RawClient(raw).start()
-        c.send_option(wire.OPT_STARTTLS)
-        assert c.read_option_reply()[1] == wire.REP_ACK
-        c.sock = tls_sock(raw, pki)
-        go(c)
-        return c
-
-    c = tls_client()
-    err, _ = c.request(wire.CMD_READ, SIZE - 4096, 8192)
-    assert err != 0, "a read past the end must fail"
-    assert c.request(99, 0, 4096) == (errno.EINVAL, b"")
-    cookie = c.send_request(wire.CMD_READ, 0, 0xFFFFFFFF)
-    got, err, _ = c.read_simple_reply()
-    assert got == cookie and err in (errno.EINVAL, errno.EOVERFLOW, errno.ENOMEM), err
-    err, data = c.request(wire.CMD_READ, SIZE - 4096, 4096)
-    assert err == 0 and data == model[SIZE - 4096:]
-    c.sock.sendall(b"\xde\xad\xbe\xef" + bytes(24))
-    assert wire.wait_for_close(c.sock, 10), "bad magic must close the connection"
-
-    c = tls_client()
-    c.send_request(wire.CMD_WRITE, MiB, MiB)
-    c.sock.sendall(b"\xee" * (100 * 1024))
-    c.sock.close()
-    time.sleep(0.2)
-    assert_serves(tls_uri(srv, f"tls-certificates={pki['cli-nocert']}"), model)
-    assert_target_is(path, model)
 
 
 # -- serve's command line -------------------------------------------------------

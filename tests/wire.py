@@ -3,6 +3,7 @@ the hostile tests: it can say exactly the wrong thing at exactly the wrong
 time, which libnbd never does."""
 
 import socket
+import ssl
 import struct
 
 NBDMAGIC = 0x4E42444D41474943
@@ -29,6 +30,7 @@ REP_SERVER = 2
 REP_INFO = 3
 REP_ERR = 1 << 31
 REP_ERR_UNSUP = REP_ERR + 1
+REP_ERR_INVALID = REP_ERR + 3
 
 INFO_EXPORT = 0
 INFO_BLOCK_SIZE = 3
@@ -48,13 +50,19 @@ class Closed(Exception):
     """The server closed the connection."""
 
 
+# How a peer's close shows besides EOF: a reset or broken pipe, and on a TLS
+# socket a close without close_notify (SSLEOFError) or after one
+# (SSLZeroReturnError).
+PEER_CLOSED = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+
+
 def recv_exact(sock, n):
     buf = bytearray()
     while len(buf) < n:
         try:
             chunk = sock.recv(n - len(buf))
-        except ConnectionResetError as e:
-            raise Closed(f"reset after {len(buf)} of {n} bytes") from e
+        except PEER_CLOSED as e:
+            raise Closed(f"{e!r} after {len(buf)} of {n} bytes") from e
         if not chunk:
             raise Closed(f"EOF after {len(buf)} of {n} bytes")
         buf += chunk
@@ -69,15 +77,17 @@ def wait_for_close(sock, timeout):
         while True:
             if not sock.recv(65536):
                 return True
-    except ConnectionResetError:
+    except PEER_CLOSED:
         return True
     except (socket.timeout, TimeoutError):
         return False
 
 
 class RawClient:
-    def __init__(self, sock):
+    def __init__(self, sock, tls=None):
+        """`tls`: an ssl context; then start() also upgrades to TLS."""
         self.sock = sock
+        self.tls = tls
         self.size = None
         self.tx_flags = None
         self.block_size = None
@@ -97,6 +107,17 @@ class RawClient:
     def start(self):
         self.read_greeting()
         self.send_client_flags()
+        if self.tls is not None:
+            self.starttls(self.tls)
+        return self
+
+    def starttls(self, context, server_hostname="localhost"):
+        """NBD_OPT_STARTTLS, which must be acknowledged, then the TLS
+        handshake: from here on every byte travels inside TLS."""
+        self.send_option(OPT_STARTTLS)
+        reply = self.read_option_reply()
+        assert reply == (OPT_STARTTLS, REP_ACK, b""), f"STARTTLS not acknowledged: {reply}"
+        self.sock = context.wrap_socket(self.sock, server_hostname=server_hostname)
         return self
 
     def send_option(self, option, data=b"", declared_len=None):
@@ -169,6 +190,9 @@ class RawClient:
 
     def disconnect(self):
         self.send_request(CMD_DISC)
+        self.sock.close()
+
+    def close(self):
         self.sock.close()
 
 
