@@ -1378,6 +1378,21 @@ fn splice_errors_are_reported_and_a_missing_splice_is_learned() {
     h.check_file();
 }
 
+/// Write-back is started on a thread of its own: the StartWriteback calls
+/// once that thread has caught up (the count unchanged for 200 ms).
+fn settled_writebacks(f: &FaultSys) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut last = f.calls(CallKind::StartWriteback);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = f.calls(CallKind::StartWriteback);
+        if now == last || std::time::Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
+}
+
 /// --write-behind starts write-back of each write of 256 KiB or more, not of
 /// smaller or FUA writes; it is advisory, so a failing sync_file_range
 /// leaves the write successful, and with `off` it never runs.
@@ -1395,7 +1410,7 @@ fn write_behind_starts_write_back_of_big_writes_only() {
         let fault = h.fault.clone().unwrap();
         let (mut c, _) = h.open(ReplyMode::Structured);
         let big = random(256 * KIB as usize, 7);
-        let calls = |f: &FaultSys| f.calls(CallKind::StartWriteback);
+        let calls = settled_writebacks;
         let n0 = calls(&fault);
         c.write(MIB + 1, &big);
         h.model[(MIB + 1) as usize..(MIB + 1) as usize + big.len()].copy_from_slice(&big);
@@ -1447,36 +1462,38 @@ fn write_behind_starts_write_back_of_big_writes_only() {
 fn write_behind_auto_follows_rewrites_and_flushes() {
     let mut h = Harness::start(Setup {
         fault: true,
+        size: 16 * MIB,
         ..Default::default()
     });
     assert_eq!(Setup::default().cfg.write_behind, WriteBehind::Auto);
     let fault = h.fault.clone().unwrap();
     let (mut c, _) = h.open(ReplyMode::Structured);
-    let calls = |f: &FaultSys| f.calls(CallKind::StartWriteback);
+    let calls = settled_writebacks;
     let write = |c: &mut Conn, h: &mut Harness, off: u64, seed: u64| {
         let data = random(MIB as usize, seed);
         c.write(off, &data);
         h.model[off as usize..(off + MIB) as usize].copy_from_slice(&data);
     };
     let n0 = calls(&fault);
-    // First pass over 8 MiB: each write is new, each is written behind.
+    // 1 MiB writes with gaps between them, so the starter thread cannot
+    // merge two into one call. First pass: each is new, each written behind.
     for i in 0..8 {
-        write(&mut c, &mut h, i * MIB, i);
+        write(&mut c, &mut h, i * 2 * MIB, i);
     }
     assert_eq!(calls(&fault), n0 + 8, "first pass");
     // Rewriting it without a flush: a few re-sent requests are tolerated
     // (64 chunks of 64 KiB), then write-behind stops.
     for i in 0..8 {
-        write(&mut c, &mut h, i * MIB, 100 + i);
+        write(&mut c, &mut h, i * 2 * MIB, 100 + i);
     }
     assert_eq!(calls(&fault), n0 + 8 + 4, "rewrites without a flush");
     // A FLUSH: on again.
     assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
     for i in 0..8 {
-        write(&mut c, &mut h, i * MIB, 200 + i);
+        write(&mut c, &mut h, i * 2 * MIB, 200 + i);
     }
     assert_eq!(calls(&fault), n0 + 8 + 4 + 8, "after a flush");
-    assert!(c.read(0, 8 * MIB) == h.model, "data differs");
+    assert!(c.read(0, 16 * MIB) == h.model, "data differs");
     c.disc();
     h.stop().unwrap();
     h.check_file();

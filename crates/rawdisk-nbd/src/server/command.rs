@@ -306,8 +306,9 @@ pub(super) fn execute(
                 return whole(small_ok(s, to));
             };
             let r = t.write_at(&buf[start..start + n], req.offset, fua);
-            if r.is_ok() && !fua && s.export.write_behind.after_write(req.offset, n as u64) {
-                t.start_writeback(req.offset, n as u64);
+            let e = &s.export;
+            if r.is_ok() && !fua && e.write_behind.after_write(req.offset, n as u64) {
+                e.write_behind.start(&e.target, req.offset, n as u64);
             }
             sh.pool.put(buf);
             match r {

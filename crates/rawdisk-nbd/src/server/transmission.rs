@@ -630,7 +630,7 @@ where
                     Ok(()) => {
                         let e = &self.s.export;
                         if e.write_behind.after_write(to.offset, payload) {
-                            e.target.start_writeback(to.offset, payload);
+                            e.write_behind.start(&e.target, to.offset, payload);
                         }
                         self.batch.reply(whole(small_ok(&self.s, to)), permits);
                         return Ok(Some(Received::Answered));

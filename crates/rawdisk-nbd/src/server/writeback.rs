@@ -16,7 +16,10 @@
 //! with no write-back at all (tmpfs, ramfs, `--cache none`) never track.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, OnceLock};
+
+use rawdisk_storage::Target;
 
 /// `--write-behind on|off|auto`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,6 +46,12 @@ const LEAF_CHUNKS: u64 = (LEAF_WORDS * 64) as u64;
 /// re-sent requests (a client's retry after a reconnect) do not.
 pub(super) const REWRITE_LIMIT: u64 = 64;
 
+/// Ranges queued for the starter thread; when it is this far behind, new
+/// ones are dropped (the kernel writes them back at the FLUSH anyway).
+const QUEUE: usize = 256;
+/// Contiguous queued ranges are started together up to this size.
+const MERGE_MAX: u64 = 64 << 20;
+
 type Leaf = Box<[AtomicU64; LEAF_WORDS]>;
 
 /// The decision, shared by every connection to one target.
@@ -53,6 +62,9 @@ pub(super) struct Policy {
     written: Box<[OnceLock<Leaf>]>,
     /// Chunks written again since the last FLUSH.
     rewritten: AtomicU64,
+    /// The thread that starts write-back, made at first use: a write's
+    /// reply must not wait while sync_file_range queues device writes.
+    starter: OnceLock<Option<SyncSender<(u64, u64)>>>,
 }
 
 impl Policy {
@@ -78,6 +90,18 @@ impl Policy {
             chunk_shift,
             written: (0..leaves).map(|_| OnceLock::new()).collect(),
             rewritten: AtomicU64::new(0),
+            starter: OnceLock::new(),
+        }
+    }
+
+    /// Starts the write-back of a range `after_write` chose, on the starter
+    /// thread (here when no thread can be made).
+    pub(super) fn start(&self, target: &Arc<Target>, offset: u64, len: u64) {
+        match self.starter.get_or_init(|| spawn_starter(target.clone())) {
+            // Full: the starter is behind the device; dropping the range
+            // only leaves it to the kernel.
+            Some(tx) => drop(tx.try_send((offset, len))),
+            None => target.start_writeback(offset, len),
         }
     }
 
@@ -138,6 +162,34 @@ impl Policy {
             chunk += n;
         }
         again
+    }
+}
+
+/// The starter thread: starts each queued range's write-back, contiguous
+/// ones together; it ends when the policy (the sender) is dropped.
+fn spawn_starter(target: Arc<Target>) -> Option<SyncSender<(u64, u64)>> {
+    let (tx, rx) = sync_channel::<(u64, u64)>(QUEUE);
+    let spawned = std::thread::Builder::new()
+        .name("rawdisk-wb".into())
+        .spawn(move || {
+            while let Ok((mut off, mut len)) = rx.recv() {
+                while let Ok((o, l)) = rx.try_recv() {
+                    if o == off + len && len + l <= MERGE_MAX {
+                        len += l;
+                    } else {
+                        target.start_writeback(off, len);
+                        (off, len) = (o, l);
+                    }
+                }
+                target.start_writeback(off, len);
+            }
+        });
+    match spawned {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            tracing::debug!("no write-behind thread ({e}): starting write-back inline");
+            None
+        }
     }
 }
 
