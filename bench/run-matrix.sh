@@ -48,15 +48,17 @@ R=$(printf '%q' "$RAWDISK_STABLE")
 # custom = rawdisk with the page cache (its default), custom:direct = O_DIRECT,
 export SERVER_CMD="$R serve --cache writeback --socket {socket} {file}"
 export SERVER_CMD_direct="$R serve --cache none --socket {socket} {file}"
-# custom:wb = page cache with write-behind (convert and zero only: fio's
-# writes are never flushed, so write-behind can only cost there).
-export SERVER_CMD_wb="$R serve --cache writeback --write-behind --socket {socket} {file}"
+# custom (the default, --write-behind auto) beside custom:wb (always on)
+# and custom:wboff (never), to judge auto against both.
+export SERVER_CMD_wb="$R serve --cache writeback --write-behind on --socket {socket} {file}"
+export SERVER_CMD_wboff="$R serve --cache writeback --write-behind off --socket {socket} {file}"
 # custom:mw = page cache with --map-writes (payloads received straight into
 # the page cache; opt-in, see docs/architecture.md).
 export SERVER_CMD_mw="$R serve --cache writeback --map-writes --socket {socket} {file}"
 export TOOL_CMD="$R create --preallocation {mode} {file} {size}"
-: "${BENCH_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:wb,custom:mw}"
-: "${TP_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:mw}"
+: "${BENCH_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,custom,custom:direct,custom:wb,custom:wboff,custom:mw}"
+# --cache none is judged against the faster of qemu-nbd's native AIO and io_uring.
+: "${TP_SERVERS:=nbdkit,qemu-nbd,qemu-nbd-direct,qemu-nbd-uring,custom,custom:direct,custom:wboff,custom:mw}"
 : "${BENCH_TOOLS:=qemu-img,shell,custom}"
 export BENCH_SERVERS TP_SERVERS BENCH_TOOLS
 
