@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod docs;
 #[allow(dead_code)] // used by the subcommands as they land
 mod size;
 
@@ -43,6 +44,9 @@ enum Command {
     Checksum(cmd::checksum::Args),
     /// Compare two images (exit 0 identical, 1 different, 2 error).
     Compare(cmd::compare::Args),
+    /// Write man pages and shell completions (for packaging).
+    #[command(hide = true)]
+    GenerateDocs(docs::Args),
 }
 
 /// Exit code for a bad command line (as clap and qemu-img use).
@@ -89,6 +93,7 @@ fn main() -> ExitCode {
         Command::Resize(a) => cmd::resize::run(a),
         Command::Checksum(a) => cmd::checksum::run(a),
         Command::Compare(a) => cmd::compare::run(a),
+        Command::GenerateDocs(a) => docs::run(<Cli as clap::CommandFactory>::command(), a),
     };
     match result {
         Ok(code) => code,
