@@ -228,6 +228,10 @@ pub(super) async fn list_exports(
             OptionReply::Error { reply, message } => {
                 let why = match reply {
                     REP_ERR_UNSUP => "the server does not support listing exports".to_string(),
+                    REP_ERR_TLS_REQD => {
+                        "the server requires TLS: connect with an nbds:// or nbds+unix:// URI"
+                            .to_string()
+                    }
                     r => format!(
                         "the server refuses to list its exports ({})",
                         reply_type_name(r)
