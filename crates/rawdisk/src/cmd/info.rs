@@ -7,10 +7,12 @@ use rawdisk_image::info;
 
 use super::{FormatArg, OutputArg};
 
-/// Print size, allocation and properties, as `qemu-img info` does (plus
-/// kind, sector sizes and I/O hints; for an NBD URI the export's flags and
-/// block sizes, as nbdinfo shows them). With --list, the exports an NBD
-/// server offers and their sizes, as `nbdinfo --list` and `qemu-nbd -L`.
+/// Print size, allocation and properties of a target or NBD export.
+///
+/// As `qemu-img info` does, plus the kind, sector sizes and I/O hints; for
+/// an NBD URI the export's flags and block sizes, as nbdinfo shows them.
+/// With --list, the exports an NBD server offers and their sizes, as
+/// `nbdinfo --list` and `qemu-nbd -L`.
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
     rawdisk info disk.img\n  \
