@@ -110,6 +110,21 @@ def test_lists_nbdkit_exports_with_their_sizes(workdir, daemon):
     assert got == {n: (s, False, None) for n, s in sizes.items()}
 
 
+def test_lists_many_exports(workdir, daemon):
+    """More exports than one handshake's options are asked for: every one
+    still comes with its own size."""
+    d = os.path.join(workdir, "dir")
+    os.mkdir(d)
+    sizes = {f"disk{i:02}": (i + 1) * 4096 + i for i in range(40)}
+    for name, size in sizes.items():
+        with open(os.path.join(d, name), "wb") as f:
+            f.truncate(size)
+    sock = os.path.join(workdir, "k.sock")
+    daemon(["nbdkit", "-f", "-U", sock, "file", f"dir={d}"], sock)
+    got = listed(f"nbd+unix:///?socket={sock}")
+    assert got == {n: (s, False, None) for n, s in sizes.items()}
+
+
 def test_lists_nbdkit_explicit_names_and_descriptions(workdir, daemon):
     sock = os.path.join(workdir, "e.sock")
     daemon(["nbdkit", "-f", "-U", sock, "--filter=exportname", "memory", "3M",

@@ -246,7 +246,63 @@ pub async fn list_exports(uri: &NbdUri, timeout: Duration) -> Result<Vec<ListedE
     }
 }
 
+/// NBD_OPT_INFO requests per connection: servers cap the options of one
+/// handshake (rawdisk at 64, older nbdkit at 32), so a long list is
+/// described over several connections.
+const INFOS_PER_CONNECTION: usize = 16;
+
 async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
+    let hs_err = |message| Error::Handshake {
+        target: target.to_string(),
+        message,
+    };
+    let tls = match &uri.tls {
+        Some(p) => {
+            let host = match &uri.transport {
+                Transport::Tcp { host, .. } => Some(host.as_str()),
+                Transport::Unix { .. } => None,
+            };
+            Some(ClientTls::new(p, host).map_err(|e| Error::Connect {
+                target: target.to_string(),
+                message: e.to_string(),
+            })?)
+        }
+        None => None,
+    };
+    let (mut r, mut w) = negotiate(uri, target, tls.as_ref()).await?;
+    let names = handshake::list_exports(&mut r, &mut w)
+        .await
+        .map_err(hs_err)?;
+    let mut out = Vec::with_capacity(names.len());
+    for (i, (name, description)) in names.into_iter().enumerate() {
+        if i > 0 && i % INFOS_PER_CONNECTION == 0 {
+            handshake::abort(&mut w).await;
+            (r, w) = negotiate(uri, target, tls.as_ref()).await?;
+        }
+        let info = handshake::export_info(&mut r, &mut w, &name)
+            .await
+            .map_err(hs_err)?;
+        let description = (!description.is_empty())
+            .then_some(description)
+            .or_else(|| info.as_ref().and_then(|i| i.description.clone()));
+        out.push(ListedExport {
+            name,
+            description,
+            info,
+        });
+    }
+    handshake::abort(&mut w).await;
+    Ok(out)
+}
+
+/// A connection in the option phase (greeted, TLS started for a TLS URI),
+/// for options only: plain tokio halves, none of the transmission phase's
+/// socket tuning.
+async fn negotiate(
+    uri: &NbdUri,
+    target: &str,
+    tls: Option<&ClientTls>,
+) -> Result<(conn::Reader, conn::Writer)> {
     let connect_err = |e: std::io::Error| Error::Connect {
         target: target.to_string(),
         message: e.to_string(),
@@ -255,8 +311,6 @@ async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
         target: target.to_string(),
         message,
     };
-    // Option haggling only: plain tokio halves, none of the transmission
-    // phase's socket tuning.
     let (r, w): (Box<dyn tokio::io::AsyncRead + Send + Unpin>, conn::Writer) = match &uri.transport
     {
         Transport::Tcp { host, port } => {
@@ -277,15 +331,7 @@ async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
     let mut r = tokio::io::BufReader::new(r);
     let mut w = w;
     handshake::greet(&mut r, &mut w).await.map_err(hs_err)?;
-    if let Some(p) = &uri.tls {
-        let host = match &uri.transport {
-            Transport::Tcp { host, .. } => Some(host.as_str()),
-            Transport::Unix { .. } => None,
-        };
-        let tls = ClientTls::new(p, host).map_err(|e| Error::Connect {
-            target: target.to_string(),
-            message: e.to_string(),
-        })?;
+    if let Some(tls) = tls {
         handshake::starttls(&mut r, &mut w).await.map_err(hs_err)?;
         let stream = tokio::io::join(r.into_inner(), w);
         let (stream, _) = tls.connect(stream).await.map_err(hs_err)?;
@@ -293,25 +339,7 @@ async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
         r = tokio::io::BufReader::new(Box::new(tr));
         w = Box::new(tw);
     }
-    let names = handshake::list_exports(&mut r, &mut w)
-        .await
-        .map_err(hs_err)?;
-    let mut out = Vec::with_capacity(names.len());
-    for (name, description) in names {
-        let info = handshake::export_info(&mut r, &mut w, &name)
-            .await
-            .map_err(hs_err)?;
-        let description = (!description.is_empty())
-            .then_some(description)
-            .or_else(|| info.as_ref().and_then(|i| i.description.clone()));
-        out.push(ListedExport {
-            name,
-            description,
-            info,
-        });
-    }
-    handshake::abort(&mut w).await;
-    Ok(out)
+    Ok((r, w))
 }
 
 /// `NBD_CMD_WRITE_ZEROES` flags.
