@@ -1,7 +1,8 @@
 //! The client's fixed newstyle handshake: client flags, NBD_OPT_STARTTLS
 //! first for a TLS URI, extended headers or structured replies when wanted,
 //! base:allocation, then NBD_OPT_GO with block-size information, falling
-//! back to NBD_OPT_EXPORT_NAME for old servers.
+//! back to NBD_OPT_EXPORT_NAME for old servers. Also the options of a
+//! listing (NBD_OPT_LIST, NBD_OPT_INFO per export, NBD_OPT_ABORT).
 
 use tokio::io::AsyncWriteExt;
 

@@ -9,8 +9,8 @@
 //! error, or to the connection's failure when the connection dies with the
 //! request in flight (nbdcopy once lost asynchronous errors: CVE-2022-0485).
 //!
-//! Where things are: this file holds the public types and [`Client`] (checks,
-//! splitting, picking a connection); `conn` one connection (sending requests,
+//! Where things are: this file holds the public types, [`Client`] (checks,
+//! splitting, picking a connection) and [`list_exports`]; `conn` one connection (sending requests,
 //! the reader task matching replies to them); `handshake` the option
 //! negotiation; `blocking` the synchronous facade.
 
