@@ -281,8 +281,10 @@ fn fork_into_background() -> anyhow::Result<fs::File> {
             let mut line = String::new();
             let _ = rd.read_to_string(&mut line);
             if line.ends_with('\n') {
-                print!("{line}");
-                let _ = io::stdout().flush();
+                // The server runs either way; a closed stdout loses only
+                // the URI, which the caller chose not to read.
+                let mut out = io::stdout();
+                let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
                 std::process::exit(0);
             }
             std::process::exit(1);
