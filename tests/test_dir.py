@@ -242,3 +242,38 @@ def test_socket_activated_dir_service(workdir):
         assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()
     assert_target_is(os.path.join(d, "a.img"), b"\x33" * 512 + model_a[512:])
     assert_target_is(os.path.join(d, "b.img"), b"\x33" * 512 + model_b[512:])
+
+
+def test_rawdisk_commands_against_a_dir_server(workdir, serve):
+    """info --list names every export; info, map, checksum and copy reach
+    one by name (nbd+unix:///NAME?socket=...)."""
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    _, model_a = make_image(d, "a.img", 2 * MiB, seed=9)
+    make_image(d, "b.img", MiB, seed=10, sparse=True)
+    srv = serve_dir(serve, d)
+
+    def rawdisk(*args):
+        return subprocess.run([servers.RAWDISK_BIN, *args], check=True,
+                              capture_output=True, text=True).stdout
+
+    listing = json.loads(rawdisk("info", "--list", "--output", "json", uri_for(srv, "")))
+    assert {e["export-name"]: e["virtual-size"] for e in listing["exports"]} == {
+        "a.img": 2 * MiB, "b.img": MiB}
+    info = json.loads(rawdisk("info", "--output", "json", uri_for(srv, "b.img")))
+    assert info["virtual-size"] == MiB
+    extents = json.loads(rawdisk("map", "--output", "json", uri_for(srv, "b.img")))
+    assert sum(e["length"] for e in extents) == MiB
+    # An export by name to a file, and a file into an export by name.
+    out = os.path.join(workdir, "a-copy.img")
+    rawdisk("copy", uri_for(srv, "a.img"), out)
+    assert_target_is(out, model_a)
+    src = os.path.join(workdir, "b-new.img")
+    with open(src, "wb") as f:
+        f.write(random_bytes(MiB, 11))
+    rawdisk("copy", src, uri_for(srv, "b.img"))
+    with open(src, "rb") as f:
+        new_b = f.read()
+    srv.terminate()
+    assert_target_is(os.path.join(d, "b.img"), new_b, "b.img")
+    assert_target_is(os.path.join(d, "a.img"), model_a, "a.img")

@@ -341,6 +341,12 @@ def test_rawdisk_client_against_nbdkit(workdir, pki, ref_server, kind):
     assert json.loads(r.stdout)["virtual-size"] == SIZE, r.stdout
     r = rawdisk("map", uri)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    r = rawdisk("info", "--list", "--output", "json", uri)
+    assert r.returncode == 0, r.stderr
+    assert [(e["export-name"], e["virtual-size"])
+            for e in json.loads(r.stdout)["exports"]] == [("", SIZE)], r.stdout
+    r = rawdisk("info", "--list", f"nbd+unix:///?socket={sock}")
+    assert r.returncode == 1 and "requires TLS" in r.stderr, r.stderr
     copy_both_ways(workdir, uri, path, model, 22)
 
     r = rawdisk("info", f"nbd+unix:///?socket={sock}")

@@ -11,7 +11,7 @@ use rawdisk_storage::Kind;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::output::{human_size, Fields};
+use crate::output::{human_size, table, Fields};
 use crate::sysinfo::{self, MountInfo};
 
 #[derive(Debug, Clone, Serialize)]
@@ -172,10 +172,8 @@ impl Info {
                 },
             );
         }
-        if self.nbd.is_none() {
-            f.add("rotational", yes_no(self.rotational));
-            f.add("read-only", yes_no(self.read_only));
-        }
+        f.add("rotational", yes_no(self.rotational));
+        f.add("read-only", yes_no(self.read_only));
         if self.nbd.is_none() {
             f.add(
                 "direct I/O alignment",
@@ -205,23 +203,21 @@ pub fn info_target_or_uri(target: &str) -> Result<Info> {
     info_path(Path::new(target))
 }
 
-/// An NBD export as the handshake described it; the keys are nbdinfo's
-/// (`nbdinfo --json`), so the two can be compared.
+/// An NBD export as the handshake described it: what `nbdinfo --json` shows,
+/// in qemu-img's kebab-case, without what the top level already says (size,
+/// rotational, read-only).
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct NbdExport {
-    #[serde(rename = "export-name")]
     pub export_name: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     pub protocol: &'static str,
-    pub structured: bool,
-    #[serde(rename = "extended-headers")]
+    pub structured_replies: bool,
     pub extended_headers: bool,
     pub contexts: Vec<String>,
     /// Transmission flags that are set (NBD_FLAG_* names).
     pub flags: Vec<&'static str>,
-    pub is_rotational: bool,
-    pub is_read_only: bool,
     pub can_cache: bool,
     pub can_df: bool,
     pub can_fast_zero: bool,
@@ -237,8 +233,6 @@ pub struct NbdExport {
     pub block_size_preferred: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size_maximum: Option<u32>,
-    #[serde(rename = "export-size")]
-    pub export_size: u64,
 }
 
 impl NbdExport {
@@ -248,7 +242,7 @@ impl NbdExport {
             f.add("description", d.clone());
         }
         let mut proto = self.protocol.to_string();
-        if self.structured {
+        if self.structured_replies {
             proto.push_str(", structured replies");
         }
         if self.extended_headers {
@@ -264,18 +258,16 @@ impl NbdExport {
             },
         );
         for (k, v) in [
-            ("is_rotational", self.is_rotational),
-            ("is_read_only", self.is_read_only),
-            ("can_cache", self.can_cache),
-            ("can_df", self.can_df),
-            ("can_fast_zero", self.can_fast_zero),
-            ("can_flush", self.can_flush),
-            ("can_fua", self.can_fua),
-            ("can_multi_conn", self.can_multi_conn),
-            ("can_trim", self.can_trim),
-            ("can_zero", self.can_zero),
+            ("can cache", self.can_cache),
+            ("can df", self.can_df),
+            ("can fast zero", self.can_fast_zero),
+            ("can flush", self.can_flush),
+            ("can fua", self.can_fua),
+            ("can multi-conn", self.can_multi_conn),
+            ("can trim", self.can_trim),
+            ("can zero", self.can_zero),
         ] {
-            f.add(k, v.to_string());
+            f.add(k, yes_no(v));
         }
         match (
             self.block_size_minimum,
@@ -283,9 +275,9 @@ impl NbdExport {
             self.block_size_maximum,
         ) {
             (Some(a), Some(b), Some(c)) => {
-                f.add("block_size_minimum", a.to_string());
-                f.add("block_size_preferred", b.to_string());
-                f.add("block_size_maximum", c.to_string());
+                f.add("block size minimum", a.to_string());
+                f.add("block size preferred", b.to_string());
+                f.add("block size maximum", c.to_string());
             }
             _ => {
                 f.add("block sizes", "not advertised");
@@ -310,12 +302,10 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
         export_name: i.name.clone(),
         description: i.description.clone(),
         protocol: "newstyle-fixed",
-        structured: i.structured_replies,
+        structured_replies: i.structured_replies,
         extended_headers: i.extended_headers,
         contexts: i.meta_context.iter().cloned().collect(),
         flags: i.flag_names(),
-        is_rotational: i.rotational(),
-        is_read_only: i.read_only(),
         can_cache: i.can_cache(),
         can_df: i.can_df(),
         can_fast_zero: i.can_fast_zero(),
@@ -327,7 +317,6 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
         block_size_minimum: adv.then_some(i.min_block),
         block_size_preferred: adv.then_some(i.pref_block),
         block_size_maximum: adv.then_some(i.max_payload),
-        export_size: size,
     };
     Ok(Info {
         filename: uri.to_string(),
@@ -339,11 +328,107 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
         physical_sector_size: None,
         minimum_io_size: None,
         optimal_io_size: None,
-        rotational: n.is_rotational,
-        read_only: n.is_read_only,
+        rotational: i.rotational(),
+        read_only: i.read_only(),
         nbd: Some(n),
         dio_alignment: None,
         filesystem: None,
         loop_backing_file: None,
     })
+}
+
+/// The exports an NBD server offers (`rawdisk info --list`), as NBD_OPT_LIST
+/// names them and NBD_OPT_INFO sizes them.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExportList {
+    pub server: String,
+    pub exports: Vec<ListedExport>,
+}
+
+/// One listed export, with the key names `info` uses.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ListedExport {
+    pub export_name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Absent when the server would not describe the export.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub virtual_size: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+}
+
+/// Asks the server `uri` names which exports it offers; the URI's export
+/// name is not used.
+pub fn list_nbd(uri: &str) -> Result<ExportList> {
+    use rawdisk_nbd::client;
+    if !crate::endpoint::is_nbd(uri) {
+        return Err(Error::msg(format!(
+            "cannot list exports of '{uri}': not an NBD URI (--list asks an NBD server, e.g. nbd://host or nbd+unix:///?socket=PATH)"
+        )));
+    }
+    let parsed = rawdisk_nbd::uri::NbdUri::parse(uri)
+        .map_err(|e| Error::msg(format!("cannot list exports of '{uri}': {e}")))?;
+    let timeout = std::time::Duration::from_secs(30);
+    let listed = crate::endpoint::runtime()
+        .block_on(client::list_exports(&parsed, timeout))
+        .map_err(|e| match e {
+            client::Error::Connect { message, .. } => {
+                Error::msg(format!("cannot connect to '{uri}': {message}"))
+            }
+            client::Error::Handshake { message, .. } => {
+                Error::msg(format!("cannot list exports of '{uri}': {message}"))
+            }
+            e => Error::msg(format!("cannot list exports of '{uri}': {e}")),
+        })?;
+    Ok(ExportList {
+        server: uri.to_string(),
+        exports: listed
+            .into_iter()
+            .map(|e| ListedExport {
+                export_name: e.name,
+                description: e.description,
+                virtual_size: e.info.as_ref().map(|i| i.size),
+                read_only: e.info.as_ref().map(|i| i.read_only()),
+            })
+            .collect(),
+    })
+}
+
+impl ExportList {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+    }
+
+    /// One row per export: name, size, access, description.
+    pub fn to_human(&self) -> String {
+        let n = self.exports.len();
+        let mut s = format!("server: {}\nexports: {n}\n", self.server);
+        if n == 0 {
+            return s;
+        }
+        s.push('\n');
+        let rows: Vec<Vec<String>> = self
+            .exports
+            .iter()
+            .map(|e| {
+                vec![
+                    format!("{:?}", e.export_name),
+                    e.virtual_size
+                        .map(|v| format!("{v} ({})", human_size(v)))
+                        .unwrap_or_else(|| "unknown".into()),
+                    match e.read_only {
+                        Some(true) => "read-only",
+                        Some(false) => "read-write",
+                        None => "unknown",
+                    }
+                    .to_string(),
+                    e.description.clone().unwrap_or_default(),
+                ]
+            })
+            .collect();
+        s.push_str(&table(&["export", "size", "access", "description"], &rows));
+        s
+    }
 }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod docs;
 #[allow(dead_code)] // used by the subcommands as they land
 mod size;
 
@@ -23,26 +24,22 @@ struct Cli {
     command: Command,
 }
 
+// Each command's summary (the first paragraph) and description (all of it)
+// are its Args' doc comment, so `--help` and the man pages say the same.
 #[derive(Subcommand)]
 enum Command {
-    /// Export a file or block device over NBD.
     Serve(Box<cmd::serve::Args>),
-    /// Create an image, with preallocation.
     Create(cmd::create::Args),
-    /// Report what the storage under a target supports.
     Probe(cmd::probe::Args),
-    /// Print the allocation map of a target or NBD export.
     Map(cmd::map::Args),
-    /// Print size, allocation and properties of a target or NBD export.
     Info(cmd::info::Args),
-    /// Copy between files, block devices and NBD exports.
     Copy(cmd::copy::Args),
-    /// Grow or shrink an image file.
     Resize(cmd::resize::Args),
-    /// Print the blkhash checksum (blksum's value) of a target or NBD export.
     Checksum(cmd::checksum::Args),
-    /// Compare two images (exit 0 identical, 1 different, 2 error).
     Compare(cmd::compare::Args),
+    /// Write man pages and shell completions (for packaging).
+    #[command(hide = true)]
+    GenerateDocs(docs::Args),
 }
 
 /// Exit code for a bad command line (as clap and qemu-img use).
@@ -89,6 +86,7 @@ fn main() -> ExitCode {
         Command::Resize(a) => cmd::resize::run(a),
         Command::Checksum(a) => cmd::checksum::run(a),
         Command::Compare(a) => cmd::compare::run(a),
+        Command::GenerateDocs(a) => docs::run(<Cli as clap::CommandFactory>::command(), a),
     };
     match result {
         Ok(code) => code,

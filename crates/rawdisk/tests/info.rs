@@ -133,11 +133,13 @@ fn info_of_nbd_export_matches_nbdinfo() {
     assert_eq!(ours["kind"], "nbd");
     assert_eq!(ours["virtual-size"].as_u64().unwrap(), 10 * MIB);
     let n = &ours["nbd"];
+    // One naming style (kebab-case) and nothing said twice: nbdinfo's size,
+    // is_rotational and is_read_only are the top level's.
+    assert_eq!(ours["virtual-size"], e["export-size"]);
+    assert_eq!(ours["rotational"], e["is_rotational"]);
+    assert_eq!(ours["read-only"], e["is_read_only"]);
     for k in [
         "export-name",
-        "export-size",
-        "is_rotational",
-        "is_read_only",
         "can_cache",
         "can_df",
         "can_fast_zero",
@@ -151,10 +153,27 @@ fn info_of_nbd_export_matches_nbdinfo() {
         "block_size_maximum",
         "contexts",
     ] {
-        assert_eq!(n[k], e[k], "key {k}: ours {n} nbdinfo {e}");
+        let ours_k = k.replace('_', "-");
+        assert_eq!(n[&ours_k], e[k], "key {k}: ours {n} nbdinfo {e}");
     }
-    assert_eq!(n["block_size_minimum"].as_u64(), Some(512));
+    assert_eq!(n["structured-replies"], theirs["structured"]);
+    let keys: Vec<&String> = n.as_object().unwrap().keys().collect();
+    for k in &keys {
+        assert!(!k.contains('_'), "{k} is not kebab-case: {n}");
+        assert!(
+            ![
+                "export-size",
+                "is-rotational",
+                "is-read-only",
+                "rotational",
+                "read-only"
+            ]
+            .contains(&k.as_str()),
+            "{k} repeats the top level: {n}"
+        );
+    }
+    assert_eq!(n["block-size-minimum"].as_u64(), Some(512));
     let human = run_rawdisk(&["info", &uri]).ok().stdout;
     assert!(human.starts_with(&format!("image: {uri}\nfile format: raw\nvirtual size: 10 MiB (10485760 bytes)\ndisk size: unavailable\n")), "{human}");
-    assert!(human.contains("block_size_preferred: 65536"), "{human}");
+    assert!(human.contains("block size preferred: 65536"), "{human}");
 }

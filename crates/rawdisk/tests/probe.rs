@@ -52,7 +52,35 @@ fn probe_file_unchanged(path: &Path) -> serde_json::Value {
     assert_eq!(md2.len(), md.len());
     assert_eq!(md2.modified().unwrap(), md.modified().unwrap());
     assert_eq!(dir_listing(dir), listing, "scratch file left behind");
-    assert!(human.contains("zero, trim allowed:"), "{human}");
+    assert!(human.contains("zero with trim:"), "{human}");
+    // JSON says what the human form says, in the same words; yes/no are
+    // booleans (null when unknown).
+    for m in j["methods"].as_array().unwrap() {
+        let (name, state) = (m["method"].as_str().unwrap(), m["state"].as_str().unwrap());
+        assert!(
+            human
+                .lines()
+                .any(|l| l.starts_with(&format!("{name} ")) && l.contains(&format!(" {state} "))),
+            "{name} {state} not in\n{human}"
+        );
+    }
+    for k in ["fast-zero", "trim"] {
+        let v = &j["zero"][k];
+        assert!(v.is_boolean() || v.is_null(), "{k}: {v}");
+        let word = match v.as_bool() {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "unknown",
+        };
+        let label = k.replace('-', " ");
+        assert!(
+            human.contains(&format!("{label}:"))
+                && human
+                    .lines()
+                    .any(|l| l.starts_with(&format!("{label}:")) && l.contains(word)),
+            "{k} {word} not in\n{human}"
+        );
+    }
     assert_eq!(j["kind"], "file");
     assert_eq!(j["tested-on"], "scratch-file");
     assert_eq!(j["size"].as_u64().unwrap(), md.len());
@@ -70,7 +98,7 @@ fn probe_on_tmp_leaves_the_file_alone() {
     write_pattern(&img, MIB, 2 * MIB, 5);
     let j = probe_file_unchanged(&img);
     assert_eq!(method(&j, "write-zeros")["state"], "works");
-    assert_eq!(method(&j, "blkzeroout")["state"], "not-applicable");
+    assert_eq!(method(&j, "blkzeroout")["state"], "n/a");
 }
 
 #[test]
@@ -88,24 +116,24 @@ fn probe_on_every_file_system() {
         match kind {
             FsKind::Tmpfs => {
                 assert_eq!(st("punch-hole"), "works");
-                assert_eq!(st("zero-range"), "fails", "{j}");
+                assert_eq!(st("zero-range"), "known to fail", "{j}");
                 assert_eq!(st("punch-alloc"), "works");
                 assert_eq!(st("fallocate"), "works");
                 assert_eq!(with_trim, "punch-hole");
                 // punch-alloc works but costs more than writing on tmpfs.
                 assert_eq!(without, "write-zeros");
-                assert_eq!(j["zero"]["fast-zero"], "no");
+                assert_eq!(j["zero"]["fast-zero"], false);
                 assert_eq!(j["direct-io"], "works");
             }
             FsKind::Ramfs => {
                 for m in ["punch-hole", "zero-range", "punch-alloc", "fallocate"] {
-                    assert_eq!(st(m), "fails", "ramfs {m}: {j}");
+                    assert_eq!(st(m), "known to fail", "ramfs {m}: {j}");
                 }
                 assert_eq!(with_trim, "write-zeros");
                 assert_eq!(without, "write-zeros");
-                assert_eq!(j["zero"]["fast-zero"], "no");
-                assert_eq!(j["zero"]["trim"], "no");
-                assert_eq!(j["direct-io"], "fails");
+                assert_eq!(j["zero"]["fast-zero"], false);
+                assert_eq!(j["zero"]["trim"], false);
+                assert_eq!(j["direct-io"], "known to fail");
             }
             FsKind::Ext4 | FsKind::Xfs => {
                 for m in [
@@ -123,8 +151,8 @@ fn probe_on_every_file_system() {
                     .contains("reports holes"));
                 assert_eq!(with_trim, "punch-hole");
                 assert_eq!(without, "zero-range");
-                assert_eq!(j["zero"]["fast-zero"], "yes");
-                assert_eq!(j["zero"]["trim"], "yes");
+                assert_eq!(j["zero"]["fast-zero"], true);
+                assert_eq!(j["zero"]["trim"], true);
             }
         }
     }
@@ -171,7 +199,7 @@ fn probe_of_block_devices_reads_only() {
         // Advertised write-zeroes stays unknown until tried.
         assert_eq!(
             method(&j, "punch-hole")["state"],
-            if wz == 0 { "fails" } else { "unknown" }
+            if wz == 0 { "known to fail" } else { "unknown" }
         );
         assert_eq!(method(&j, "blkdiscard")["state"], "works");
         assert_eq!(
@@ -206,13 +234,13 @@ fn destructive_probe_restores_the_device() {
             // tmpfs has no ZERO_RANGE: the loop driver's write-zeroes fails
             // and is switched off (docs/capabilities.md, tmpfs-backed loop
             // devices).
-            assert_eq!(st("punch-hole"), "fails", "{j}");
+            assert_eq!(st("punch-hole"), "known to fail", "{j}");
             assert_eq!(dev.queue_attr("write_zeroes_max_bytes"), 0);
-            assert_eq!(j["zero"]["fast-zero"], "no", "{j}");
+            assert_eq!(j["zero"]["fast-zero"], false, "{j}");
         } else {
             assert_eq!(st("punch-hole"), "works", "{j}");
             assert_eq!(j["zero"]["with-trim"]["method"], "punch-hole", "{j}");
-            assert_eq!(j["zero"]["fast-zero"], "yes", "{j}");
+            assert_eq!(j["zero"]["fast-zero"], true, "{j}");
         }
     }
 }

@@ -47,9 +47,8 @@ pub struct ProbeOptions {
     pub destructive: bool,
 }
 
-/// What is known about one method.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+/// What is known about one method; JSON has the words the human form has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
     Works,
     Fails,
@@ -65,6 +64,12 @@ impl State {
             State::Unknown => "unknown",
             State::NotApplicable => "n/a",
         }
+    }
+}
+
+impl Serialize for State {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
     }
 }
 
@@ -100,13 +105,13 @@ pub struct ZeroReport {
     #[serde(rename = "without-trim")]
     pub without_trim: Choice,
     /// Whether a zero that must not fall back to writing can succeed
-    /// (NBD_FLAG_SEND_FAST_ZERO): "yes", "no" or "unknown".
+    /// (NBD_FLAG_SEND_FAST_ZERO); None (null) when unknown.
     #[serde(rename = "fast-zero")]
-    pub fast_zero: &'static str,
+    pub fast_zero: Option<bool>,
     #[serde(rename = "fast-zero-method", skip_serializing_if = "Option::is_none")]
     pub fast_zero_method: Option<String>,
-    /// Whether trim can free space: "yes", "no" or "unknown".
-    pub trim: &'static str,
+    /// Whether trim can free space; None (null) when unknown.
+    pub trim: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -193,9 +198,9 @@ pub fn probe(opts: &ProbeOptions) -> Result<ProbeReport> {
         zero: ZeroReport {
             with_trim: unknown_choice(),
             without_trim: unknown_choice(),
-            fast_zero: "unknown",
+            fast_zero: None,
             fast_zero_method: None,
-            trim: "unknown",
+            trim: None,
         },
     };
     drop(t);
@@ -427,15 +432,15 @@ fn engine_zero_chain(t: &Target, base: u64, r: &mut ProbeReport) {
     );
     match fast {
         Ok(o) => {
-            r.zero.fast_zero = "yes";
+            r.zero.fast_zero = Some(true);
             r.zero.fast_zero_method = Some(names(&o.methods));
         }
         Err(e) if e.errno().map(|n| n == libc::EOPNOTSUPP).unwrap_or(false) => {
-            r.zero.fast_zero = "no";
+            r.zero.fast_zero = Some(false);
         }
-        Err(_) => r.zero.fast_zero = "unknown",
+        Err(_) => r.zero.fast_zero = None,
     }
-    r.zero.trim = if t.can_trim() { "yes" } else { "no" };
+    r.zero.trim = Some(t.can_trim());
 }
 
 // ---------------------------------------------------------------------------
@@ -483,19 +488,20 @@ fn probe_device_sysfs(path: &Path, r: &mut ProbeReport) {
     predict_block_chain(r);
     let st = |m: Method| state_in(&r.methods, m);
     // On a block device only PUNCH_HOLE cannot fall back to writing.
-    r.zero.fast_zero = match st(Method::PunchHole) {
-        State::Works => "yes",
-        State::Fails => "no",
-        _ => "unknown",
-    };
-    if r.zero.fast_zero != "no" {
+    r.zero.fast_zero = known(st(Method::PunchHole));
+    if r.zero.fast_zero != Some(false) {
         r.zero.fast_zero_method = Some(Method::PunchHole.name().into());
     }
-    r.zero.trim = match st(Method::BlkDiscard) {
-        State::Works => "yes",
-        State::Fails => "no",
-        _ => "unknown",
-    };
+    r.zero.trim = known(st(Method::BlkDiscard));
+}
+
+/// Works or known to fail as a yes or no; anything else is not known.
+fn known(s: State) -> Option<bool> {
+    match s {
+        State::Works => Some(true),
+        State::Fails => Some(false),
+        _ => None,
+    }
 }
 
 fn state_in(methods: &[MethodReport], m: Method) -> State {

@@ -107,19 +107,26 @@ impl ProbeReport {
             t
         };
         let mut z = Fields::new();
-        z.add("zero, trim allowed", choice(&self.zero.with_trim));
-        z.add("zero, no trim", choice(&self.zero.without_trim));
+        // The JSON's keys (zero: with-trim, without-trim, fast-zero, trim)
+        // in words.
+        z.add("zero with trim", choice(&self.zero.with_trim));
+        z.add("zero without trim", choice(&self.zero.without_trim));
+        let fast = yes_no_unknown(self.zero.fast_zero);
         z.add(
-            "fast zero, no trim",
+            "fast zero",
             match &self.zero.fast_zero_method {
-                Some(m) if self.zero.fast_zero != "no" => format!("{} ({m})", self.zero.fast_zero),
-                _ => self.zero.fast_zero.to_string(),
+                Some(m) if self.zero.fast_zero != Some(false) => format!("{fast} ({m})"),
+                _ => fast.to_string(),
             },
         );
-        z.add("trim", self.zero.trim);
+        z.add("trim", yes_no_unknown(self.zero.trim));
         s.push_str(&z.render());
         s
     }
+}
+
+fn yes_no_unknown(v: Option<bool>) -> &'static str {
+    v.map_or("unknown", yes_no)
 }
 
 fn opt_bytes(v: Option<u64>) -> String {

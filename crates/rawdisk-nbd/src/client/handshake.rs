@@ -1,7 +1,8 @@
 //! The client's fixed newstyle handshake: client flags, NBD_OPT_STARTTLS
 //! first for a TLS URI, extended headers or structured replies when wanted,
 //! base:allocation, then NBD_OPT_GO with block-size information, falling
-//! back to NBD_OPT_EXPORT_NAME for old servers.
+//! back to NBD_OPT_EXPORT_NAME for old servers. Also the options of a
+//! listing (NBD_OPT_LIST, NBD_OPT_INFO per export, NBD_OPT_ABORT).
 
 use tokio::io::AsyncWriteExt;
 
@@ -115,23 +116,60 @@ pub(super) async fn handshake(
         }),
     )
     .await?;
-    let mut info = ExportInfo {
-        name: export.to_string(),
-        description: None,
-        size: 0,
-        flags: 0,
-        min_block: 1,
-        pref_block: 4096,
-        max_payload: 32 << 20,
-        block_size_advertised: false,
-        structured_replies: structured,
-        extended_headers: extended,
-        meta_context: None,
-        connections: 1,
+    let mut info = ExportInfo::unnegotiated(export);
+    info.structured_replies = structured;
+    info.extended_headers = extended;
+    let got_export = match info_replies(r, OPT_GO, &mut info).await? {
+        Ok(got) => got,
+        Err((reply, _)) if reply == REP_ERR_UNSUP => {
+            // A server without NBD_OPT_GO: NBD_OPT_EXPORT_NAME cannot
+            // report errors (a refusal is a hang-up), but it is all such a
+            // server knows.
+            send_option(w, &ClientOption::ExportName(export.to_string())).await?;
+            let mut b = vec![0u8; 10 + if no_zeroes { 0 } else { EXPORT_NAME_PADDING }];
+            read_exact(r, &mut b)
+                .await
+                .map_err(|e| format!("export '{export}' refused: {e}"))?;
+            let ((size, flags), _) =
+                decode_export_name_reply(&b, no_zeroes).map_err(|e| e.to_string())?;
+            info.size = size;
+            info.flags = flags;
+            context = None;
+            true
+        }
+        Err((reply, message)) => {
+            let mut e = rep_error("export", export, reply, &message);
+            // A wrong name: say which the server has, as nbdinfo --list
+            // would (the option phase goes on after an error reply).
+            if reply == REP_ERR_UNKNOWN {
+                if let Ok(list) = list_exports(r, w).await {
+                    let names: Vec<String> = list.into_iter().map(|(n, _)| n).collect();
+                    e.push_str(&offered(&names));
+                }
+            }
+            return Err(e);
+        }
     };
+    if !got_export {
+        return Err("the server accepted the export without sending its size".into());
+    }
+    if info.flags & FLAG_HAS_FLAGS == 0 {
+        info.flags = 0;
+    }
+    info.meta_context = context.as_ref().map(|c| c.1.clone());
+    Ok((info, context.map(|c| c.0)))
+}
+
+/// Reads the NBD_INFO replies to NBD_OPT_GO or NBD_OPT_INFO into `info` up
+/// to the ACK: Ok(whether NBD_INFO_EXPORT came), or the server's error reply.
+async fn info_replies(
+    r: &mut Reader,
+    opt: u32,
+    info: &mut ExportInfo,
+) -> std::result::Result<std::result::Result<bool, (u32, String)>, String> {
     let mut got_export = false;
     loop {
-        match option_reply(r, OPT_GO).await? {
+        match option_reply(r, opt).await? {
             OptionReply::Info(i) => match i {
                 Info::Export { size, flags } => {
                     info.size = size;
@@ -163,60 +201,97 @@ pub(super) async fn handshake(
                 // Spec: ignore information types we do not know.
                 Info::Unknown { .. } => {}
             },
-            OptionReply::Ack => break,
-            OptionReply::Error { reply, .. } if reply == REP_ERR_UNSUP => {
-                // A server without NBD_OPT_GO: NBD_OPT_EXPORT_NAME cannot
-                // report errors (a refusal is a hang-up), but it is all such a
-                // server knows.
-                send_option(w, &ClientOption::ExportName(export.to_string())).await?;
-                let mut b = vec![0u8; 10 + if no_zeroes { 0 } else { EXPORT_NAME_PADDING }];
-                read_exact(r, &mut b)
-                    .await
-                    .map_err(|e| format!("export '{export}' refused: {e}"))?;
-                let ((size, flags), _) =
-                    decode_export_name_reply(&b, no_zeroes).map_err(|e| e.to_string())?;
-                info.size = size;
-                info.flags = flags;
-                context = None;
-                got_export = true;
-                break;
+            OptionReply::Ack => return Ok(Ok(got_export)),
+            OptionReply::Error { reply, message } => return Ok(Err((reply, message))),
+            other => {
+                return Err(format!(
+                    "unexpected reply {other:?} to {}",
+                    option_name(opt)
+                ))
             }
-            OptionReply::Error { reply, message } => {
-                let mut e = rep_error("export", export, reply, &message);
-                // A wrong name: say which the server has, as nbdinfo --list
-                // would (the option phase goes on after an error reply).
-                if reply == REP_ERR_UNKNOWN {
-                    if let Some(names) = list_exports(r, w).await {
-                        e.push_str(&offered(&names));
-                    }
-                }
-                return Err(e);
-            }
-            other => return Err(format!("unexpected reply {other:?} to NBD_OPT_GO")),
         }
     }
-    if !got_export {
-        return Err("the server accepted the export without sending its size".into());
-    }
-    if info.flags & FLAG_HAS_FLAGS == 0 {
-        info.flags = 0;
-    }
-    info.meta_context = context.as_ref().map(|c| c.1.clone());
-    Ok((info, context.map(|c| c.0)))
 }
 
-/// NBD_OPT_LIST: the export names, or None when the server refuses to list
-/// them (spec: it may, by policy).
-async fn list_exports(r: &mut Reader, w: &mut Writer) -> Option<Vec<String>> {
-    send_option(w, &ClientOption::List).await.ok()?;
-    let mut names = Vec::new();
+/// NBD_OPT_LIST: each export's name and description (empty when the server
+/// gives none), or why the server would not list them (spec: it may refuse,
+/// by policy).
+pub(super) async fn list_exports(
+    r: &mut Reader,
+    w: &mut Writer,
+) -> std::result::Result<Vec<(String, String)>, String> {
+    send_option(w, &ClientOption::List).await?;
+    let mut exports = Vec::new();
     loop {
-        match option_reply(r, OPT_LIST).await.ok()? {
-            OptionReply::Server { name, .. } => names.push(name),
-            OptionReply::Ack => return Some(names),
-            _ => return None,
+        match option_reply(r, OPT_LIST).await? {
+            OptionReply::Server { name, description } => exports.push((name, description)),
+            OptionReply::Ack => return Ok(exports),
+            OptionReply::Error { reply, message } => {
+                let why = match reply {
+                    REP_ERR_UNSUP => "the server does not support listing exports".to_string(),
+                    REP_ERR_TLS_REQD => {
+                        "the server requires TLS: connect with an nbds:// or nbds+unix:// URI"
+                            .to_string()
+                    }
+                    r => format!(
+                        "the server refuses to list its exports ({})",
+                        reply_type_name(r)
+                    ),
+                };
+                return Err(if message.is_empty() {
+                    format!("NBD_OPT_LIST refused: {why}")
+                } else {
+                    format!("NBD_OPT_LIST refused: {why}: {message}")
+                });
+            }
+            other => return Err(format!("unexpected reply {other:?} to NBD_OPT_LIST")),
         }
     }
+}
+
+/// NBD_OPT_INFO for one export: its size, flags, block sizes and description
+/// as NBD_OPT_GO would give them, without entering transmission. Ok(None)
+/// when the server refuses (an old server without NBD_OPT_INFO, an export it
+/// lists but will not serve).
+pub(super) async fn export_info(
+    r: &mut Reader,
+    w: &mut Writer,
+    name: &str,
+) -> std::result::Result<Option<ExportInfo>, String> {
+    send_option(
+        w,
+        &ClientOption::Info(InfoRequest {
+            name: name.to_string(),
+            info: vec![INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION],
+        }),
+    )
+    .await?;
+    let mut info = ExportInfo::unnegotiated(name);
+    match info_replies(r, OPT_INFO, &mut info).await? {
+        Ok(true) => {
+            if info.flags & FLAG_HAS_FLAGS == 0 {
+                info.flags = 0;
+            }
+            Ok(Some(info))
+        }
+        Ok(false) => Err(format!(
+            "the server described export '{name}' without its size"
+        )),
+        Err((reply, message)) => {
+            if reply == REP_ERR_TLS_REQD || reply == REP_ERR_SHUTDOWN {
+                return Err(rep_error("export", name, reply, &message));
+            }
+            tracing::debug!(export = name, reply = reply_type_name(reply), %message, "NBD_OPT_INFO refused");
+            Ok(None)
+        }
+    }
+}
+
+/// NBD_OPT_ABORT, the polite end of a negotiation that does not go on to
+/// transmission. The server's ACK (if any) is not waited for.
+pub(super) async fn abort(w: &mut Writer) {
+    let _ = send_option(w, &ClientOption::Abort).await;
+    let _ = w.shutdown().await;
 }
 
 /// "; the server offers 'a', 'b'" (the default export shown as '').

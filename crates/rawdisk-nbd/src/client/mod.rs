@@ -9,8 +9,8 @@
 //! error, or to the connection's failure when the connection dies with the
 //! request in flight (nbdcopy once lost asynchronous errors: CVE-2022-0485).
 //!
-//! Where things are: this file holds the public types and [`Client`] (checks,
-//! splitting, picking a connection); `conn` one connection (sending requests,
+//! Where things are: this file holds the public types, [`Client`] (checks,
+//! splitting, picking a connection) and [`list_exports`]; `conn` one connection (sending requests,
 //! the reader task matching replies to them); `handshake` the option
 //! negotiation; `blocking` the synchronous facade.
 
@@ -115,6 +115,23 @@ pub struct ExportInfo {
 }
 
 impl ExportInfo {
+    /// The spec's defaults for `name`, before the server has said anything.
+    fn unnegotiated(name: &str) -> ExportInfo {
+        ExportInfo {
+            name: name.to_string(),
+            description: None,
+            size: 0,
+            flags: 0,
+            min_block: 1,
+            pref_block: 4096,
+            max_payload: 32 << 20,
+            block_size_advertised: false,
+            structured_replies: false,
+            extended_headers: false,
+            meta_context: None,
+            connections: 1,
+        }
+    }
     fn flag(&self, f: u16) -> bool {
         self.flags & f != 0
     }
@@ -199,6 +216,130 @@ impl Default for ConnectOptions {
             timeout: Duration::from_secs(30),
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Listing exports
+
+/// One export a server lists (NBD_OPT_LIST), as NBD_OPT_INFO describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedExport {
+    pub name: String,
+    /// The description NBD_OPT_LIST or NBD_INFO_DESCRIPTION gave, if any.
+    pub description: Option<String>,
+    /// Size, flags and block sizes; None when the server would not describe
+    /// the export (no NBD_OPT_INFO, or an export it lists but refuses).
+    pub info: Option<ExportInfo>,
+}
+
+/// The exports the server at `uri` offers, with their sizes, as `nbdinfo
+/// --list` and `qemu-nbd -L` show them. The URI's export name is not used;
+/// TLS is negotiated first for an `nbds://` URI. Nothing is opened for I/O.
+pub async fn list_exports(uri: &NbdUri, timeout: Duration) -> Result<Vec<ListedExport>> {
+    let target = uri.to_string();
+    match tokio::time::timeout(timeout, list_on(uri, &target)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Connect {
+            target,
+            message: format!("timed out after {timeout:?}"),
+        }),
+    }
+}
+
+/// NBD_OPT_INFO requests per connection: servers cap the options of one
+/// handshake (rawdisk at 64, older nbdkit at 32), so a long list is
+/// described over several connections.
+const INFOS_PER_CONNECTION: usize = 16;
+
+async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
+    let hs_err = |message| Error::Handshake {
+        target: target.to_string(),
+        message,
+    };
+    let tls = match &uri.tls {
+        Some(p) => {
+            let host = match &uri.transport {
+                Transport::Tcp { host, .. } => Some(host.as_str()),
+                Transport::Unix { .. } => None,
+            };
+            Some(ClientTls::new(p, host).map_err(|e| Error::Connect {
+                target: target.to_string(),
+                message: e.to_string(),
+            })?)
+        }
+        None => None,
+    };
+    let (mut r, mut w) = negotiate(uri, target, tls.as_ref()).await?;
+    let names = handshake::list_exports(&mut r, &mut w)
+        .await
+        .map_err(hs_err)?;
+    let mut out = Vec::with_capacity(names.len());
+    for (i, (name, description)) in names.into_iter().enumerate() {
+        if i > 0 && i % INFOS_PER_CONNECTION == 0 {
+            handshake::abort(&mut w).await;
+            (r, w) = negotiate(uri, target, tls.as_ref()).await?;
+        }
+        let info = handshake::export_info(&mut r, &mut w, &name)
+            .await
+            .map_err(hs_err)?;
+        let description = (!description.is_empty())
+            .then_some(description)
+            .or_else(|| info.as_ref().and_then(|i| i.description.clone()));
+        out.push(ListedExport {
+            name,
+            description,
+            info,
+        });
+    }
+    handshake::abort(&mut w).await;
+    Ok(out)
+}
+
+/// A connection in the option phase (greeted, TLS started for a TLS URI),
+/// for options only: plain tokio halves, none of the transmission phase's
+/// socket tuning.
+async fn negotiate(
+    uri: &NbdUri,
+    target: &str,
+    tls: Option<&ClientTls>,
+) -> Result<(conn::Reader, conn::Writer)> {
+    let connect_err = |e: std::io::Error| Error::Connect {
+        target: target.to_string(),
+        message: e.to_string(),
+    };
+    let hs_err = |message| Error::Handshake {
+        target: target.to_string(),
+        message,
+    };
+    let (r, w): (Box<dyn tokio::io::AsyncRead + Send + Unpin>, conn::Writer) = match &uri.transport
+    {
+        Transport::Tcp { host, port } => {
+            let s = tokio::net::TcpStream::connect((host.as_str(), *port))
+                .await
+                .map_err(connect_err)?;
+            let (r, w) = s.into_split();
+            (Box::new(r), Box::new(w))
+        }
+        Transport::Unix { path } => {
+            let s = tokio::net::UnixStream::connect(path)
+                .await
+                .map_err(connect_err)?;
+            let (r, w) = s.into_split();
+            (Box::new(r), Box::new(w))
+        }
+    };
+    let mut r = tokio::io::BufReader::new(r);
+    let mut w = w;
+    handshake::greet(&mut r, &mut w).await.map_err(hs_err)?;
+    if let Some(tls) = tls {
+        handshake::starttls(&mut r, &mut w).await.map_err(hs_err)?;
+        let stream = tokio::io::join(r.into_inner(), w);
+        let (stream, _) = tls.connect(stream).await.map_err(hs_err)?;
+        let (tr, tw) = crate::tls::split(stream);
+        r = tokio::io::BufReader::new(Box::new(tr));
+        w = Box::new(tw);
+    }
+    Ok((r, w))
 }
 
 /// `NBD_CMD_WRITE_ZEROES` flags.

@@ -28,9 +28,9 @@ impl From<DigestArg> for DigestAlg {
     }
 }
 
-/// Print the blkhash checksum of an image: the value `blksum` and
-/// `nbdcopy --blkhash` print for the same content.
+/// Print the blkhash checksum (blksum's value) of a target or NBD export.
 ///
+/// The value `blksum` and `nbdcopy --blkhash` print for the same content:
 /// digest = H(H(block 1) || ... || H(block N) || size as 64-bit little
 /// endian), blocks of --block-size bytes (the last one shorter). Holes and
 /// zero extents are not read; blocks are hashed on all cores.

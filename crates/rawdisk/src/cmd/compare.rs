@@ -11,9 +11,9 @@ use rawdisk_image::progress::Bar;
 
 use super::OutputArg;
 
-/// Compare two raw images, as `qemu-img compare` does: files, block devices
-/// or NBD URIs.
+/// Compare two images (exit 0 identical, 1 different, 2 error).
 ///
+/// As `qemu-img compare` does, for files, block devices or NBD URIs.
 /// Exit status 0: identical; 1: different ("Content mismatch at offset N!",
 /// N the first differing 512-byte sector); 2: error. When the sizes differ
 /// the common part is compared and the longer image's tail must read as

@@ -21,8 +21,9 @@ use rawdisk_image::endpoint::Endpoint;
 
 use crate::size::size_arg;
 
-/// Copy between files, block devices and NBD exports, sparse-aware and in
-/// parallel (like `qemu-img convert -n` and `nbdcopy`).
+/// Copy between files, block devices and NBD exports.
+///
+/// Sparse-aware and in parallel, like `qemu-img convert -n` and `nbdcopy`.
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
     rawdisk copy -p fedora.img nbd+unix:///?socket=/tmp/disk.sock\n  \

@@ -8,7 +8,8 @@ use rawdisk_image::map;
 use super::{FormatArg, OutputArg};
 use crate::size::size_arg;
 
-/// Print the allocation map, as `qemu-img map` does.
+/// Print the allocation map of a target or NBD export, as `qemu-img map`
+/// does.
 ///
 /// JSON: the keys and merging of `qemu-img map --output=json`. Human: the
 /// data runs in qemu-img's table.

@@ -9,7 +9,7 @@ use rawdisk_image::resize::{self, ResizeOptions, SizeSpec};
 use super::{CacheArg, OutputArg, PreallocArg};
 use crate::size::parse_size;
 
-/// Grow or shrink a raw image file, as `qemu-img resize` does.
+/// Grow or shrink an image file, as `qemu-img resize` does.
 ///
 /// SIZE is absolute (10G) or relative (+2G, -512M). Growing preallocates
 /// only the new tail, as `create` would; bytes below the old size are never

@@ -1,5 +1,5 @@
 //! `rawdisk serve [-U|-k|--socket PATH | -b|-i|--bind HOST[:PORT] -p|--port PORT]
-//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD] [--cache writeback|none] [--write-behind] [--map-writes]
+//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer] [-v] TARGET`
@@ -72,8 +72,13 @@ pub struct Args {
     /// Run this shell command once the server is ready, with $uri set to
     /// the URI to connect to, then stop the server when it exits and exit
     /// with its status (nbdkit's --run). The URI is not printed.
-    #[arg(long, value_name = "CMD")]
+    #[arg(long, value_name = "CMD", conflicts_with = "fork")]
     run: Option<String>,
+    /// Go into the background once listening (nbdkit's --fork): the command
+    /// prints the URI and exits 0 only when the server accepts connections;
+    /// the server keeps running, detached, and --pid-file gets its pid.
+    #[arg(long)]
+    fork: bool,
     /// Page cache or O_DIRECT.
     #[arg(long, value_enum, default_value = "writeback")]
     cache: CacheArg,
@@ -201,6 +206,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         (None, None) => unreachable!("clap requires TARGET or --dir"),
     };
+    // Forks here: everything that can fail on the command line has been
+    // checked, the socket listens, the target is open, and no thread exists
+    // yet (the server starts its threads with the runtime, below).
+    let ready = if args.fork {
+        Some(fork_into_background()?)
+    } else {
+        None
+    };
 
     // Storage calls block on the blocking pool. Through the page cache more
     // threads than this only add wake-ups and lock contention; O_DIRECT reads
@@ -223,7 +236,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(serve(args, server, what, listening, pid_file, cleanup))
+    rt.block_on(serve(
+        args, server, what, listening, pid_file, cleanup, ready,
+    ))
 }
 
 /// Opens TARGET, made first by --create; errors say how to fix them.
@@ -275,6 +290,54 @@ fn open_target(
         }
     }
     Ok(target)
+}
+
+/// --fork: returns in the child, detached from the terminal, with the pipe
+/// its URI line goes to once it serves. The parent waits for that line,
+/// prints it and exits 0; without it (the child failed and said why on
+/// stderr) it exits 1. Neither the parent nor anything it drops removes the
+/// child's socket and pid files.
+fn fork_into_background() -> anyhow::Result<fs::File> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let (mut rd, wr) = io::pipe().context("--fork: cannot make a pipe")?;
+    // SAFETY: called before the runtime or any other thread exists, so the
+    // child is a full copy of a single-threaded process and may run any code.
+    match unsafe { libc::fork() } {
+        -1 => bail!("--fork: {}", io::Error::last_os_error()),
+        0 => {
+            drop(rd);
+            // Its own session, so the terminal's hang-up and ^C do not reach
+            // it; stdin and stdout to /dev/null (a `$(...)` capturing the URI
+            // waits for stdout to close). stderr keeps the logs.
+            let null = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+                .context("--fork: /dev/null")?;
+            // SAFETY: plain syscalls on descriptors this process owns; 0 and 1
+            // are replaced atomically, nothing else holds them as owned fds.
+            unsafe {
+                libc::setsid();
+                libc::dup2(null.as_raw_fd(), 0);
+                libc::dup2(null.as_raw_fd(), 1);
+            }
+            Ok(fs::File::from(OwnedFd::from(wr)))
+        }
+        _child => {
+            drop(wr);
+            let mut line = String::new();
+            let _ = rd.read_to_string(&mut line);
+            if line.ends_with('\n') {
+                // The server runs either way; a closed stdout loses only
+                // the URI, which the caller chose not to read.
+                let mut out = io::stdout();
+                let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+                std::process::exit(0);
+            }
+            std::process::exit(1);
+        }
+    }
 }
 
 /// A duration: seconds, or a number with ms, s, m or h.
@@ -530,6 +593,7 @@ async fn serve(
     (bound, uri): (Bound, String),
     pid_file: Option<fs::File>,
     mut cleanup: Cleanup,
+    ready: Option<fs::File>,
 ) -> anyhow::Result<ExitCode> {
     let listener = match bound {
         Bound::Unix(l) => {
@@ -583,9 +647,15 @@ async fn serve(
     let run = match &args.run {
         Some(cmd) => Some(start_run(cmd, &uri, stop_tx)?),
         None => {
-            let mut out = io::stdout().lock();
-            writeln!(out, "{uri}").context("stdout")?;
-            out.flush().context("stdout")?;
+            match ready {
+                // --fork: the parent prints it and exits.
+                Some(mut pipe) => writeln!(pipe, "{uri}").context("--fork: telling the parent")?,
+                None => {
+                    let mut out = io::stdout().lock();
+                    writeln!(out, "{uri}").context("stdout")?;
+                    out.flush().context("stdout")?;
+                }
+            }
             None
         }
     };

@@ -1,0 +1,128 @@
+"""contrib/systemd: the rawdisk@.socket + rawdisk@.service pair. The
+service's ExecStart and the socket's ListenStream are read from the files
+(systemd's %i and ${STATE_DIRECTORY} expanded as systemd would), the
+command is run under `systemd-socket-activate`, and a real client reads and
+writes through it: a broken unit fails here."""
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+
+import nbd
+import pytest
+
+import servers
+from helpers import MiB, assert_target_is, make_image, random_bytes
+
+pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
+
+UNITS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "contrib", "systemd")
+INSTANCE = "vm1"
+
+
+def unit(name):
+    """{section: {key: [values]}} of a unit file (comments dropped)."""
+    sections, cur = {}, None
+    with open(os.path.join(UNITS, name)) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line[0] in "#;":
+                continue
+            m = re.fullmatch(r"\[(\w+)\]", line)
+            if m:
+                cur = sections.setdefault(m.group(1), {})
+                continue
+            k, v = line.split("=", 1)
+            cur.setdefault(k.strip(), []).append(v.strip())
+    return sections
+
+
+def expand(value, env):
+    """systemd's %i and ${VAR} in a command line (the two the units use)."""
+    value = value.replace("%i", INSTANCE).replace("%I", INSTANCE)
+    unknown = re.findall(r"%[a-zA-Z]", value)
+    assert not unknown, f"specifier {unknown} this test does not expand"
+    return re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], value)
+
+
+def test_units_pair_up():
+    sock, svc = unit("rawdisk@.socket"), unit("rawdisk@.service")
+    # Accept=no: one server gets the listening socket (what serve takes).
+    assert sock["Socket"].get("Accept", ["no"]) == ["no"]
+    assert sock["Socket"]["ListenStream"] == ["/run/rawdisk/%i.sock"]
+    assert svc["Unit"]["Requires"] == ["rawdisk@%i.socket"]
+    (exec_start,) = svc["Service"]["ExecStart"]
+    argv = shlex.split(exec_start)
+    assert os.path.basename(argv[0]) == "rawdisk" and argv[1] == "serve"
+    assert "--socket" not in argv and "--bind" not in argv, "the socket unit listens"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_units_verify(workdir):
+    """systemd's own parser accepts both units (the binary path pointed at
+    the one under test, which systemd-analyze checks exists)."""
+    for name in ("rawdisk@.socket", "rawdisk@.service"):
+        with open(os.path.join(UNITS, name)) as f:
+            text = f.read()
+        text = text.replace("/usr/local/bin/rawdisk", os.path.abspath(servers.RAWDISK_BIN))
+        with open(os.path.join(workdir, name.replace("@.", f"@{INSTANCE}.")), "w") as f:
+            f.write(text)
+    res = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                          f"rawdisk@{INSTANCE}.socket", f"rawdisk@{INSTANCE}.service"],
+                         cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
+                    reason="needs systemd-socket-activate")
+def test_socket_activated_service_serves(workdir):
+    state = os.path.join(workdir, "state")
+    os.mkdir(state)
+    path, model = make_image(state, f"{INSTANCE}.img", 4 * MiB, seed=71)
+    env = {"STATE_DIRECTORY": state}
+    (exec_start,) = unit("rawdisk@.service")["Service"]["ExecStart"]
+    argv = shlex.split(expand(exec_start, env))
+    argv[0] = servers.RAWDISK_BIN
+    (listen,) = unit("rawdisk@.socket")["Socket"]["ListenStream"]
+    listen = expand(listen, env)
+    # The unit's socket, moved from /run into the test's directory.
+    sock = os.path.join(workdir, os.path.basename(listen))
+    log = open(os.path.join(workdir, "service.log"), "w+")
+    proc = subprocess.Popen(["systemd-socket-activate", "-l", sock, *argv],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(500):
+            if os.path.exists(sock):
+                break
+            assert proc.poll() is None, "systemd-socket-activate exited"
+            time.sleep(0.01)
+        uri = f"nbd+unix:///{INSTANCE}?socket={sock}"
+        # The first connection starts the server; it must take the socket
+        # it was given (a server that bound its own would not be reached).
+        size = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True,
+                              timeout=60)
+        assert size.returncode == 0, size.stderr
+        assert int(size.stdout) == 4 * MiB
+        data = random_bytes(256 * 1024, seed=72)
+        h = nbd.NBD()
+        h.connect_uri(uri)
+        h.pwrite(data, MiB - 4096)
+        h.flush()
+        assert h.pread(len(data), MiB - 4096) == data
+        assert h.pread(4096, 0) == model[:4096]
+        h.shutdown()
+        model[MiB - 4096:MiB - 4096 + len(data)] = data
+        assert proc.poll() is None, "the server stopped after its clients left"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert rc == 0, text
+    assert "serving" in text and f"{INSTANCE}.img" in text, text
+    assert_target_is(path, model)

@@ -1,0 +1,135 @@
+"""scripts/install.sh into a PREFIX: the binary, a man page per command
+that renders and names every option its --help has, bash completion that
+parses and completes commands and options, and the systemd units pointing
+at the installed binary. Also that the top-level --help lists every
+command the README names, and not the hidden generate-docs."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import servers
+
+pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def rawdisk(*args):
+    res = subprocess.run([servers.RAWDISK_BIN, *args], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def commands():
+    """The commands `rawdisk --help` lists."""
+    out = rawdisk("--help")
+    block = out.split("Commands:", 1)[1].split("Options:", 1)[0]
+    names = [line.split()[0] for line in block.splitlines() if line.strip()]
+    return [n for n in names if n != "help"]
+
+
+def long_options(help_text):
+    return sorted(set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z-]*)", help_text, re.M)))
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prefix")
+    env = dict(os.environ, PREFIX=str(p), RAWDISK_BIN=os.path.abspath(servers.RAWDISK_BIN))
+    res = subprocess.run([os.path.join(ROOT, "scripts", "install.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return str(p)
+
+
+def test_readme_commands_are_in_help():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    named = set(re.findall(r"^\| `rawdisk (\w+)", readme, re.M))
+    assert {"serve", "info", "copy"} <= named, named
+    listed = set(commands())
+    assert named <= listed, f"README names {named - listed}, --help does not list them"
+    assert "generate-docs" not in listed
+
+
+def test_installs_binary_and_units(prefix):
+    binary = os.path.join(prefix, "bin", "rawdisk")
+    assert os.access(binary, os.X_OK)
+    assert subprocess.run([binary, "--version"], capture_output=True,
+                          text=True).stdout.startswith("rawdisk ")
+    with open(os.path.join(prefix, "lib", "systemd", "system", "rawdisk@.service")) as f:
+        exec_start = [line for line in f if line.startswith("ExecStart=")]
+    assert exec_start == [f"ExecStart={binary} serve --export-name %i "
+                          "${STATE_DIRECTORY}/%i.img\n"]
+    assert os.path.exists(os.path.join(prefix, "lib", "systemd", "system", "rawdisk@.socket"))
+
+
+def test_man_page_per_command_renders_and_names_its_options(prefix):
+    mandir = os.path.join(prefix, "share", "man", "man1")
+    pages = sorted(os.listdir(mandir))
+    assert pages == sorted(["rawdisk.1"] + [f"rawdisk-{c}.1" for c in commands()])
+    for cmd in [None, *commands()]:
+        page = os.path.join(mandir, "rawdisk.1" if cmd is None else f"rawdisk-{cmd}.1")
+        # groff's warnings (-ww) on stderr mean broken roff.
+        warn = subprocess.run(["groff", "-ww", "-z", "-man", page], capture_output=True,
+                              text=True, timeout=60)
+        assert warn.returncode == 0 and warn.stderr == "", (page, warn.stderr)
+        env = dict(os.environ, MANWIDTH="100", MAN_KEEP_FORMATTING="0")
+        res = subprocess.run(["man", "-l", page], capture_output=True, text=True,
+                             env=env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        text = re.sub(r".\x08", "", res.stdout)
+        title = "rawdisk" if cmd is None else f"rawdisk-{cmd}"
+        assert text.lstrip().startswith(f"{title}(1)"), text[:200]
+        help_text = rawdisk(*([cmd] if cmd else []), "--help")
+        opts = long_options(help_text)
+        assert "--help" in opts
+        for opt in opts:
+            assert opt in text, f"{page} does not name {opt}"
+        if cmd:
+            assert "EXAMPLES" in text and f"rawdisk {cmd}" in text.split("EXAMPLES", 1)[1]
+
+
+def bash_complete(completion_file, words):
+    """COMPREPLY of the installed completion for the words typed so far (the
+    last one being completed)."""
+    script = f"""
+source {completion_file}
+COMP_WORDS=({' '.join(repr(w) if w else "''" for w in words)})
+COMP_CWORD={len(words) - 1}
+COMP_LINE="${{COMP_WORDS[*]}}"
+COMP_POINT=${{#COMP_LINE}}
+_rawdisk rawdisk "${{COMP_WORDS[COMP_CWORD]}}" "${{COMP_WORDS[COMP_CWORD-1]}}"
+printf '%s\\n' "${{COMPREPLY[@]}}"
+"""
+    res = subprocess.run(["bash", "--norc", "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split()
+
+
+def test_bash_completion(prefix):
+    comp = os.path.join(prefix, "share", "bash-completion", "completions", "rawdisk")
+    syntax = subprocess.run(["bash", "-n", comp], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    subs = bash_complete(comp, ["rawdisk", ""])
+    for c in commands():
+        assert c in subs, (c, subs)
+    assert "generate-docs" not in subs
+    assert bash_complete(comp, ["rawdisk", "ser"]) == ["serve"]
+    opts = bash_complete(comp, ["rawdisk", "serve", "--re"])
+    assert "--read-only" in opts and "--tls" not in opts, opts
+    assert bash_complete(comp, ["rawdisk", "info", "--li"]) == ["--list"]
+    assert sorted(bash_complete(comp, ["rawdisk", "map", "--output", ""])) == ["human", "json"]
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="needs zsh")
+def test_zsh_completion_parses(prefix):
+    comp = os.path.join(prefix, "share", "zsh", "site-functions", "_rawdisk")
+    res = subprocess.run(["zsh", "-n", comp], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

@@ -1,0 +1,129 @@
+"""`rawdisk serve --fork` as nbdkit has it: the command returns (exit 0,
+the URI printed, stdout closed) only once the server accepts connections,
+the server keeps running detached with its pid in --pid-file, and SIGTERM
+stops it, removing the socket and pid file."""
+
+import os
+import signal
+import subprocess
+import time
+import urllib.parse
+
+import pytest
+
+import servers
+from helpers import MiB, assert_target_is, connected, make_image, random_bytes
+
+pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
+
+
+def alive(pid):
+    """Running, not a zombie waiting for init to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid, timeout=30):
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still running"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def forked():
+    """Runs `rawdisk serve --fork ...`; whatever it leaves running is
+    stopped at teardown."""
+    pids = []
+
+    def start(workdir, *args):
+        err = open(os.path.join(workdir, "serve.err"), "w+")
+        # run() returns only when stdout is closed: a server that kept the
+        # parent's stdout would hang `uri=$(rawdisk serve --fork ...)`.
+        res = subprocess.run([servers.RAWDISK_BIN, "serve", "--fork", *args],
+                             stdout=subprocess.PIPE, stderr=err, text=True, timeout=30)
+        err.seek(0)
+        res.log = err.read()
+        err.close()
+        return res
+
+    yield start, pids
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_fork_serves_right_after_it_returns(workdir, forked):
+    start, pids = forked
+    path, model = make_image(workdir, "disk.img", 4 * MiB, seed=61)
+    sock = os.path.join(workdir, "s.sock")
+    pid_file = os.path.join(workdir, "serve.pid")
+    res = start(workdir, "-U", sock, "-P", pid_file, path)
+    assert res.returncode == 0, res.log
+    assert res.stdout == f"nbd+unix:///?socket={sock}\n"
+    # The pid file is there when the command returns, and names the server.
+    with open(pid_file) as f:
+        pid = int(f.read().strip())
+    pids.append(pid)
+    assert alive(pid)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[1] == b"serve"
+    assert os.getsid(pid) == pid, "the server did not leave the caller's session"
+    # Connected at once: no retry loop, no sleep.
+    data = random_bytes(64 * 1024, seed=62)
+    with connected(res.stdout.strip()) as h:
+        h.pwrite(data, MiB + 512)
+        h.flush()
+        assert h.pread(len(data), MiB + 512) == data
+    model[MiB + 512:MiB + 512 + len(data)] = data
+    os.kill(pid, signal.SIGTERM)
+    wait_gone(pid)
+    assert not os.path.exists(sock), "socket left behind"
+    assert not os.path.exists(pid_file), "pid file left behind"
+    assert_target_is(path, model)
+
+
+def test_fork_over_tcp_prints_the_bound_port(workdir, forked):
+    start, pids = forked
+    path, model = make_image(workdir, "disk.img", MiB, seed=63)
+    pid_file = os.path.join(workdir, "serve.pid")
+    res = start(workdir, "-b", "127.0.0.1:0", "-r", "-e", "vm", "-P", pid_file, path)
+    assert res.returncode == 0, res.log
+    uri = urllib.parse.urlparse(res.stdout.strip())
+    assert (uri.scheme, uri.hostname, uri.path) == ("nbd", "127.0.0.1", "/vm")
+    with open(pid_file) as f:
+        pid = int(f.read())
+    pids.append(pid)
+    out = subprocess.run(["nbdinfo", "--size", res.stdout.strip()], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == str(MiB), out.stderr
+    with connected(res.stdout.strip()) as h:
+        assert h.is_read_only()
+        assert h.pread(MiB, 0) == model
+    os.kill(pid, signal.SIGTERM)
+    wait_gone(pid)
+    assert not os.path.exists(pid_file)
+    assert_target_is(path, model)
+
+
+def test_fork_failure_is_reported_by_the_parent(workdir, forked):
+    """A target that cannot be served fails before the fork: the command
+    itself exits 1 with the one-line error and leaves nothing behind."""
+    start, _ = forked
+    sock = os.path.join(workdir, "s.sock")
+    pid_file = os.path.join(workdir, "serve.pid")
+    res = start(workdir, "-U", sock, "-P", pid_file, os.path.join(workdir, "missing.img"))
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.log.count("\n") == 1 and "cannot serve" in res.log, res.log
+    assert not os.path.exists(sock) and not os.path.exists(pid_file)
+
+
+def test_fork_and_run_do_not_mix(workdir, forked):
+    start, _ = forked
+    path, _ = make_image(workdir, "disk.img", MiB)
+    res = start(workdir, "--run", "true", path)
+    assert res.returncode == 2, res.log
+    assert "--run" in res.log and res.log.count("\n") == 1, res.log
