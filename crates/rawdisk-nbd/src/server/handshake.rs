@@ -1,11 +1,14 @@
 //! The fixed newstyle handshake: greeting, client flags, then option
 //! haggling until NBD_OPT_GO or NBD_OPT_EXPORT_NAME settles a [`Session`]
 //! (spec: "Newstyle negotiation" and "Option types"), with an upgrade to
-//! TLS on NBD_OPT_STARTTLS (spec: "TLS support").
+//! TLS on NBD_OPT_STARTTLS (spec: "TLS support"). Once the server shuts
+//! down, the next option is answered NBD_REP_ERR_SHUTDOWN and the
+//! connection closed (spec: "Option haggling").
 
 use std::io;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::watch;
 use tracing::{debug, trace};
 
 use super::buffers::{Input, READ_AHEAD};
@@ -70,6 +73,40 @@ enum Outcome {
     StartTls,
 }
 
+/// The server's shutdown as the handshake sees it.
+pub(super) struct Stop {
+    rx: watch::Receiver<bool>,
+    requested: bool,
+}
+
+impl Stop {
+    pub(super) fn new(rx: watch::Receiver<bool>) -> Stop {
+        Stop {
+            rx,
+            requested: false,
+        }
+    }
+
+    /// Waits until `n` bytes from the client are buffered (reading no
+    /// further: TLS may start behind them), noting a shutdown that comes
+    /// meanwhile. After it, the caller bounds the wait.
+    async fn bytes<R: AsyncRead + Unpin>(&mut self, rd: &mut Input<R>, n: usize) -> io::Result<()> {
+        if !self.requested {
+            let got = tokio::select! {
+                r = rd.fill_to(n, 0) => Some(r),
+                _ = self.rx.wait_for(|v| *v) => None,
+            };
+            // An option that arrived with the shutdown is answered as one
+            // after it.
+            self.requested = got.is_none() || *self.rx.borrow();
+            if let Some(r) = got {
+                return r;
+            }
+        }
+        rd.fill_to(n, 0).await
+    }
+}
+
 /// The whole handshake, including a TLS upgrade. Ok(None): the client
 /// aborted. The caller's handshake timeout covers the TLS handshake too.
 pub(super) async fn handshake<R, W>(
@@ -77,6 +114,7 @@ pub(super) async fn handshake<R, W>(
     mut rd: Input<R>,
     mut wr: BufWriter<W>,
     peer: &str,
+    mut stop: Stop,
 ) -> io::Result<Option<(Session, Link<R, W>)>>
 where
     R: AsyncRead + Unpin + Send + 'static,
@@ -86,8 +124,9 @@ where
     encode_greeting(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
     send(&mut wr, &mut out).await?;
 
+    stop.bytes(&mut rd, 4).await?;
     let mut b4 = [0u8; 4];
-    rd.read_exact(&mut b4, 0).await?;
+    b4.copy_from_slice(rd.take(4));
     let cflags = u32::from_be_bytes(b4);
     // Spec (Client flags): the server MUST drop the connection on unknown flags.
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
@@ -106,7 +145,7 @@ where
         }
         _ => TlsPhase::Off,
     };
-    match options(sh, &mut rd, &mut wr, no_zeroes, phase).await? {
+    match options(sh, &mut rd, &mut wr, no_zeroes, phase, &mut stop).await? {
         Outcome::Aborted => return Ok(None),
         Outcome::Session(s) => return Ok(Some((s, Link::Plain(rd, wr)))),
         Outcome::StartTls => {}
@@ -125,7 +164,7 @@ where
     let mut wr = BufWriter::with_capacity(64 << 10, Box::new(w) as BoxWrite);
     // Spec: everything negotiated before TLS is forgotten (CVE-2021-3716:
     // a server that kept structured replies across STARTTLS).
-    match options(sh, &mut rd, &mut wr, no_zeroes, TlsPhase::Active).await? {
+    match options(sh, &mut rd, &mut wr, no_zeroes, TlsPhase::Active, &mut stop).await? {
         Outcome::Aborted => Ok(None),
         Outcome::Session(s) => Ok(Some((s, Link::Tls(rd, wr)))),
         Outcome::StartTls => unreachable!("a second NBD_OPT_STARTTLS is refused"),
@@ -144,6 +183,7 @@ async fn options<R, W>(
     wr: &mut W,
     no_zeroes: bool,
     phase: TlsPhase,
+    stop: &mut Stop,
 ) -> io::Result<Outcome>
 where
     R: AsyncRead + Unpin,
@@ -159,8 +199,9 @@ where
     let mut data = Vec::new();
 
     for _ in 0..cfg.max_options {
+        stop.bytes(rd, OPTION_HEADER_LEN).await?;
         let mut hb = [0u8; OPTION_HEADER_LEN];
-        rd.read_exact(&mut hb, 0).await?;
+        hb.copy_from_slice(rd.take(OPTION_HEADER_LEN));
         let (h, _) = decode_option_header(&hb).map_err(|e| protocol_error(e.to_string()))?;
         let name = option_name(h.option);
         if h.len > cfg.max_option_len {
@@ -181,6 +222,24 @@ where
         data.resize(h.len as usize, 0);
         rd.read_exact(&mut data, 0).await?;
         trace!("option {name} ({} bytes)", h.len);
+
+        if stop.requested {
+            // Spec (Option haggling): while shutting down the server SHOULD
+            // answer options other than NBD_OPT_ABORT with
+            // NBD_REP_ERR_SHUTDOWN; the client then disconnects.
+            match h.option {
+                OPT_ABORT => OptionReply::Ack.encode(h.option, &mut out),
+                // Has no error reply: the spec says hang up.
+                OPT_EXPORT_NAME => return Ok(Outcome::Aborted),
+                _ => OptionReply::Error {
+                    reply: REP_ERR_SHUTDOWN,
+                    message: "the server is shutting down".into(),
+                }
+                .encode(h.option, &mut out),
+            }
+            let _ = send(wr, &mut out).await;
+            return Ok(Outcome::Aborted);
+        }
 
         if phase == (TlsPhase::Offered { required: true })
             && h.option != OPT_STARTTLS

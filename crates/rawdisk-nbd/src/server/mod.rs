@@ -131,6 +131,11 @@ impl Default for ServerConfig {
         }
     }
 }
+/// Once shutdown starts, how long a connection still in the handshake has
+/// to send its next option (answered NBD_REP_ERR_SHUTDOWN) before it is
+/// closed.
+const SHUTDOWN_HANDSHAKE_MAX: Duration = Duration::from_secs(1);
+
 /// A listening socket the server accepts on.
 pub enum Listener {
     Unix(tokio::net::UnixListener),
@@ -443,16 +448,24 @@ async fn connection<R, W>(
     debug!("connection from {peer}");
     let rd = Input::new(rd);
     let wr = BufWriter::with_capacity(64 << 10, wr);
-    let negotiate = handshake::handshake(&sh, rd, wr, &peer);
+    let stop = handshake::Stop::new(shutdown.clone());
+    let negotiate = handshake::handshake(&sh, rd, wr, &peer, stop);
     let Admission {
         handshake: in_handshake,
         mut evicted,
         ..
     } = admission;
+    // Shutting down, the handshake answers the client's next option with
+    // NBD_REP_ERR_SHUTDOWN; a client that sends none within this time is
+    // closed, so it cannot hold up the server's exit.
+    let stopped = async {
+        let _ = shutdown.wait_for(|v| *v).await;
+        tokio::time::sleep(SHUTDOWN_HANDSHAKE_MAX).await;
+    };
     let hs = tokio::select! {
         r = tokio::time::timeout(sh.cfg.handshake_timeout, negotiate) => r,
-        _ = shutdown.wait_for(|v| *v) => {
-            debug!("shutting down during handshake");
+        _ = stopped => {
+            debug!("{peer}: closed in the handshake: the server is shutting down");
             return;
         }
         _ = &mut evicted => {
@@ -469,15 +482,15 @@ async fn connection<R, W>(
             return;
         }
         Ok(Err(e)) => {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                debug!("{peer}: closed during handshake");
+            if e.kind() == io::ErrorKind::UnexpectedEof || *shutdown.borrow() {
+                debug!("{peer}: closed during handshake: {e}");
             } else {
                 warn!("{peer}: handshake failed: {e}");
             }
             return;
         }
         Ok(Ok(None)) => {
-            debug!("{peer}: client aborted the handshake");
+            debug!("{peer}: handshake aborted");
             return;
         }
         Ok(Ok(Some(s))) => s,
