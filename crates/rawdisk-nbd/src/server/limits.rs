@@ -7,9 +7,10 @@ use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
+use tokio::time::Instant;
 
 use crate::proto::{error_name, Command};
 
@@ -135,35 +136,86 @@ impl Stats {
     }
 }
 
-/// Lets an event be logged at most once per second; the events in between
-/// are counted and reported with the next line.
+/// How long one logged event holds back the lines of the next ones.
+const LOG_WINDOW: Duration = Duration::from_secs(1);
+
+/// Lets an event be logged at most once per second: the first one of a
+/// second is logged, the others are counted, and when the second ends a
+/// timer logs how many there were (through `summary`), so a burst followed
+/// by silence still says how big it was.
 pub(super) struct RateLimit {
-    state: Mutex<(Option<Instant>, u64)>,
+    window: Arc<Mutex<Window>>,
+    summary: Arc<dyn Fn(u64) + Send + Sync>,
+}
+
+#[derive(Default)]
+struct Window {
+    /// When the current second began; None: no event for a second or more.
+    start: Option<Instant>,
+    /// Events held back in it.
+    held: u64,
+    /// A timer will report `held` when the second ends.
+    timer: bool,
 }
 
 impl RateLimit {
-    pub(super) const fn new() -> RateLimit {
+    /// `summary(n)` logs "n more such events in the last second".
+    pub(super) fn new(summary: impl Fn(u64) + Send + Sync + 'static) -> RateLimit {
         RateLimit {
-            state: Mutex::new((None, 0)),
+            window: Arc::new(Mutex::new(Window::default())),
+            summary: Arc::new(summary),
         }
     }
 
-    /// Some(n): log now, mentioning the `n` events not logged since the
-    /// last line. None: stay quiet (the event is counted).
-    pub(super) fn allow(&self) -> Option<u64> {
+    /// True: log this event now. False: stay quiet; it is counted and
+    /// reported when its second ends.
+    pub(super) fn allow(&self) -> bool {
         let now = Instant::now();
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match g.0 {
-            Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
-                g.1 += 1;
-                None
+        let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
+        match w.start {
+            Some(t) if now.duration_since(t) < LOG_WINDOW => {
+                w.held += 1;
+                if !w.timer {
+                    w.timer = self.arm(t + LOG_WINDOW);
+                }
+                false
             }
             _ => {
-                let skipped = g.1;
-                *g = (Some(now), 0);
-                Some(skipped)
+                // Only without a runtime for the timer (unit tests): the
+                // count comes out with the next event instead.
+                let held = std::mem::take(&mut w.held);
+                w.start = Some(now);
+                drop(w);
+                if held > 0 {
+                    (self.summary)(held);
+                }
+                true
             }
         }
+    }
+
+    /// Starts the timer that reports the held-back count at `end`; false
+    /// when there is no runtime to run it on.
+    fn arm(&self, end: Instant) -> bool {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let (window, summary) = (self.window.clone(), self.summary.clone());
+        rt.spawn(async move {
+            tokio::time::sleep_until(end).await;
+            let held = {
+                let mut w = window.lock().unwrap_or_else(|p| p.into_inner());
+                w.timer = false;
+                let held = std::mem::take(&mut w.held);
+                // Reported: the next second starts now, so a flood goes on
+                // getting one line per second, not one event line and one
+                // count line.
+                w.start = Some(Instant::now());
+                held
+            };
+            summary(held);
+        });
+        true
     }
 }
 
@@ -240,29 +292,54 @@ impl Handshakes {
     }
 }
 
-/// " (and N more since the last line)" or "".
-pub(super) fn more(skipped: u64) -> String {
-    if skipped == 0 {
-        String::new()
-    } else {
-        format!(" (and {skipped} more since the last such line)")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn rate_limit_counts_what_it_holds_back() {
-        let r = RateLimit::new();
-        assert_eq!(r.allow(), Some(0));
+    /// A limiter whose summaries land in the returned list.
+    fn counting() -> (RateLimit, Arc<Mutex<Vec<u64>>>) {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let g = got.clone();
+        (RateLimit::new(move |n| g.lock().unwrap().push(n)), got)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rate_limit_reports_the_count_when_its_second_ends() {
+        let (r, got) = counting();
+        assert!(r.allow());
         for _ in 0..5 {
-            assert_eq!(r.allow(), None);
+            assert!(!r.allow());
         }
-        *r.state.lock().unwrap() = (Some(Instant::now() - Duration::from_secs(2)), 5);
-        assert_eq!(r.allow(), Some(5));
-        assert_eq!(r.allow(), None);
+        // A burst, then silence: the count comes out at the second's end,
+        // with no further event to carry it.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert!(got.lock().unwrap().is_empty());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(*got.lock().unwrap(), [5]);
+        // A reported second starts the next one: a flood gets one line a
+        // second.
+        assert!(!r.allow());
+        assert!(!r.allow());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(*got.lock().unwrap(), [5, 2]);
+        // Quiet for a second: the next event is logged itself.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(r.allow());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(*got.lock().unwrap(), [5, 2]);
+    }
+
+    #[test]
+    fn rate_limit_without_a_runtime_reports_with_the_next_event() {
+        let (r, got) = counting();
+        assert!(r.allow());
+        for _ in 0..5 {
+            assert!(!r.allow());
+        }
+        r.window.lock().unwrap().start = Some(Instant::now() - Duration::from_secs(2));
+        assert!(r.allow());
+        assert_eq!(*got.lock().unwrap(), [5]);
+        assert!(!r.allow());
     }
 
     #[test]

@@ -54,7 +54,7 @@ use crate::proto::*;
 use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
 use handshake::Link;
-use limits::{more, HandshakeSlot, Handshakes, RateLimit, Stats};
+use limits::{HandshakeSlot, Handshakes, RateLimit, Stats};
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -186,6 +186,7 @@ impl Server {
         let read_only = cfg.read_only || target.is_read_only();
         let (min_block, preferred_block) = block_sizes(&target, cfg.max_payload);
         let caps_gen = target.caps().generation();
+        let cap = cfg.max_connections;
         Server {
             shared: Arc::new(Shared {
                 conns: Arc::new(Semaphore::new(cfg.max_connections)),
@@ -194,9 +195,18 @@ impl Server {
                 unsent: Arc::new(Semaphore::new(cfg.max_unsent_total)),
                 refusing: Arc::new(Semaphore::new(refuse::REFUSING_MAX)),
                 stats: Stats::default(),
-                refusals: RateLimit::new(),
-                evictions: RateLimit::new(),
-                storage_errors: RateLimit::new(),
+                refusals: RateLimit::new(move |n| {
+                    warn!("refused {n} more connection(s) in the last second: at the cap of {cap}")
+                }),
+                evictions: RateLimit::new(|n| {
+                    warn!(
+                        "closed {n} more connection(s) still in the handshake in the last \
+                         second, to admit newer ones"
+                    )
+                }),
+                storage_errors: RateLimit::new(|n| {
+                    warn!("{n} more storage error(s) answered NBD_ENOSPC or NBD_EIO in the last second")
+                }),
                 bytes_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
@@ -321,11 +331,10 @@ impl Shared {
     fn admit(&self, peer: &str) -> Option<Admission> {
         let Ok(conn) = self.conns.clone().try_acquire_owned() else {
             self.stats.refused();
-            if let Some(skipped) = self.refusals.allow() {
+            if self.refusals.allow() {
                 warn!(
-                    "refusing connection from {peer}: already serving {} connections{}",
+                    "refusing connection from {peer}: already serving {} connections",
                     self.cfg.max_connections,
-                    more(skipped)
                 );
             }
             return None;
@@ -335,12 +344,11 @@ impl Shared {
         let (handshake, evicted, full) = self.handshakes.enter(id, conn);
         if full {
             self.stats.evicted();
-            if let Some(skipped) = self.evictions.allow() {
+            if self.evictions.allow() {
                 warn!(
                     "{} connections are still in the handshake: closing the oldest to admit \
-                     {peer}{}",
+                     {peer}",
                     self.handshakes.cap(),
-                    more(skipped)
                 );
             }
         }
