@@ -334,6 +334,28 @@ def test_pooled_pipes_and_buffers_are_let_go_when_clients_leave(workdir, serve):
             f"round {round_}: {fd_count(srv)} descriptors open with no client, {fds} before"
 
 
+@pytest.mark.rawdisk_only("pipes for spliced reads")
+def test_pooled_pipes_are_let_go_when_idle_while_a_client_stays(workdir, serve):
+    """A burst of spliced reads fills the pipe pool; a few seconds without
+    use close the pipes again although the client stays connected."""
+    path, model = make_image(workdir, "disk.img", SIZE, seed=55)
+    srv = serve(path)
+    with connected(srv.uri) as h:
+        assert h.pread(4096, 0) == model[:4096]
+        fds = fd_count(srv)
+        bufs = [(nbd.Buffer(MiB), i * MiB) for i in range(48)]
+        cookies = [h.aio_pread(b, off) for b, off in bufs]
+        assert set(wait_all(h, cookies).values()) == {0}
+        for b, off in bufs:
+            assert b.to_bytearray() == model[off:off + MiB]
+        held = fd_count(srv)
+        assert held >= fds + 16, f"{held} descriptors after the burst, {fds} before: no pipes kept"
+        assert wait_for(lambda: fd_count(srv) <= fds, 10), \
+            f"{fd_count(srv)} descriptors open after idling, {fds} before the burst"
+        # Still served, spliced again from fresh pipes.
+        assert h.pread(2 * MiB, 8 * MiB) == model[8 * MiB:10 * MiB]
+
+
 # -- storage errors are logged -------------------------------------------------------------
 
 def test_no_space_is_logged_with_the_range_at_most_once_a_second(tmpfs_dir, serve):

@@ -52,7 +52,7 @@ use tracing::{debug, warn, Instrument};
 
 use crate::proto::*;
 use crate::sock::RawSock;
-use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
+use buffers::{BufPool, Input, PipePool, DATA_ALIGN, POOL_IDLE};
 use handshake::Link;
 use limits::{HandshakeSlot, Handshakes, RateLimit, Stats};
 
@@ -239,9 +239,16 @@ impl Server {
     ) -> io::Result<()> {
         let sh = &self.shared;
         let mut tasks = JoinSet::new();
+        let mut sweep = tokio::time::interval(POOL_IDLE / 3);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let accepted = tokio::select! {
                 _ = shutdown.wait_for(|v| *v) => break,
+                _ = sweep.tick() => {
+                    sh.pipes.release_idle(POOL_IDLE);
+                    sh.pool.release_idle(POOL_IDLE);
+                    continue;
+                }
                 a = accept(&listener) => a,
             };
             while tasks.try_join_next().is_some() {}
