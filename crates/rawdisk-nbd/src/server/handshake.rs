@@ -8,10 +8,11 @@
 use std::io;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
-use tokio::sync::watch;
-use tracing::{debug, trace};
+use tokio::sync::{watch, OwnedSemaphorePermit};
+use tracing::{debug, trace, warn};
 
 use super::buffers::{Input, READ_AHEAD};
+use super::limits::HandshakeSlot;
 use super::{protocol_error, BoxRead, BoxWrite, Session, Shared};
 use crate::proto::*;
 
@@ -73,18 +74,28 @@ enum Outcome {
     StartTls,
 }
 
-/// The server's shutdown as the handshake sees it.
+/// What may end the handshake from outside: the server's shutdown, and a
+/// newer connection taking this one's place among those in the handshake.
 pub(super) struct Stop {
     rx: watch::Receiver<bool>,
     requested: bool,
+    slot: HandshakeSlot,
 }
 
 impl Stop {
-    pub(super) fn new(rx: watch::Receiver<bool>) -> Stop {
+    pub(super) fn new(rx: watch::Receiver<bool>, slot: HandshakeSlot) -> Stop {
         Stop {
             rx,
             requested: false,
+            slot,
         }
+    }
+
+    /// Leaves the connections in the handshake before the reply that ends
+    /// it goes out, so a client told it may transmit is never evicted
+    /// after; false if it was evicted already.
+    fn enter_transmission(&mut self) -> bool {
+        self.slot.finish()
     }
 
     /// Waits until `n` bytes from the client are buffered (reading no
@@ -115,7 +126,7 @@ pub(super) async fn handshake<R, W>(
     mut wr: BufWriter<W>,
     peer: &str,
     mut stop: Stop,
-) -> io::Result<Option<(Session, Link<R, W>)>>
+) -> io::Result<Option<(Session, Link<R, W>, OwnedSemaphorePermit)>>
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -139,15 +150,16 @@ where
             required: t.required(),
         },
         Some(t) if t.required() => {
+            sh.stats.tls_required();
             return Err(protocol_error(
                 "TLS is required but the client does not speak fixed newstyle",
-            ))
+            ));
         }
         _ => TlsPhase::Off,
     };
-    match options(sh, &mut rd, &mut wr, no_zeroes, phase, &mut stop).await? {
+    match options(sh, &mut rd, &mut wr, no_zeroes, phase, &mut stop, peer).await? {
         Outcome::Aborted => return Ok(None),
-        Outcome::Session(s) => return Ok(Some((s, Link::Plain(rd, wr)))),
+        Outcome::Session(s) => return Ok(stop.slot.place().map(|p| (s, Link::Plain(rd, wr), p))),
         Outcome::StartTls => {}
     }
     let tls = sh
@@ -164,9 +176,19 @@ where
     let mut wr = BufWriter::with_capacity(64 << 10, Box::new(w) as BoxWrite);
     // Spec: everything negotiated before TLS is forgotten (CVE-2021-3716:
     // a server that kept structured replies across STARTTLS).
-    match options(sh, &mut rd, &mut wr, no_zeroes, TlsPhase::Active, &mut stop).await? {
+    match options(
+        sh,
+        &mut rd,
+        &mut wr,
+        no_zeroes,
+        TlsPhase::Active,
+        &mut stop,
+        peer,
+    )
+    .await?
+    {
         Outcome::Aborted => Ok(None),
-        Outcome::Session(s) => Ok(Some((s, Link::Tls(rd, wr)))),
+        Outcome::Session(s) => Ok(stop.slot.place().map(|p| (s, Link::Tls(rd, wr), p))),
         Outcome::StartTls => unreachable!("a second NBD_OPT_STARTTLS is refused"),
     }
 }
@@ -184,6 +206,7 @@ async fn options<R, W>(
     no_zeroes: bool,
     phase: TlsPhase,
     stop: &mut Stop,
+    peer: &str,
 ) -> io::Result<Outcome>
 where
     R: AsyncRead + Unpin,
@@ -247,6 +270,14 @@ where
         {
             // Spec (FORCEDTLS): every other option is refused, and
             // NBD_OPT_EXPORT_NAME, which cannot be refused, ends the session.
+            if matches!(h.option, OPT_EXPORT_NAME | OPT_INFO | OPT_GO) {
+                sh.stats.tls_required();
+                if sh.tls_refusals.allow() {
+                    warn!(
+                        "{peer}: refused {name}: TLS is required and the client did not start it"
+                    );
+                }
+            }
             if h.option == OPT_EXPORT_NAME {
                 return Err(protocol_error("NBD_OPT_EXPORT_NAME before TLS"));
             }
@@ -276,13 +307,15 @@ where
             ClientOption::ExportName(export) => {
                 // No way to report an error here: the spec says hang up.
                 if export != cfg.export_name {
-                    return Err(protocol_error(format!(
-                        "NBD_OPT_EXPORT_NAME for unknown export {export:?}"
-                    )));
+                    unknown_export(sh, peer, name, &export);
+                    return Ok(Outcome::Aborted);
                 }
                 let flags =
                     *base_flags.get_or_insert_with(|| transmission_flags(sh)) | df_flag(mode);
                 let size = sh.target.size();
+                if !stop.enter_transmission() {
+                    return Ok(Outcome::Aborted);
+                }
                 encode_export_name_reply(&mut out, size, flags, no_zeroes);
                 send(wr, &mut out).await?;
                 let base_allocation = meta_for(&meta, &export);
@@ -397,6 +430,7 @@ where
             ClientOption::Info(req) | ClientOption::Go(req) => {
                 let go = h.option == OPT_GO;
                 if req.name != cfg.export_name {
+                    unknown_export(sh, peer, name, &req.name);
                     let msg = format!("no export named {:?}", req.name);
                     reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
                     continue;
@@ -421,6 +455,9 @@ where
                     max: cfg.max_payload,
                 })
                 .encode(h.option, &mut out);
+                if go && !stop.enter_transmission() {
+                    return Ok(Outcome::Aborted);
+                }
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
                 if go {
@@ -466,6 +503,18 @@ async fn discard_pipelined<R: AsyncRead + Unpin>(rd: &mut Input<R>) -> io::Resul
         debug!("discarded {dropped} plaintext bytes pipelined after NBD_OPT_STARTTLS");
     }
     Ok(())
+}
+
+/// Logs (at most once a second) and counts an option refused for naming
+/// an export this server does not have.
+fn unknown_export(sh: &Shared, peer: &str, option: &str, export: &str) {
+    sh.stats.unknown_export();
+    if sh.export_refusals.allow() {
+        warn!(
+            "{peer}: refused {option}: no export named {export:?} (this server offers {:?})",
+            sh.cfg.export_name
+        );
+    }
 }
 
 fn df_flag(mode: ReplyMode) -> u16 {

@@ -42,7 +42,7 @@ mod transmission;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rawdisk_storage::{CacheMode, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
@@ -55,6 +55,7 @@ use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN, POOL_IDLE};
 use handshake::Link;
 use limits::{HandshakeSlot, Handshakes, RateLimit, Stats};
+pub use limits::{Tally, Totals};
 
 /// Limits and identity of one export.
 #[derive(Debug, Clone)]
@@ -164,6 +165,8 @@ struct Shared {
     refusing: Arc<Semaphore>,
     stats: Stats,
     refusals: RateLimit,
+    export_refusals: RateLimit,
+    tls_refusals: RateLimit,
     evictions: RateLimit,
     storage_errors: RateLimit,
     bytes_per_conn: usize,
@@ -194,9 +197,15 @@ impl Server {
                 bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
                 unsent: Arc::new(Semaphore::new(cfg.max_unsent_total)),
                 refusing: Arc::new(Semaphore::new(refuse::REFUSING_MAX)),
-                stats: Stats::default(),
+                stats: Stats::new(),
                 refusals: RateLimit::new(move |n| {
                     warn!("refused {n} more connection(s) in the last second: at the cap of {cap}")
+                }),
+                export_refusals: RateLimit::new(|n| {
+                    warn!("refused {n} more option(s) naming an unknown export in the last second")
+                }),
+                tls_refusals: RateLimit::new(|n| {
+                    warn!("refused {n} more option(s) without TLS in the last second")
                 }),
                 evictions: RateLimit::new(|n| {
                     warn!(
@@ -317,7 +326,13 @@ impl Server {
 
     /// The server's totals since it started, in one line (for SIGUSR1).
     pub fn stats(&self) -> String {
-        self.shared.stats.report()
+        self.totals().to_string()
+    }
+
+    /// The server's totals since it started: connections, and requests,
+    /// bytes and errors over every connection, open ones included.
+    pub fn totals(&self) -> Totals {
+        self.shared.stats.totals()
     }
 }
 
@@ -366,10 +381,10 @@ impl Shared {
         })
     }
 
-    /// A connection in transmission ended: when it was the last, pooled
+    /// Connection `id` in transmission ended: when it was the last, pooled
     /// pipes and buffers are let go (descriptors and memory back to idle).
-    fn connection_closed(&self) {
-        if self.stats.closed() {
+    fn connection_closed(&self, id: u64) {
+        if self.stats.closed(id) {
             self.pipes.clear();
             self.pool.clear();
         }
@@ -461,15 +476,16 @@ async fn connection<R, W>(
     W: AsyncWrite + Unpin + Send + 'static,
 {
     debug!("connection from {peer}");
+    let since = Instant::now();
     let rd = Input::new(rd);
     let wr = BufWriter::with_capacity(64 << 10, wr);
-    let stop = handshake::Stop::new(shutdown.clone());
-    let negotiate = handshake::handshake(&sh, rd, wr, &peer, stop);
     let Admission {
+        id,
         handshake: in_handshake,
         mut evicted,
-        ..
     } = admission;
+    let stop = handshake::Stop::new(shutdown.clone(), in_handshake);
+    let negotiate = handshake::handshake(&sh, rd, wr, &peer, stop);
     // Shutting down, the handshake answers the client's next option with
     // NBD_REP_ERR_SHUTDOWN; a client that sends none within this time is
     // closed, so it cannot hold up the server's exit.
@@ -488,7 +504,8 @@ async fn connection<R, W>(
             return;
         }
     };
-    let (session, link) = match hs {
+    // The place under the cap is held until the connection ends.
+    let (session, link, _place) = match hs {
         Err(_) => {
             warn!(
                 "{peer}: handshake not finished within {:?}; closing",
@@ -510,15 +527,19 @@ async fn connection<R, W>(
         }
         Ok(Ok(Some(s))) => s,
     };
-    // The place under the cap is held until the connection ends.
-    let Some(_place) = in_handshake.finish() else {
-        debug!("{peer}: closed in the handshake to admit a newer connection");
-        return;
-    };
+    let who = Who { id, peer, since };
     match link {
-        Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, peer, shutdown).await,
-        Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, peer, shutdown).await,
+        Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, who, shutdown).await,
+        Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, who, shutdown).await,
     }
+}
+
+/// Which connection, for its log lines and counters.
+struct Who {
+    id: u64,
+    peer: String,
+    /// Accepted at.
+    since: Instant,
 }
 
 /// The transmission phase of one negotiated connection, with its logging.
@@ -529,13 +550,14 @@ async fn transmit<R, W>(
     wr: BufWriter<W>,
     mut session: Session,
     sink: Option<RawSock>,
-    peer: String,
+    who: Who,
     shutdown: watch::Receiver<bool>,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
     session.splice = sink.is_some();
+    let peer = &who.peer;
     debug!(
         "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",
         match session.mode {
@@ -559,14 +581,22 @@ async fn transmit<R, W>(
             "not requested"
         },
     );
-    sh.stats.opened();
-    let result = transmission::transmission(sh.clone(), rd, wr, session, sink, shutdown).await;
-    sh.connection_closed();
-    match result {
-        Ok(()) => debug!("{peer}: connection closed"),
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-            debug!("{peer}: client went away")
+    let counters = sh.stats.opened(who.id);
+    let result =
+        transmission::transmission(sh.clone(), rd, wr, session, sink, shutdown, &counters).await;
+    sh.connection_closed(who.id);
+    let how = match result {
+        Ok(()) => "closed".to_string(),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => "closed by the client".to_string(),
+        Err(e) => {
+            warn!("{peer}: connection ended: {e}");
+            format!("ended ({e})")
         }
-        Err(e) => warn!("{peer}: connection ended: {e}"),
-    }
+    };
+    // One line per connection with -v (the totals: SIGUSR1, --stats).
+    debug!(
+        "{peer}: connection {how} after {:.3} s; {}",
+        who.since.elapsed().as_secs_f64(),
+        counters.snapshot()
+    );
 }
