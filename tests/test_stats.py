@@ -9,10 +9,12 @@ import os
 import re
 import signal
 import struct
+import subprocess
 import time
 
 import pytest
 
+import servers
 import wire
 from helpers import KiB, MiB, assert_target_is, make_image
 
@@ -178,3 +180,27 @@ def test_a_plaintext_client_of_a_tls_server_is_logged(workdir, serve):
     assert "TLS is required and the client did not start it" in line, line
     srv.proc.send_signal(signal.SIGUSR1)
     assert "1 refused without TLS" in wait_for_line(srv, "SIGUSR1")
+
+
+# -- --stats FILE that cannot be written ------------------------------------------
+
+def test_stats_file_that_cannot_be_made_fails_before_serving(workdir):
+    path, _ = make_image(workdir, "disk.img", SIZE, seed=86)
+    sock = os.path.join(workdir, "s.sock")
+    res = subprocess.run([servers.RAWDISK_BIN, "serve", "--socket", sock, "--stats",
+                          os.path.join(workdir, "no", "such", "stats.json"), path],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1, res
+    assert "cannot write statistics" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not os.path.exists(sock)
+
+
+def test_no_empty_stats_file_is_left_when_serving_fails(workdir):
+    stats = os.path.join(workdir, "stats.json")
+    res = subprocess.run([servers.RAWDISK_BIN, "serve", "--socket",
+                          os.path.join(workdir, "s.sock"), "--stats", stats,
+                          os.path.join(workdir, "missing.img")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1, res
+    assert "cannot serve" in res.stderr, res.stderr
+    assert not os.path.exists(stats)

@@ -158,6 +158,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         // Made now, so a bad path fails before serving, not at exit.
         fs::File::create(p)
             .with_context(|| format!("cannot write statistics '{}'", p.display()))?;
+        cleanup.stats = Some(p.clone());
     }
     let created = match args.create {
         Some(size) => create_target(&args.target, size, args.preallocation.into(), cache)?,
@@ -381,11 +382,13 @@ fn escape(s: &str, keep_slash: bool) -> String {
 struct Cleanup {
     files: Vec<PathBuf>,
     created: Option<PathBuf>,
+    /// The --stats file, empty until the server has served.
+    stats: Option<PathBuf>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        for f in self.files.iter().chain(&self.created) {
+        for f in self.files.iter().chain(&self.created).chain(&self.stats) {
             let _ = fs::remove_file(f);
         }
     }
@@ -552,6 +555,7 @@ async fn serve(
     }
     // Serving starts: the created image stays whatever happens next.
     cleanup.created = None;
+    cleanup.stats = None;
     let run = match &args.run {
         Some(cmd) => Some(start_run(cmd, &uri, stop_tx)?),
         None => {
