@@ -119,7 +119,9 @@ impl Stop {
 }
 
 /// The whole handshake, including a TLS upgrade. Ok(None): the client
-/// aborted. The caller's handshake timeout covers the TLS handshake too.
+/// aborted or was refused, or the handshake was ended from outside
+/// (shutdown, eviction); Some also carries the connection's place under
+/// the cap. The caller's handshake timeout covers the TLS handshake too.
 pub(super) async fn handshake<R, W>(
     sh: &Shared,
     mut rd: Input<R>,
@@ -150,10 +152,13 @@ where
             required: t.required(),
         },
         Some(t) if t.required() => {
-            sh.stats.tls_required();
-            return Err(protocol_error(
-                "TLS is required but the client does not speak fixed newstyle",
-            ));
+            tls_required(
+                sh,
+                peer,
+                "the connection",
+                "the client does not speak fixed newstyle",
+            );
+            return Ok(None);
         }
         _ => TlsPhase::Off,
     };
@@ -271,15 +276,10 @@ where
             // Spec (FORCEDTLS): every other option is refused, and
             // NBD_OPT_EXPORT_NAME, which cannot be refused, ends the session.
             if matches!(h.option, OPT_EXPORT_NAME | OPT_INFO | OPT_GO) {
-                sh.stats.tls_required();
-                if sh.tls_refusals.allow() {
-                    warn!(
-                        "{peer}: refused {name}: TLS is required and the client did not start it"
-                    );
-                }
+                tls_required(sh, peer, name, "the client did not start it");
             }
             if h.option == OPT_EXPORT_NAME {
-                return Err(protocol_error("NBD_OPT_EXPORT_NAME before TLS"));
+                return Ok(Outcome::Aborted);
             }
             let msg = format!("{name}: TLS is required (send NBD_OPT_STARTTLS)");
             reply_err(wr, &mut out, h.option, REP_ERR_TLS_REQD, &msg).await?;
@@ -503,6 +503,14 @@ async fn discard_pipelined<R: AsyncRead + Unpin>(rd: &mut Input<R>) -> io::Resul
         debug!("discarded {dropped} plaintext bytes pipelined after NBD_OPT_STARTTLS");
     }
     Ok(())
+}
+
+/// Logs (at most once a second) and counts a refusal for want of TLS.
+fn tls_required(sh: &Shared, peer: &str, what: &str, why: &str) {
+    sh.stats.tls_required();
+    if sh.tls_refusals.allow() {
+        warn!("{peer}: refused {what}: TLS is required and {why}");
+    }
 }
 
 /// Logs (at most once a second) and counts an option refused for naming
