@@ -6,11 +6,13 @@ changed. SIGUSR1 logs the server's totals and changes nothing."""
 import errno
 import os
 import signal
+import struct
 import time
 
 import nbd
 import pytest
 
+import wire
 from helpers import KiB, MiB, assert_target_is, connect, make_image, random_bytes, read_target
 
 SIZE = 48 * MiB
@@ -156,6 +158,36 @@ def test_sigusr1_logs_totals_and_serving_goes_on(workdir, serve):
     h2.shutdown()
     h.shutdown()
     del h, h2
+    assert_target_is(path, model)
+
+
+# -- connections in the handshake ------------------------------------------------
+
+@pytest.mark.rawdisk_only("NBD_REP_ERR_SHUTDOWN in the handshake")
+def test_sigterm_answers_an_option_in_the_handshake_with_err_shutdown(workdir, serve):
+    """Spec (Option haggling): while shutting down, the server answers
+    options with NBD_REP_ERR_SHUTDOWN; a connection idle in the handshake
+    is closed without holding up the exit."""
+    path, model = make_image(workdir, "disk.img", 4 * MiB, seed=71)
+    srv = serve(path)
+    c = wire.RawClient(srv.connect_unix_or_tcp()).start()
+    idle = wire.RawClient(srv.connect_unix_or_tcp()).start()
+    try:
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        c.send_option(wire.OPT_GO, struct.pack(">IH", 0, 0))
+        option, rtype, msg = c.read_option_reply()
+        assert (option, rtype) == (wire.OPT_GO, wire.REP_ERR + 7), (option, hex(rtype), msg)
+        assert b"shutting down" in msg, msg
+        assert wire.wait_for_close(c.sock, 5)
+        assert wire.wait_for_close(idle.sock, 5)
+        assert srv.wait_exit(10) == 0, srv.stderr()
+        assert time.monotonic() - t0 < 3
+    finally:
+        c.sock.close()
+        idle.sock.close()
     assert_target_is(path, model)
 
 

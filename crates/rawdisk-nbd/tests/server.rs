@@ -1732,6 +1732,50 @@ fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
 }
 
 #[test]
+fn shutdown_answers_the_handshake_err_shutdown_and_closes_idle_ones() {
+    let mut h = Harness::start(Setup::default());
+    // Mid-haggling, idle after the client flags, idle before them, and one
+    // that will abort.
+    let mut busy = h.conn();
+    busy.start();
+    assert_eq!(busy.opt(&ClientOption::StructuredReply), [OptionReply::Ack]);
+    let mut idle = h.conn();
+    idle.start();
+    let mut mute = h.conn();
+    mute.greeting();
+    let mut quits = h.conn();
+    quits.start();
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    h.stop.take().unwrap().send(true).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = busy.opt(&ClientOption::Go(InfoRequest {
+        name: String::new(),
+        info: vec![],
+    }));
+    match &r[..] {
+        [OptionReply::Error { reply, message }] => {
+            assert_eq!(*reply, REP_ERR_SHUTDOWN, "{message}");
+            assert!(message.contains("shutting down"), "{message}");
+        }
+        other => panic!("GO while shutting down: {other:?}"),
+    }
+    assert!(busy.closed_by_server());
+    // Spec: NBD_OPT_ABORT is still acknowledged.
+    assert_eq!(quits.opt(&ClientOption::Abort), [OptionReply::Ack]);
+    assert!(quits.closed_by_server());
+    assert!(idle.closed_by_server());
+    assert!(mute.closed_by_server());
+    h.thread.take().unwrap().join().unwrap().unwrap();
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "idle handshakes held up shutdown for {took:?}"
+    );
+    h.check_file();
+}
+
+#[test]
 fn gathered_small_requests_are_answered_whatever_follows() {
     let h = Harness::start(Setup::default());
     for mode in [

@@ -5,6 +5,7 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tracing::{debug, warn};
@@ -25,6 +26,10 @@ const PIPES_KEPT: usize = 32;
 const PIPES_MAX: usize = 128;
 /// Granularity of pooled buffer sizes.
 const POOL_ROUND: usize = 64 << 10;
+/// Pooled pipes and buffers unused this long are let go, also while
+/// clients stay connected: an idle server keeps no descriptors or memory
+/// for a burst that is over.
+pub(super) const POOL_IDLE: Duration = Duration::from_secs(3);
 
 /// The socket's read half with a read-ahead buffer whose use the caller
 /// controls per read, so payloads land in their own buffer in one copy.
@@ -164,7 +169,8 @@ impl<R: AsyncRead + Unpin> Input<R> {
 /// writes does not fault in fresh pages for every request. Small bounded
 /// retention: at most `max_bufs` buffers of at most `max_len` bytes.
 pub(super) struct BufPool {
-    bufs: Mutex<Vec<Vec<u8>>>,
+    /// Each with when it was put back.
+    bufs: Mutex<Vec<(Vec<u8>, Instant)>>,
     max_bufs: usize,
     max_len: usize,
 }
@@ -190,10 +196,10 @@ impl BufPool {
             let best = g
                 .iter()
                 .enumerate()
-                .filter(|(_, b)| b.len() >= need)
-                .min_by_key(|(_, b)| b.len())
+                .filter(|(_, (b, _))| b.len() >= need)
+                .min_by_key(|(_, (b, _))| b.len())
                 .map(|(i, _)| i);
-            best.map(|i| g.swap_remove(i))
+            best.map(|i| g.swap_remove(i).0)
         };
         // Fresh buffers are rounded up to 64 KiB: a 1 MiB write payload and
         // a 1 MiB read reply (which carries a header) then fit each other's
@@ -215,19 +221,26 @@ impl BufPool {
         self.bufs.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
+    /// Frees the buffers unused for `idle`.
+    pub(super) fn release_idle(&self, idle: Duration) {
+        let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        g.retain(|(_, at)| at.elapsed() < idle);
+    }
+
     pub(super) fn put(&self, buf: Vec<u8>) {
         if buf.capacity() < (64 << 10) || buf.capacity() > self.max_len {
             return;
         }
         let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
         if g.len() < self.max_bufs {
-            g.push(buf);
+            g.push((buf, now));
             return;
         }
         // Full: keep the bigger buffers, which are the costly ones to fault in.
-        if let Some((i, _)) = g.iter().enumerate().min_by_key(|(_, b)| b.len()) {
-            if g[i].len() < buf.len() {
-                g[i] = buf;
+        if let Some((i, _)) = g.iter().enumerate().min_by_key(|(_, (b, _))| b.len()) {
+            if g[i].0.len() < buf.len() {
+                g[i] = (buf, now);
             }
         }
     }
@@ -237,7 +250,8 @@ impl BufPool {
 /// pipe2 + fcntl + two closes, and a cap on how many exist at all (each is
 /// two descriptors, which accept() needs too).
 pub(super) struct PipePool {
-    pipes: Mutex<Vec<Pipe>>,
+    /// Each with when it was put back; the most recent last.
+    pipes: Mutex<Vec<(Pipe, Instant)>>,
     live: Arc<AtomicUsize>,
     /// The kernel refused a pipe of PIPE_BYTES (pipe-max-size lowered, the
     /// per-user pipe budget spent): reads are copied from then on.
@@ -254,7 +268,7 @@ impl PipePool {
     }
 
     pub(super) fn get(&self) -> Option<Pipe> {
-        if let Some(p) = self.pipes.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        if let Some((p, _)) = self.pipes.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Some(p);
         }
         if self.refused.load(Ordering::Relaxed) {
@@ -287,10 +301,17 @@ impl PipePool {
         self.pipes.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
+    /// Closes the pipes unused for `idle` (the oldest are first).
+    pub(super) fn release_idle(&self, idle: Duration) {
+        let mut g = self.pipes.lock().unwrap_or_else(|p| p.into_inner());
+        let stale = g.partition_point(|(_, at)| at.elapsed() >= idle);
+        g.drain(..stale);
+    }
+
     pub(super) fn put(&self, p: Pipe) {
         let mut g = self.pipes.lock().unwrap_or_else(|p| p.into_inner());
         if g.len() < PIPES_KEPT {
-            g.push(p);
+            g.push((p, Instant::now()));
         }
     }
 }

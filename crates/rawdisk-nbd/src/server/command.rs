@@ -14,7 +14,6 @@ use tracing::{debug, trace, warn};
 use super::buffers::PIPE_BYTES;
 use super::exports::Export;
 use super::handshake::BASE_ALLOCATION_ID;
-use super::limits::more;
 use super::{Session, Shared};
 use crate::proto::*;
 use crate::sock::Pipe;
@@ -273,13 +272,12 @@ fn failed(
     off: Option<u64>,
 ) -> Encoded {
     if err == NBD_ENOSPC || err == NBD_EIO {
-        if let Some(skipped) = sh.storage_errors.allow() {
+        if sh.storage_errors.allow() {
             warn!(
-                "{op} of {} bytes at offset {} answered {}: {e}{}",
+                "{op} of {} bytes at offset {} answered {}: {e}",
                 req.length,
                 req.offset,
                 error_name(err),
-                more(skipped)
             );
         }
     } else {

@@ -120,7 +120,11 @@ impl Exports {
     ) -> Result<Arc<Export>, Unknown> {
         match self {
             Exports::One(e) if e.name == name => Ok(e.clone()),
-            Exports::One(_) => Err(format!("no export named {name:?}")),
+            Exports::One(e) => Err(format!(
+                "no export named {:?} (this server offers {:?})",
+                shorten(name),
+                e.name
+            )),
             Exports::Dir(d) => d.find(name, write_behind, max_payload),
         }
     }

@@ -1,16 +1,20 @@
 //! The fixed newstyle handshake: greeting, client flags, then option
 //! haggling until NBD_OPT_GO or NBD_OPT_EXPORT_NAME settles a [`Session`]
 //! (spec: "Newstyle negotiation" and "Option types"), with an upgrade to
-//! TLS on NBD_OPT_STARTTLS (spec: "TLS support").
+//! TLS on NBD_OPT_STARTTLS (spec: "TLS support"). Once the server shuts
+//! down, the next option is answered NBD_REP_ERR_SHUTDOWN and the
+//! connection closed (spec: "Option haggling").
 
 use std::io;
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
-use tracing::{debug, info, trace};
+use tokio::sync::{watch, OwnedSemaphorePermit};
+use tracing::{debug, trace, warn};
 
 use super::buffers::{Input, READ_AHEAD};
 use super::exports::Export;
+use super::limits::HandshakeSlot;
 use super::{protocol_error, BoxRead, BoxWrite, Session, Shared};
 use crate::proto::*;
 
@@ -52,11 +56,12 @@ fn flags_for(fixed: &mut Vec<(String, u16)>, e: &Export) -> u16 {
 }
 
 /// The export a client named, or the reason it gets NBD_REP_ERR_UNKNOWN
-/// (logged: an operator wants to see clients asking for the wrong name).
-fn find(sh: &Shared, name: &str) -> Result<Arc<Export>, String> {
+/// (counted and logged: an operator wants to see clients asking for the
+/// wrong name).
+fn find(sh: &Shared, peer: &str, option: &str, name: &str) -> Result<Arc<Export>, String> {
     sh.exports
         .find(name, sh.cfg.write_behind, sh.cfg.max_payload)
-        .inspect_err(|msg| info!("refusing export: {msg}"))
+        .inspect_err(|msg| unknown_export(sh, peer, option, msg))
 }
 
 async fn send<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut Vec<u8>) -> io::Result<()> {
@@ -91,14 +96,61 @@ enum Outcome {
     StartTls,
 }
 
+/// What may end the handshake from outside: the server's shutdown, and a
+/// newer connection taking this one's place among those in the handshake.
+pub(super) struct Stop {
+    rx: watch::Receiver<bool>,
+    requested: bool,
+    slot: HandshakeSlot,
+}
+
+impl Stop {
+    pub(super) fn new(rx: watch::Receiver<bool>, slot: HandshakeSlot) -> Stop {
+        Stop {
+            rx,
+            requested: false,
+            slot,
+        }
+    }
+
+    /// Leaves the connections in the handshake before the reply that ends
+    /// it goes out, so a client told it may transmit is never evicted
+    /// after; false if it was evicted already.
+    fn enter_transmission(&mut self) -> bool {
+        self.slot.finish()
+    }
+
+    /// Waits until `n` bytes from the client are buffered (reading no
+    /// further: TLS may start behind them), noting a shutdown that comes
+    /// meanwhile. After it, the caller bounds the wait.
+    async fn bytes<R: AsyncRead + Unpin>(&mut self, rd: &mut Input<R>, n: usize) -> io::Result<()> {
+        if !self.requested {
+            let got = tokio::select! {
+                r = rd.fill_to(n, 0) => Some(r),
+                _ = self.rx.wait_for(|v| *v) => None,
+            };
+            // An option that arrived with the shutdown is answered as one
+            // after it.
+            self.requested = got.is_none() || *self.rx.borrow();
+            if let Some(r) = got {
+                return r;
+            }
+        }
+        rd.fill_to(n, 0).await
+    }
+}
+
 /// The whole handshake, including a TLS upgrade. Ok(None): the client
-/// aborted. The caller's handshake timeout covers the TLS handshake too.
+/// aborted or was refused, or the handshake was ended from outside
+/// (shutdown, eviction); Some also carries the connection's place under
+/// the cap. The caller's handshake timeout covers the TLS handshake too.
 pub(super) async fn handshake<R, W>(
     sh: &Shared,
     mut rd: Input<R>,
     mut wr: BufWriter<W>,
     peer: &str,
-) -> io::Result<Option<(Session, Link<R, W>)>>
+    mut stop: Stop,
+) -> io::Result<Option<(Session, Link<R, W>, OwnedSemaphorePermit)>>
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -107,8 +159,9 @@ where
     encode_greeting(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
     send(&mut wr, &mut out).await?;
 
+    stop.bytes(&mut rd, 4).await?;
     let mut b4 = [0u8; 4];
-    rd.read_exact(&mut b4, 0).await?;
+    b4.copy_from_slice(rd.take(4));
     let cflags = u32::from_be_bytes(b4);
     // Spec (Client flags): the server MUST drop the connection on unknown flags.
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
@@ -121,15 +174,19 @@ where
             required: t.required(),
         },
         Some(t) if t.required() => {
-            return Err(protocol_error(
-                "TLS is required but the client does not speak fixed newstyle",
-            ))
+            tls_required(
+                sh,
+                peer,
+                "the connection",
+                "the client does not speak fixed newstyle",
+            );
+            return Ok(None);
         }
         _ => TlsPhase::Off,
     };
-    match options(sh, &mut rd, &mut wr, no_zeroes, phase).await? {
+    match options(sh, &mut rd, &mut wr, no_zeroes, phase, &mut stop, peer).await? {
         Outcome::Aborted => return Ok(None),
-        Outcome::Session(s) => return Ok(Some((s, Link::Plain(rd, wr)))),
+        Outcome::Session(s) => return Ok(stop.slot.place().map(|p| (s, Link::Plain(rd, wr), p))),
         Outcome::StartTls => {}
     }
     let tls = sh
@@ -146,9 +203,19 @@ where
     let mut wr = BufWriter::with_capacity(64 << 10, Box::new(w) as BoxWrite);
     // Spec: everything negotiated before TLS is forgotten (CVE-2021-3716:
     // a server that kept structured replies across STARTTLS).
-    match options(sh, &mut rd, &mut wr, no_zeroes, TlsPhase::Active).await? {
+    match options(
+        sh,
+        &mut rd,
+        &mut wr,
+        no_zeroes,
+        TlsPhase::Active,
+        &mut stop,
+        peer,
+    )
+    .await?
+    {
         Outcome::Aborted => Ok(None),
-        Outcome::Session(s) => Ok(Some((s, Link::Tls(rd, wr)))),
+        Outcome::Session(s) => Ok(stop.slot.place().map(|p| (s, Link::Tls(rd, wr), p))),
         Outcome::StartTls => unreachable!("a second NBD_OPT_STARTTLS is refused"),
     }
 }
@@ -165,6 +232,8 @@ async fn options<R, W>(
     wr: &mut W,
     no_zeroes: bool,
     phase: TlsPhase,
+    stop: &mut Stop,
+    peer: &str,
 ) -> io::Result<Outcome>
 where
     R: AsyncRead + Unpin,
@@ -180,8 +249,9 @@ where
     let mut data = Vec::new();
 
     for _ in 0..cfg.max_options {
+        stop.bytes(rd, OPTION_HEADER_LEN).await?;
         let mut hb = [0u8; OPTION_HEADER_LEN];
-        rd.read_exact(&mut hb, 0).await?;
+        hb.copy_from_slice(rd.take(OPTION_HEADER_LEN));
         let (h, _) = decode_option_header(&hb).map_err(|e| protocol_error(e.to_string()))?;
         let name = option_name(h.option);
         if h.len > cfg.max_option_len {
@@ -203,14 +273,35 @@ where
         rd.read_exact(&mut data, 0).await?;
         trace!("option {name} ({} bytes)", h.len);
 
+        if stop.requested {
+            // Spec (Option haggling): while shutting down the server SHOULD
+            // answer options other than NBD_OPT_ABORT with
+            // NBD_REP_ERR_SHUTDOWN; the client then disconnects.
+            match h.option {
+                OPT_ABORT => OptionReply::Ack.encode(h.option, &mut out),
+                // Has no error reply: the spec says hang up.
+                OPT_EXPORT_NAME => return Ok(Outcome::Aborted),
+                _ => OptionReply::Error {
+                    reply: REP_ERR_SHUTDOWN,
+                    message: "the server is shutting down".into(),
+                }
+                .encode(h.option, &mut out),
+            }
+            let _ = send(wr, &mut out).await;
+            return Ok(Outcome::Aborted);
+        }
+
         if phase == (TlsPhase::Offered { required: true })
             && h.option != OPT_STARTTLS
             && h.option != OPT_ABORT
         {
             // Spec (FORCEDTLS): every other option is refused, and
             // NBD_OPT_EXPORT_NAME, which cannot be refused, ends the session.
+            if matches!(h.option, OPT_EXPORT_NAME | OPT_INFO | OPT_GO) {
+                tls_required(sh, peer, name, "the client did not start it");
+            }
             if h.option == OPT_EXPORT_NAME {
-                return Err(protocol_error("NBD_OPT_EXPORT_NAME before TLS"));
+                return Ok(Outcome::Aborted);
             }
             let msg = format!("{name}: TLS is required (send NBD_OPT_STARTTLS)");
             reply_err(wr, &mut out, h.option, REP_ERR_TLS_REQD, &msg).await?;
@@ -237,10 +328,15 @@ where
         match opt {
             ClientOption::ExportName(export) => {
                 // No way to report an error here: the spec says hang up.
-                let e = find(sh, &export)
-                    .map_err(|msg| protocol_error(format!("NBD_OPT_EXPORT_NAME: {msg}")))?;
+                let e = match find(sh, peer, name, &export) {
+                    Ok(e) => e,
+                    Err(_) => return Ok(Outcome::Aborted),
+                };
                 let flags = flags_for(&mut base_flags, &e) | df_flag(mode);
                 let size = e.target.size();
+                if !stop.enter_transmission() {
+                    return Ok(Outcome::Aborted);
+                }
                 encode_export_name_reply(&mut out, size, flags, no_zeroes);
                 send(wr, &mut out).await?;
                 let base_allocation = meta_for(&meta, &export);
@@ -355,7 +451,7 @@ where
             }
             ClientOption::Info(req) | ClientOption::Go(req) => {
                 let go = h.option == OPT_GO;
-                let e = match find(sh, &req.name) {
+                let e = match find(sh, peer, name, &req.name) {
                     Ok(e) => e,
                     Err(msg) => {
                         reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
@@ -380,6 +476,9 @@ where
                     max: cfg.max_payload,
                 })
                 .encode(h.option, &mut out);
+                if go && !stop.enter_transmission() {
+                    return Ok(Outcome::Aborted);
+                }
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
                 if go {
@@ -425,6 +524,23 @@ async fn discard_pipelined<R: AsyncRead + Unpin>(rd: &mut Input<R>) -> io::Resul
         debug!("discarded {dropped} plaintext bytes pipelined after NBD_OPT_STARTTLS");
     }
     Ok(())
+}
+
+/// Logs (at most once a second) and counts a refusal for want of TLS.
+fn tls_required(sh: &Shared, peer: &str, what: &str, why: &str) {
+    sh.stats.tls_required();
+    if sh.tls_refusals.allow() {
+        warn!("{peer}: refused {what}: TLS is required and {why}");
+    }
+}
+
+/// Logs (at most once a second) and counts an option refused for naming
+/// an export this server does not have.
+fn unknown_export(sh: &Shared, peer: &str, option: &str, why: &str) {
+    sh.stats.unknown_export();
+    if sh.export_refusals.allow() {
+        warn!("{peer}: refused {option}: {why}");
+    }
 }
 
 fn df_flag(mode: ReplyMode) -> u16 {

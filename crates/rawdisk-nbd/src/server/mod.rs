@@ -44,7 +44,7 @@ mod writeback;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rawdisk_storage::{OpenOptions, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
@@ -54,10 +54,11 @@ use tracing::{debug, warn, Instrument};
 
 use crate::proto::*;
 use crate::sock::RawSock;
-use buffers::{BufPool, Input, PipePool, DATA_ALIGN};
+use buffers::{BufPool, Input, PipePool, DATA_ALIGN, POOL_IDLE};
 use exports::{Export, Exports};
 use handshake::Link;
-use limits::{more, HandshakeSlot, Handshakes, RateLimit, Stats};
+use limits::{HandshakeSlot, Handshakes, RateLimit, Stats};
+pub use limits::{Tally, Totals};
 pub use writeback::WriteBehind;
 
 /// Limits and identity of one export.
@@ -133,6 +134,11 @@ impl Default for ServerConfig {
         }
     }
 }
+/// Once shutdown starts, how long a connection still in the handshake has
+/// to send its next option (answered NBD_REP_ERR_SHUTDOWN) before it is
+/// closed.
+const SHUTDOWN_HANDSHAKE_MAX: Duration = Duration::from_secs(1);
+
 /// A listening socket the server accepts on.
 pub enum Listener {
     Unix(tokio::net::UnixListener),
@@ -158,6 +164,8 @@ struct Shared {
     refusing: Arc<Semaphore>,
     stats: Stats,
     refusals: RateLimit,
+    export_refusals: RateLimit,
+    tls_refusals: RateLimit,
     evictions: RateLimit,
     storage_errors: RateLimit,
     bytes_per_conn: usize,
@@ -204,6 +212,7 @@ impl Server {
         cfg.max_connections = cfg.max_connections.max(1);
         let bytes_per_conn = cfg.max_bytes_per_conn.max(biggest);
         cfg.max_requests_per_conn = cfg.max_requests_per_conn.max(1);
+        let cap = cfg.max_connections;
         Server {
             shared: Arc::new(Shared {
                 conns: Arc::new(Semaphore::new(cfg.max_connections)),
@@ -211,10 +220,25 @@ impl Server {
                 bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
                 unsent: Arc::new(Semaphore::new(cfg.max_unsent_total)),
                 refusing: Arc::new(Semaphore::new(refuse::REFUSING_MAX)),
-                stats: Stats::default(),
-                refusals: RateLimit::new(),
-                evictions: RateLimit::new(),
-                storage_errors: RateLimit::new(),
+                stats: Stats::new(),
+                refusals: RateLimit::new(move |n| {
+                    warn!("refused {n} more connection(s) in the last second: at the cap of {cap}")
+                }),
+                export_refusals: RateLimit::new(|n| {
+                    warn!("refused {n} more option(s) naming an unknown export in the last second")
+                }),
+                tls_refusals: RateLimit::new(|n| {
+                    warn!("refused {n} more option(s) without TLS in the last second")
+                }),
+                evictions: RateLimit::new(|n| {
+                    warn!(
+                        "closed {n} more connection(s) still in the handshake in the last \
+                         second, to admit newer ones"
+                    )
+                }),
+                storage_errors: RateLimit::new(|n| {
+                    warn!("{n} more storage error(s) answered NBD_ENOSPC or NBD_EIO in the last second")
+                }),
                 bytes_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
@@ -246,9 +270,16 @@ impl Server {
     ) -> io::Result<()> {
         let sh = &self.shared;
         let mut tasks = JoinSet::new();
+        let mut sweep = tokio::time::interval(POOL_IDLE / 3);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let accepted = tokio::select! {
                 _ = shutdown.wait_for(|v| *v) => break,
+                _ = sweep.tick() => {
+                    sh.pipes.release_idle(POOL_IDLE);
+                    sh.pool.release_idle(POOL_IDLE);
+                    continue;
+                }
                 a = accept(&listener) => a,
             };
             while tasks.try_join_next().is_some() {}
@@ -342,7 +373,13 @@ impl Server {
 
     /// The server's totals since it started, in one line (for SIGUSR1).
     pub fn stats(&self) -> String {
-        self.shared.stats.report()
+        self.totals().to_string()
+    }
+
+    /// The server's totals since it started: connections, and requests,
+    /// bytes and errors over every connection, open ones included.
+    pub fn totals(&self) -> Totals {
+        self.shared.stats.totals()
     }
 }
 
@@ -363,11 +400,10 @@ impl Shared {
     fn admit(&self, peer: &str) -> Option<Admission> {
         let Ok(conn) = self.conns.clone().try_acquire_owned() else {
             self.stats.refused();
-            if let Some(skipped) = self.refusals.allow() {
+            if self.refusals.allow() {
                 warn!(
-                    "refusing connection from {peer}: already serving {} connections{}",
+                    "refusing connection from {peer}: already serving {} connections",
                     self.cfg.max_connections,
-                    more(skipped)
                 );
             }
             return None;
@@ -377,12 +413,11 @@ impl Shared {
         let (handshake, evicted, full) = self.handshakes.enter(id, conn);
         if full {
             self.stats.evicted();
-            if let Some(skipped) = self.evictions.allow() {
+            if self.evictions.allow() {
                 warn!(
                     "{} connections are still in the handshake: closing the oldest to admit \
-                     {peer}{}",
+                     {peer}",
                     self.handshakes.cap(),
-                    more(skipped)
                 );
             }
         }
@@ -393,10 +428,10 @@ impl Shared {
         })
     }
 
-    /// A connection in transmission ended: when it was the last, pooled
+    /// Connection `id` in transmission ended: when it was the last, pooled
     /// pipes and buffers are let go (descriptors and memory back to idle).
-    fn connection_closed(&self) {
-        if self.stats.closed() {
+    fn connection_closed(&self, id: u64) {
+        if self.stats.closed(id) {
             self.pipes.clear();
             self.pool.clear();
         }
@@ -467,18 +502,27 @@ async fn connection<R, W>(
     W: AsyncWrite + Unpin + Send + 'static,
 {
     debug!("connection from {peer}");
+    let since = Instant::now();
     let rd = Input::new(rd);
     let wr = BufWriter::with_capacity(64 << 10, wr);
-    let negotiate = handshake::handshake(&sh, rd, wr, &peer);
     let Admission {
+        id,
         handshake: in_handshake,
         mut evicted,
-        ..
     } = admission;
+    let stop = handshake::Stop::new(shutdown.clone(), in_handshake);
+    let negotiate = handshake::handshake(&sh, rd, wr, &peer, stop);
+    // Shutting down, the handshake answers the client's next option with
+    // NBD_REP_ERR_SHUTDOWN; a client that sends none within this time is
+    // closed, so it cannot hold up the server's exit.
+    let stopped = async {
+        let _ = shutdown.wait_for(|v| *v).await;
+        tokio::time::sleep(SHUTDOWN_HANDSHAKE_MAX).await;
+    };
     let hs = tokio::select! {
         r = tokio::time::timeout(sh.cfg.handshake_timeout, negotiate) => r,
-        _ = shutdown.wait_for(|v| *v) => {
-            debug!("shutting down during handshake");
+        _ = stopped => {
+            debug!("{peer}: closed in the handshake: the server is shutting down");
             return;
         }
         _ = &mut evicted => {
@@ -486,7 +530,8 @@ async fn connection<R, W>(
             return;
         }
     };
-    let (session, link) = match hs {
+    // The place under the cap is held until the connection ends.
+    let (session, link, _place) = match hs {
         Err(_) => {
             warn!(
                 "{peer}: handshake not finished within {:?}; closing",
@@ -495,28 +540,32 @@ async fn connection<R, W>(
             return;
         }
         Ok(Err(e)) => {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                debug!("{peer}: closed during handshake");
+            if e.kind() == io::ErrorKind::UnexpectedEof || *shutdown.borrow() {
+                debug!("{peer}: closed during handshake: {e}");
             } else {
                 warn!("{peer}: handshake failed: {e}");
             }
             return;
         }
         Ok(Ok(None)) => {
-            debug!("{peer}: client aborted the handshake");
+            debug!("{peer}: handshake aborted");
             return;
         }
         Ok(Ok(Some(s))) => s,
     };
-    // The place under the cap is held until the connection ends.
-    let Some(_place) = in_handshake.finish() else {
-        debug!("{peer}: closed in the handshake to admit a newer connection");
-        return;
-    };
+    let who = Who { id, peer, since };
     match link {
-        Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, peer, shutdown).await,
-        Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, peer, shutdown).await,
+        Link::Plain(rd, wr) => transmit(sh, rd, wr, session, sink, who, shutdown).await,
+        Link::Tls(rd, wr) => transmit(sh, rd, wr, session, None, who, shutdown).await,
     }
+}
+
+/// Which connection, for its log lines and counters.
+struct Who {
+    id: u64,
+    peer: String,
+    /// Accepted at.
+    since: Instant,
 }
 
 /// The transmission phase of one negotiated connection, with its logging.
@@ -527,13 +576,14 @@ async fn transmit<R, W>(
     wr: BufWriter<W>,
     mut session: Session,
     sink: Option<RawSock>,
-    peer: String,
+    who: Who,
     shutdown: watch::Receiver<bool>,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
     session.splice = sink.is_some();
+    let peer = &who.peer;
     debug!(
         "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",
         match session.mode {
@@ -557,14 +607,22 @@ async fn transmit<R, W>(
             "not requested"
         },
     );
-    sh.stats.opened();
-    let result = transmission::transmission(sh.clone(), rd, wr, session, sink, shutdown).await;
-    sh.connection_closed();
-    match result {
-        Ok(()) => debug!("{peer}: connection closed"),
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-            debug!("{peer}: client went away")
+    let counters = sh.stats.opened(who.id);
+    let result =
+        transmission::transmission(sh.clone(), rd, wr, session, sink, shutdown, &counters).await;
+    sh.connection_closed(who.id);
+    let how = match result {
+        Ok(()) => "closed".to_string(),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => "closed by the client".to_string(),
+        Err(e) => {
+            warn!("{peer}: connection ended: {e}");
+            format!("ended ({e})")
         }
-        Err(e) => warn!("{peer}: connection ended: {e}"),
-    }
+    };
+    // One line per connection with -v (the totals: SIGUSR1, --stats).
+    debug!(
+        "{peer}: connection {how} after {:.3} s; {}",
+        who.since.elapsed().as_secs_f64(),
+        counters.snapshot()
+    );
 }

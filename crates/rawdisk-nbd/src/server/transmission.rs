@@ -33,6 +33,7 @@ use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{execute, small_error, small_ok, storage_error, validate, whole, Encoded};
+use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
@@ -124,6 +125,7 @@ pub(super) async fn transmission<R, W>(
     s: Session,
     sink: Option<RawSock>,
     shutdown: watch::Receiver<bool>,
+    counters: &Arc<Counters>,
 ) -> io::Result<()>
 where
     R: AsyncRead + Unpin + Send + 'static,
@@ -137,7 +139,8 @@ where
     // reader (replies of requests it ran itself); the lock keeps replies
     // from interleaving on the socket.
     let wr = Arc::new(tokio::sync::Mutex::new(wr));
-    let writer = tokio::spawn(writer(wr.clone(), rx, sh.clone(), sink.clone()).in_current_span());
+    let writer = writer(wr.clone(), rx, sh.clone(), sink.clone(), counters.clone());
+    let writer = tokio::spawn(writer.in_current_span());
     let ext = s.mode.extended();
     let mut reader = Reader {
         slots: Arc::new(Semaphore::new(sh.cfg.max_requests_per_conn)),
@@ -156,6 +159,7 @@ where
         rd,
         wr,
         sink,
+        counters: counters.clone(),
         ext,
         hlen: request_header_len(ext),
         read_ahead: READ_AHEAD,
@@ -319,6 +323,7 @@ struct Reader<R, W> {
     wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
     /// The socket itself, for mapped writes and spliced reads.
     sink: Option<RawSock>,
+    counters: Arc<Counters>,
     batch: Batch,
     slots: Arc<Semaphore>,
     max_slots: usize,
@@ -355,7 +360,9 @@ where
         let Some(req) = self.read_header().await? else {
             return Ok(None);
         };
-        self.sh.stats.request(req.command, req.length);
+        self.counters.request(req.command, req.length);
+        let in_flight = self.max_slots - self.slots.available_permits();
+        self.counters.in_flight(in_flight as u64);
         if req.command == Command::Disc {
             // Spec: finish what is in flight, then close; no reply.
             return Ok(None);
@@ -725,7 +732,7 @@ where
         self.s.export.note_caps();
         let mut w = self.wr.lock().await;
         let sent = within(self.sh.cfg.idle_timeout, async {
-            put_reply(&self.sh, &mut w, self.sink.as_ref(), reply).await?;
+            put_reply(&self.sh, &mut w, self.sink.as_ref(), &self.counters, reply).await?;
             w.flush().await
         })
         .await;
@@ -751,14 +758,15 @@ async fn writer<W: AsyncWrite + Unpin>(
     mut rx: mpsc::UnboundedReceiver<Out>,
     sh: Arc<Shared>,
     sink: Option<RawSock>,
+    counters: Arc<Counters>,
 ) -> io::Result<()> {
     while let Some(out) = rx.recv().await {
         let mut wr = wr.lock().await;
         within(sh.cfg.idle_timeout, async {
-            put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
+            put_reply(&sh, &mut wr, sink.as_ref(), &counters, out.reply).await?;
             // Coalesce whatever else is ready into the same flush.
             while let Ok(out) = rx.try_recv() {
-                put_reply(&sh, &mut wr, sink.as_ref(), out.reply).await?;
+                put_reply(&sh, &mut wr, sink.as_ref(), &counters, out.reply).await?;
             }
             wr.flush().await
         })
@@ -792,10 +800,11 @@ async fn put_reply<W: AsyncWrite + Unpin>(
     sh: &Shared,
     wr: &mut BufWriter<W>,
     sink: Option<&RawSock>,
+    counters: &Counters,
     reply: Encoded,
 ) -> io::Result<()> {
     if reply.err != 0 {
-        sh.stats.error(reply.err);
+        counters.error(reply.err);
     }
     wr.write_all(&reply.buf[reply.start..reply.end]).await?;
     sh.pool.put(reply.buf);

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use rawdisk_nbd::server::{Listener, Server, ServerConfig, WriteBehind};
+use rawdisk_nbd::server::{Listener, Server, ServerConfig, Totals, WriteBehind};
 use rawdisk_nbd::tls::ServerTls;
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 use tokio::signal::unix::{signal, SignalKind};
@@ -92,6 +92,15 @@ pub struct Args {
     /// Write the server's pid here once it is ready; removed at exit.
     #[arg(short = 'P', long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
+    /// Write the server's totals here as JSON when it exits (what SIGUSR1
+    /// logs): uptime-seconds; connections: accepted, negotiated, open,
+    /// refused-at-cap, closed-in-handshake, unknown-export, tls-required;
+    /// requests: per command (read, write, flush, trim, cache,
+    /// write-zeroes, block-status, disc, other) its requests and bytes;
+    /// errors: replies per NBD error (eperm, eio, enomem, einval, enospc,
+    /// eoverflow, enotsup, eshutdown, other); peak-in-flight.
+    #[arg(long, value_name = "FILE")]
+    stats: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     handshake_timeout: f64,
@@ -171,6 +180,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut cleanup = Cleanup::default();
     let listening = listen(&args, activated, &mut cleanup)?;
     let pid_file = open_pid_file(&args, &mut cleanup)?;
+    if let Some(p) = &args.stats {
+        // Made now, so a bad path fails before serving, not at exit.
+        fs::File::create(p)
+            .with_context(|| format!("cannot write statistics '{}'", p.display()))?;
+        cleanup.stats = Some(p.clone());
+    }
     let cfg = ServerConfig {
         export_name: args.export_name.clone(),
         read_only: args.read_only,
@@ -477,11 +492,13 @@ fn escape(s: &str, keep_slash: bool) -> String {
 struct Cleanup {
     files: Vec<PathBuf>,
     created: Option<PathBuf>,
+    /// The --stats file, empty until the server has served.
+    stats: Option<PathBuf>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        for f in self.files.iter().chain(&self.created) {
+        for f in self.files.iter().chain(&self.created).chain(&self.stats) {
             let _ = fs::remove_file(f);
         }
     }
@@ -644,6 +661,7 @@ async fn serve(
     }
     // Serving starts: the created image stays whatever happens next.
     cleanup.created = None;
+    cleanup.stats = None;
     let run = match &args.run {
         Some(cmd) => Some(start_run(cmd, &uri, stop_tx)?),
         None => {
@@ -660,10 +678,12 @@ async fn serve(
         }
     };
 
-    server
-        .serve(listener, stop_rx)
-        .await
-        .context("server failed")?;
+    let served = server.serve(listener, stop_rx).await;
+    if let Some(p) = &args.stats {
+        let json = stats_json(&server.totals()).to_string() + "\n";
+        fs::write(p, json).with_context(|| format!("cannot write statistics '{}'", p.display()))?;
+    }
+    served.context("server failed")?;
     if read_only {
         tracing::info!("all connections closed");
     } else {
@@ -678,6 +698,51 @@ async fn serve(
         },
         None => Ok(ExitCode::SUCCESS),
     }
+}
+
+/// `--stats`: the totals as JSON, keys in qemu-img's kebab-case
+/// (NBD_CMD_WRITE_ZEROES is "write-zeroes", NBD_EIO "eio").
+fn stats_json(t: &Totals) -> serde_json::Value {
+    use serde_json::{json, Map, Value};
+    let key = |name: &str, prefix: &str| {
+        name.trim_start_matches(prefix)
+            .to_ascii_lowercase()
+            .replace('_', "-")
+    };
+    let requests: Map<String, Value> = t
+        .tally
+        .commands()
+        .map(|(c, n, bytes)| {
+            let k = c.map_or("other".into(), |c| key(c.name(), "NBD_CMD_"));
+            (k, json!({ "requests": n, "bytes": bytes }))
+        })
+        .collect();
+    let errors: Map<String, Value> = t
+        .tally
+        .errors()
+        .map(|(e, n)| {
+            let k = match e {
+                0 => "other".into(),
+                e => key(rawdisk_nbd::proto::error_name(e), "NBD_"),
+            };
+            (k, json!(n))
+        })
+        .collect();
+    json!({
+        "uptime-seconds": t.uptime.as_secs_f64(),
+        "connections": {
+            "accepted": t.accepted,
+            "negotiated": t.negotiated,
+            "open": t.open,
+            "refused-at-cap": t.refused_at_cap,
+            "closed-in-handshake": t.closed_in_handshake,
+            "unknown-export": t.unknown_export,
+            "tls-required": t.tls_required,
+        },
+        "requests": requests,
+        "errors": errors,
+        "peak-in-flight": t.tally.peak_in_flight,
+    })
 }
 
 /// Starts `sh -c CMD` with $uri set; when it exits the server is stopped as
