@@ -81,6 +81,24 @@ pub struct CopyOptions {
     /// How long to keep reconnecting an NBD side whose connection broke
     /// (zero: the error ends the copy).
     pub retry_timeout: Duration,
+    /// An NBD connection whose server has not answered for this long while
+    /// requests wait counts as dropped (zero: wait forever); also bounds
+    /// each connect and handshake.
+    pub request_timeout: Duration,
+}
+
+impl CopyOptions {
+    /// How to open (and reopen) a side.
+    pub(crate) fn endpoint_options(&self, writable: bool) -> EndpointOptions {
+        let t = (!self.request_timeout.is_zero()).then_some(self.request_timeout);
+        EndpointOptions {
+            writable,
+            cache: self.cache,
+            connections: self.connections,
+            connect_timeout: t,
+            request_timeout: t,
+        }
+    }
 }
 
 impl Default for CopyOptions {
@@ -99,6 +117,7 @@ impl Default for CopyOptions {
             force: false,
             cancel: None,
             retry_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -348,13 +367,9 @@ pub fn copy_to_stream(src: &Endpoint, out: &Stream, opts: &CopyOptions) -> Resul
 
 fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
     let t0 = Instant::now();
-    let eopts = |writable| EndpointOptions {
-        writable,
-        cache: opts.cache,
-        connections: opts.connections,
-    };
-    let src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
-    let dst_link = match to {
+    let eopts = |writable| opts.endpoint_options(writable);
+    let mut src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
+    let mut dst_link = match to {
         To::Ep(e) => Some(Link::new(
             e,
             Side::Destination,
@@ -363,6 +378,11 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
         )),
         _ => None,
     };
+    let bar = progress_bar(opts.progress, src.size());
+    src_link.set_bar(bar.as_ref());
+    if let Some(l) = &mut dst_link {
+        l.set_bar(bar.as_ref());
+    }
     let dst = match (to, &dst_link) {
         (_, Some(l)) => Dst::Ep(l),
         (To::Stream(s), _) => Dst::Stream(s),
@@ -370,6 +390,9 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
     };
     let size = src.size();
     if let Some(d) = dst.size().filter(|&d| d < size) {
+        if let Some(b) = &bar {
+            b.finish_and_clear();
+        }
         return Err(CopyError::Setup(format!(
             "destination {} is {d} bytes, smaller than the source ({size} bytes)",
             dst.name(),
@@ -440,7 +463,6 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
         may_trim,
         c: &counters,
     };
-    let bar = progress_bar(opts.progress, size);
 
     std::thread::scope(|s| {
         for _ in 0..workers {
@@ -662,7 +684,7 @@ fn progress_bar(wanted: bool, size: u64) -> Option<indicatif::ProgressBar> {
     let b = indicatif::ProgressBar::new(size);
     b.set_style(
         indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );

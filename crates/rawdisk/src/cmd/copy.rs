@@ -86,6 +86,13 @@ pub struct Args {
     /// (120, 90s, 500ms, 2m; 0: fail at once).
     #[arg(long, default_value = "60s", value_parser = duration_arg)]
     retry_timeout: Duration,
+    /// An NBD server that leaves requests unanswered this long (stopped,
+    /// hung, a silent network) counts as a dropped connection, which
+    /// --retry-timeout retries (a final flush that takes longer is sent
+    /// again on a new connection); also bounds each connect and handshake
+    /// (0: requests wait forever).
+    #[arg(long, default_value = "60s", value_parser = duration_arg)]
+    request_timeout: Duration,
     /// After the copy, compare both sides and fail on any difference.
     #[arg(long)]
     verify: bool,
@@ -139,6 +146,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         force: a.force,
         cancel: Some(cancel),
         retry_timeout: a.retry_timeout,
+        request_timeout: a.request_timeout,
     };
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
