@@ -514,16 +514,29 @@ fn nbd_err(name: &str, e: client::Error) -> Error {
 /// A server that dropped a connection and then cannot be reached at all has
 /// died under the handshake: that drop is the error returned, not the
 /// failure to reach it.
+///
+/// Down at one connection after halving, a refusal may still be the slot of
+/// the previous attempt's connection, not yet freed on a busy server: that
+/// attempt is repeated a few times, with longer pauses. (A drop is left to
+/// the caller: copy retries it in the open, with a log line.)
 fn connect_capped(uri: &NbdUri, mut opts: ConnectOptions) -> client::Result<Client> {
     let mut dropped = None;
+    let (mut halved, mut again) = (false, 0);
     loop {
         match runtime().block_on(Client::connect(uri, &opts)) {
+            Err(client::Error::Handshake { .. })
+                if halved && opts.connections == 1 && again < 3 =>
+            {
+                again += 1;
+                std::thread::sleep(Duration::from_millis(200 * again));
+            }
             Err(
                 e @ (client::Error::Connect { .. }
                 | client::Error::Handshake { .. }
                 | client::Error::Dropped { .. }),
             ) if opts.connections > 1 => {
                 opts.connections /= 2;
+                halved = true;
                 tracing::info!("{uri}: {e}; trying {} connection(s)", opts.connections);
                 if matches!(e, client::Error::Dropped { .. }) {
                     dropped.get_or_insert(e);

@@ -56,7 +56,10 @@ pub struct CopyOptions {
     /// per CPU between local targets through the page cache, 16 with
     /// O_DIRECT.
     pub requests: usize,
-    /// NBD connections per side when the server allows multi-conn.
+    /// NBD connections per side when the server allows multi-conn; 0: 4,
+    /// at most one per CPU (nbdcopy's rule: into nbdkit on two CPUs, four
+    /// connections cost the server a third more CPU than two;
+    /// docs/benchmarks.md, Copy).
     pub connections: usize,
     /// Bytes per read/write request; 0: 2 MiB (fewer requests, syscalls
     /// and file system lock round trips; through NBD the server's cost per
@@ -94,7 +97,10 @@ impl CopyOptions {
         EndpointOptions {
             writable,
             cache: self.cache,
-            connections: self.connections,
+            connections: match self.connections {
+                0 => std::thread::available_parallelism().map_or(4, |n| n.get().min(4)),
+                n => n,
+            },
             connect_timeout: t,
             request_timeout: t,
         }
@@ -105,7 +111,7 @@ impl Default for CopyOptions {
     fn default() -> Self {
         CopyOptions {
             requests: 0,
-            connections: 4,
+            connections: 0,
             request_size: 0,
             sparse_size: 4096,
             zero_mode: ZeroMode::MayTrim,

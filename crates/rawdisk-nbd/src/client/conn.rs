@@ -308,7 +308,11 @@ impl Conn {
         r.map_err(|e| e.to_string())
     }
 
-    pub(super) async fn disconnect(&self) {
+    /// Sends NBD_CMD_DISC and closes the writing side; the server then
+    /// answers what is in flight and closes. [`Conn::finish_disconnect`]
+    /// waits for that: a client with several connections sends every DISC
+    /// first, so the servers close them at once, not one after another.
+    pub(super) async fn begin_disconnect(&self) {
         {
             let mut guard = self.writer.lock().await;
             if let Some(w) = guard.as_mut() {
@@ -324,6 +328,9 @@ impl Conn {
             }
             *guard = None;
         }
+    }
+
+    pub(super) async fn finish_disconnect(&self) {
         let h = self.reader.lock().unwrap().take();
         if let Some(h) = h {
             // The server closes after answering what was in flight.

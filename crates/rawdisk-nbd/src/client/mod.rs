@@ -556,7 +556,10 @@ impl Client {
     /// by those requests, not lost.
     pub async fn disconnect(&self) -> Result<()> {
         for c in &self.conns {
-            c.disconnect().await;
+            c.begin_disconnect().await;
+        }
+        for c in &self.conns {
+            c.finish_disconnect().await;
         }
         Ok(())
     }
