@@ -143,7 +143,7 @@ impl<'a> Link<'a> {
         );
         let ep = ep.inspect_err(|e| *failed = Some(e.clone()))?;
         if ep.size() != first.size() {
-            return Err(endpoint::Error {
+            let e = endpoint::Error {
                 endpoint: first.name(),
                 errno: None,
                 message: format!(
@@ -151,7 +151,9 @@ impl<'a> Link<'a> {
                     ep.size(),
                     first.size()
                 ),
-            });
+            };
+            *failed = Some(e.clone());
+            return Err(e);
         }
         *r.cur.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ep));
         r.generation.fetch_add(1, Ordering::AcqRel);
