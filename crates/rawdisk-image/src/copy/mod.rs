@@ -57,9 +57,8 @@ pub struct CopyOptions {
     /// O_DIRECT.
     pub requests: usize,
     /// NBD connections per side when the server allows multi-conn; 0: 4,
-    /// at most one per CPU (nbdcopy's rule: into nbdkit on two CPUs, four
-    /// connections cost the server a third more CPU than two;
-    /// docs/benchmarks.md, Copy).
+    /// at most one per CPU (nbdcopy's rule: more only add server threads
+    /// writing the same file; docs/benchmarks.md, Copy).
     pub connections: usize,
     /// Bytes per read/write request; 0: 2 MiB (fewer requests, syscalls
     /// and file system lock round trips; through NBD the server's cost per
