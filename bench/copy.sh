@@ -2,15 +2,16 @@
 # bench/copy.sh -- `rawdisk copy` beside `qemu-img convert -n -W -m 16` and
 # `nbdcopy`: the seed workload (the sparse image from the harness's
 # make-image.sh) into each target kind, the destination dirty
-# (every byte previously written), to the local target and through an NBD
-# server exporting it. Not a test: prints medians and ratios.
+# (every byte previously written), to the local target and through NBD
+# servers exporting it. Not a test: prints medians and ratios.
 #
 # Usage (root): bench/copy.sh [TARGET...]      (default: tmpfs ext4 xfs blk)
 # Environment:
 #   RAWDISK_BIN   rawdisk binary (default target/release/rawdisk)
-#   COPY_SERVER   NBD server for the "nbd" rows: qemu-nbd (default), nbdkit,
-#                 or rawdisk (rawdisk serve)
-#   COPY_MODES    "local nbd" (default)
+#   COPY_MODES    where the copy goes: "local" (the target itself) and NBD
+#                 servers exporting it: nbdkit, qemu-nbd, rawdisk (rawdisk
+#                 serve); default "local nbdkit qemu-nbd"
+#   COPY_TOOLS    which copies to time (default: all six below)
 #   BENCH_REPS    repetitions (default 3); tools rotate order every rep
 #   BENCH         the NBD benchmark harness directory (required: its
 #                 targets.sh and make-image.sh build the targets and the image)
@@ -18,7 +19,8 @@
 #
 # Each run: target dirtied (untimed), [server started], copy timed, [server
 # stopped], destination compared with the source (cmp): a run that fails or
-# differs is reported, not counted. Ratio = rawdisk / min(qemu-img, nbdcopy).
+# differs is reported, not counted. Ratio = rawdisk / min(qemu-img, nbdcopy)
+# within each repetition: median [min-max] over the repetitions.
 # qemu-img (output cache unsafe) and nbdcopy do not flush the destination;
 # rawdisk does unless --no-flush. Both pairings are measured: rawdisk against
 # qemu-img -t writeback and nbdcopy --flush, rawdisk --no-flush against the
@@ -31,20 +33,21 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 RAWDISK_BIN=$(realpath "$RAWDISK_BIN")
 : "${IMG_SIZE:=2G}"
 export IMG_SIZE
-: "${COPY_SERVER:=qemu-nbd}"
-: "${COPY_MODES:=local nbd}"
+: "${COPY_MODES:=local nbdkit qemu-nbd}"
+: "${COPY_TOOLS:=rawdisk rawdisk-noflush qemu-img nbdcopy qemu-img-flush nbdcopy-flush}"
 
 # shellcheck source=/dev/null
 source "$BENCH/targets.sh"
 
 [[ $(id -u) == 0 ]] || die "needs root (mounts, loop devices)"
 [[ -x "$RAWDISK_BIN" ]] || die "no rawdisk binary at $RAWDISK_BIN (cargo build --release)"
-if [[ "$COPY_SERVER" == rawdisk ]]; then
-  export SERVER_CMD_rawdisk="$RAWDISK_BIN serve --socket {socket} {file}"
-  SRV="custom:rawdisk"
-else
-  SRV=$COPY_SERVER
-fi
+export SERVER_CMD_rawdisk="$RAWDISK_BIN serve --socket {socket} {file}"
+server_kind() { # mode -> the harness's server kind
+  case "$1" in
+    rawdisk) echo custom:rawdisk ;;
+    *) echo "$1" ;;
+  esac
+}
 TARGETS=("$@")
 [[ ${#TARGETS[@]} -gt 0 ]] || TARGETS=(tmpfs ext4 xfs blk)
 
@@ -53,7 +56,7 @@ size=$(stat -c %s "$SRC_IMG")
 cat "$SRC_IMG" > /dev/null   # page cache: measure the copy, not the source disk
 OUT="$BENCH_WORK/copy-bench.$$.tsv"
 printf 'target\tmode\ttool\trep\tseconds\tok\n' > "$OUT"
-log "copy bench: $SRC_IMG ($size bytes) -> ${TARGETS[*]} modes=[$COPY_MODES] server=$COPY_SERVER reps=$BENCH_REPS"
+log "copy bench: $SRC_IMG ($size bytes) -> ${TARGETS[*]} modes=[$COPY_MODES] reps=$BENCH_REPS"
 log "tools: $("$RAWDISK_BIN" --version) | $(qemu-img --version | head -1) | $(nbdcopy --version | head -1)"
 
 run_tool() { # tool dst -> runs the copy of $SRC_IMG to dst
@@ -77,14 +80,15 @@ for tgt in "${TARGETS[@]}"; do
   target_dirty
   for ((rep = 1; rep <= BENCH_REPS; rep++)); do
     for mode in $COPY_MODES; do
-      mapfile -t order < <(rotate "$((rep - 1))" rawdisk rawdisk-noflush qemu-img nbdcopy \
-        qemu-img-flush nbdcopy-flush)
+      # shellcheck disable=SC2086
+      mapfile -t order < <(rotate "$((rep - 1))" $COPY_TOOLS)
       for tool in "${order[@]}"; do
         target_dirty
         sync
         dst=$TARGET_PATH
-        if [[ "$mode" == nbd ]]; then
-          server_start "$SRV" "$TARGET_PATH" "$size" || die "server $SRV failed"
+        if [[ "$mode" != local ]]; then
+          srv=$(server_kind "$mode")
+          server_start "$srv" "$TARGET_PATH" "$size" || die "server $srv failed"
           dst=$SRV_URI
         fi
         t0=$(now)
@@ -93,7 +97,7 @@ for tgt in "${TARGETS[@]}"; do
         rc=$?
         set -e
         t1=$(now)
-        [[ "$mode" == nbd ]] && server_stop
+        [[ "$mode" != local ]] && server_stop
         dt=$(elapsed "$t0" "$t1")
         ok=1
         if ((rc != 0)); then
@@ -109,7 +113,8 @@ for tgt in "${TARGETS[@]}"; do
   target_teardown
 done
 
-# Medians of the good runs and the ratio to the faster other tool.
+# Medians of the good runs; the ratio to the faster other tool is paired:
+# within each repetition, then the median and the spread over repetitions.
 echo
 echo "| target | mode | rawdisk s | qemu-img -t writeback s | nbdcopy --flush s | rawdisk / best flushing other | rawdisk --no-flush s | qemu-img s | nbdcopy s | --no-flush / best other |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
@@ -122,20 +127,24 @@ for r in rows:
     if k not in keys:
         keys.append(k)
 for t, m in keys:
-    med = {}
-    for tool in ("rawdisk", "rawdisk-noflush", "qemu-img", "nbdcopy", "qemu-img-flush",
-                 "nbdcopy-flush"):
-        v = [float(r["seconds"]) for r in rows
-             if (r["target"], r["mode"], r["tool"]) == (t, m, tool) and r["ok"] == "1"]
-        med[tool] = statistics.median(v) if v else None
-    f = lambda x: "failed" if x is None else f"{x:.3f}"
-    def ratio(x, names):
-        others = [med[n] for n in names if med[n] is not None]
-        return f"{x / min(others):.2f}" if x is not None and others else "n/a"
-    print(f"| {t} | {m} | {f(med['rawdisk'])} | {f(med['qemu-img-flush'])} | "
-          f"{f(med['nbdcopy-flush'])} | {ratio(med['rawdisk'], ('qemu-img-flush', 'nbdcopy-flush'))} | "
-          f"{f(med['rawdisk-noflush'])} | {f(med['qemu-img'])} | {f(med['nbdcopy'])} | "
-          f"{ratio(med['rawdisk-noflush'], ('qemu-img', 'nbdcopy'))} |")
+    runs = {}  # tool -> rep -> seconds
+    for r in rows:
+        if (r["target"], r["mode"]) == (t, m) and r["ok"] == "1":
+            runs.setdefault(r["tool"], {})[r["rep"]] = float(r["seconds"])
+    med = {tool: statistics.median(v.values()) for tool, v in runs.items()}
+    f = lambda tool: f"{med[tool]:.3f}" if tool in med else "n/a"
+    def ratio(mine, others):
+        got = []
+        for rep, x in runs.get(mine, {}).items():
+            o = [runs[n][rep] for n in others if rep in runs.get(n, {})]
+            if o:
+                got.append(x / min(o))
+        if not got:
+            return "n/a"
+        return f"{statistics.median(got):.2f} [{min(got):.2f}-{max(got):.2f}]"
+    print(f"| {t} | {m} | {f('rawdisk')} | {f('qemu-img-flush')} | {f('nbdcopy-flush')} | "
+          f"{ratio('rawdisk', ('qemu-img-flush', 'nbdcopy-flush'))} | {f('rawdisk-noflush')} | "
+          f"{f('qemu-img')} | {f('nbdcopy')} | {ratio('rawdisk-noflush', ('qemu-img', 'nbdcopy'))} |")
 EOF
 echo
 log "raw results: $OUT"

@@ -2,11 +2,19 @@
 destinations, the option aliases (`--destination-is-zero`, `--flush`, `-R`),
 a server that caps its connections, a larger existing destination refused
 without `--force`, a destination that is the source through a symlink, and
-SIGINT / SIGTERM in the middle of a copy."""
+SIGINT / SIGTERM in the middle of a copy; a destination server that stops
+answering (SIGSTOP) or dies in the first handshake, and the progress bar and
+summary line of a copy that reconnected."""
 
+import fcntl
 import os
+import pty
 import signal
+import socket
+import struct
 import subprocess
+import termios
+import threading
 import time
 
 import pytest
@@ -178,3 +186,213 @@ def test_signal_stops_the_copy_cleanly(workdir, sig, code, name):
     got = read_target(dst)
     assert got[:256 * 1024] == model[:256 * 1024], "the first request is not there"
     assert got != bytes(model), "the copy finished anyway"
+
+
+# -- a server that stops answering, or dies in the first handshake -----------
+
+def copy_bg(*args, **kw):
+    return subprocess.Popen([servers.RAWDISK_BIN, "copy", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kw)
+
+
+def restart(srv):
+    """kill -9, then the same server on the same socket and file."""
+    srv.kill()
+    if srv.sock and os.path.exists(srv.sock):
+        os.unlink(srv.sock)
+    srv.start()
+
+
+def wait_until_copying(dst, model, proc, n=256 * 1024):
+    """Until the first `n` bytes of the copy are in the destination: the
+    copy is past its handshakes and writing."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        with open(dst, "rb") as f:
+            if f.read(n) == bytes(model[:n]):
+                return
+        time.sleep(0.005)
+    pytest.fail("the copy did not start")
+
+
+SLOW = ["-m", "4", "-C", "2", "--request-size", "64K"]
+
+
+@pytest.mark.parametrize("then", ["sigcont", "restart"])
+def test_stopped_destination_server_is_abandoned_and_the_copy_finishes(workdir, then):
+    size = 128 * MiB + 4096
+    src, model = make_image(workdir, "src.img", size, seed=74)
+    dst, _ = make_image(workdir, "dst.img", size, seed=75)
+    srv = servers.Server(workdir, dst, kind="rawdisk").start()
+    try:
+        p = copy_bg(*SLOW, "--request-timeout", "2s", "--retry-timeout", "30s", src, srv.uri)
+        wait_until_copying(dst, model, p)
+        os.kill(srv.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        # Past the request timeout: the client has given up on the
+        # connections and is trying new ones, which the stopped server
+        # accepts in its backlog but does not answer.
+        time.sleep(3.5)
+        assert p.poll() is None, p.communicate()
+        if then == "sigcont":
+            os.kill(srv.pid, signal.SIGCONT)
+        else:
+            os.kill(srv.pid, signal.SIGCONT)
+            restart(srv)
+        out, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+        srv.kill()
+    out, err = out.decode(), err.decode()
+    assert p.returncode == 0, err
+    assert "did not answer for 2s" in err and "reconnecting" in err, err
+    assert "reconnected 1 time(s)" in out, out
+    assert took < 20, took
+    assert_target_is(dst, model)
+
+
+def test_server_that_never_answers_fails_within_the_bound(workdir):
+    src, model = make_image(workdir, "src.img", 4 * MiB, seed=76)
+    dst, junk = make_image(workdir, "dst.img", 4 * MiB, seed=77)
+    # Handshakes and reads answered, writes never.
+    srv, uri = slow_nbdkit(workdir, dst, delay="1000")
+    try:
+        for retry, least, most in [("0", 2, 6), ("2s", 4, 10)]:
+            t0 = time.monotonic()
+            res = rawdisk_copy("--request-timeout", "2s", "--retry-timeout", retry, src, uri,
+                               timeout=60)
+            took = time.monotonic() - t0
+            err = res.stderr.decode()
+            assert res.returncode == 1, err
+            assert err.count("\n") == 1 or retry != "0", err
+            last = err.strip().splitlines()[-1]
+            assert last.startswith(f"rawdisk: destination {uri}: write at offset "), err
+            assert "did not answer for 2s" in last, err
+            if retry != "0":
+                assert "gave up reconnecting after 2s" in last, err
+            assert least <= took < most, (retry, took, err)
+    finally:
+        srv.kill()
+        srv.wait()
+    assert read_target(dst) == junk, "a write that was never answered landed"
+
+
+def flaky_listener(path, seconds):
+    """A Unix socket that accepts connections and closes them at once for
+    `seconds` (a server dying in the handshake), then goes away."""
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen(16)
+    lsock.settimeout(0.05)
+
+    def run():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                c, _ = lsock.accept()
+                c.close()
+            except socket.timeout:
+                pass
+        lsock.close()
+        os.unlink(path)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_server_dying_in_the_first_handshake_is_retried(workdir):
+    src, model = make_image(workdir, "src.img", 8 * MiB, seed=78)
+    dst, _ = make_image(workdir, "dst.img", 8 * MiB, seed=79)
+    sock = os.path.join(workdir, "flaky.sock")
+    t = flaky_listener(sock, 1.0)
+    p = copy_bg("--retry-timeout", "20s", src, f"nbd+unix:///?socket={sock}")
+    t.join()
+    srv = subprocess.Popen([servers.RAWDISK_BIN, "serve", "--socket", sock, dst],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, err = p.communicate(timeout=30)
+    finally:
+        srv.terminate()
+        srv.wait()
+    err = err.decode()
+    assert p.returncode == 0, err
+    assert "closed the connection; reconnecting" in err and "reconnected" in err, err
+    assert_target_is(dst, model)
+    # With --retry-timeout 0 the same drop is final.
+    t = flaky_listener(sock, 3.0)
+    res = rawdisk_copy("--retry-timeout", "0", src, f"nbd+unix:///?socket={sock}")
+    t.join()
+    assert res.returncode == 1 and b"closed the connection" in res.stderr, res.stderr
+    assert b"reconnecting" not in res.stderr, res.stderr
+
+
+def test_server_that_never_existed_fails_at_once(workdir):
+    src, _ = make_image(workdir, "src.img", MiB, seed=80)
+    # A stale socket file (nothing listening: ECONNREFUSED), a missing
+    # one, a TCP port nobody listens on.
+    stale = os.path.join(workdir, "stale.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(stale)
+    s.close()
+    port = servers.free_tcp_port()
+    for uri, why in [(f"nbd+unix:///?socket={stale}", "Connection refused"),
+                     (f"nbd+unix:///?socket={workdir}/missing.sock", "No such file"),
+                     (f"nbd://127.0.0.1:{port}/", "Connection refused")]:
+        for dst, side in [(uri, "destination"), ("null:", "source")]:
+            args = [src, dst] if side == "destination" else [uri, dst]
+            t0 = time.monotonic()
+            res = rawdisk_copy("--retry-timeout", "60s", *args)
+            took = time.monotonic() - t0
+            err = res.stderr.decode()
+            assert res.returncode == 1, err
+            assert err.count("\n") == 1 and why in err and side in err, err
+            assert "reconnecting" not in err, err
+            assert took < 3, (uri, took)
+
+
+def test_progress_shows_the_reconnect_and_the_summary_counts_it(workdir):
+    size = 128 * MiB
+    src, model = make_image(workdir, "src.img", size, seed=81)
+    dst, _ = make_image(workdir, "dst.img", size, seed=82)
+    srv = servers.Server(workdir, dst, kind="rawdisk").start()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+    chunks = []
+
+    def drain():
+        while True:
+            try:
+                b = os.read(master, 65536)
+            except OSError:
+                return
+            if not b:
+                return
+            chunks.append(b)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        p = subprocess.Popen([servers.RAWDISK_BIN, "copy", "-p", *SLOW, "--retry-timeout",
+                              "30s", src, srv.uri], stdout=subprocess.PIPE, stderr=slave)
+        os.close(slave)
+        wait_until_copying(dst, model, p)
+        srv.kill()
+        # Down long enough for several attempts to show.
+        time.sleep(1.0)
+        restart(srv)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        srv.kill()
+    reader.join(10)
+    os.close(master)
+    tty = b"".join(chunks).decode(errors="replace")
+    assert p.returncode == 0, tty
+    assert "destination reconnecting (attempt 2)" in tty, tty[-3000:]
+    assert "reconnected (attempt" in tty, tty[-3000:]
+    line = out.decode().strip()
+    assert line.startswith("copied 128.0 MiB in "), line
+    assert line.endswith("; reconnected 1 time(s)"), line
+    assert_target_is(dst, model)

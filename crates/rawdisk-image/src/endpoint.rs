@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use rawdisk_nbd::client::{self, Client, ConnectOptions, ExportInfo};
 use rawdisk_nbd::uri::{looks_like_nbd_uri, NbdUri};
@@ -78,6 +79,13 @@ pub struct EndpointOptions {
     pub cache: CacheMode,
     /// NBD: connections to open when the server allows multi-conn.
     pub connections: usize,
+    /// NBD: give up connecting and negotiating after this long (None: the
+    /// client's default).
+    pub connect_timeout: Option<Duration>,
+    /// NBD: abandon a connection whose server has not answered for this
+    /// long while requests wait; its requests fail as on a dropped
+    /// connection (None: wait forever).
+    pub request_timeout: Option<Duration>,
 }
 
 impl Default for EndpointOptions {
@@ -86,6 +94,8 @@ impl Default for EndpointOptions {
             writable: false,
             cache: CacheMode::Writeback,
             connections: 1,
+            connect_timeout: None,
+            request_timeout: None,
         }
     }
 }
@@ -163,10 +173,14 @@ impl Endpoint {
     }
 
     pub fn connect(uri: NbdUri, opts: &EndpointOptions) -> Result<Endpoint> {
-        let copts = ConnectOptions {
+        let mut copts = ConnectOptions {
             connections: opts.connections.max(1),
+            request_timeout: opts.request_timeout,
             ..Default::default()
         };
+        if let Some(t) = opts.connect_timeout {
+            copts.timeout = t;
+        }
         let client = connect_capped(&uri, copts).map_err(|e| nbd_err(&uri.to_string(), e))?;
         if opts.writable && client.info().read_only() {
             return Err(Error {
@@ -475,9 +489,13 @@ impl MapExtent {
 }
 
 fn nbd_err(name: &str, e: client::Error) -> Error {
-    // A broken connection is ECONNRESET, an errno NBD servers never send,
-    // so callers can tell it from the server's answer (copy reconnects).
-    let broken = matches!(e, client::Error::Connection { .. });
+    // A broken connection (also one that broke in the handshake) is
+    // ECONNRESET, an errno NBD servers never send, so callers can tell it
+    // from the server's answer (copy reconnects).
+    let broken = matches!(
+        e,
+        client::Error::Connection { .. } | client::Error::Dropped { .. }
+    );
     Error {
         endpoint: name.to_string(),
         errno: e
@@ -492,15 +510,41 @@ fn nbd_err(name: &str, e: client::Error) -> Error {
 /// (a connection cap such as `serve --max-connections` closes the extras):
 /// halving down to one, after a pause that lets the server see the failed
 /// attempt's connections close and free their slots.
+///
+/// A server that dropped a connection and then cannot be reached at all has
+/// died under the handshake: that drop is the error returned, not the
+/// failure to reach it.
+///
+/// Down at one connection after halving, a refusal may still be the slot of
+/// the previous attempt's connection, not yet freed on a busy server: that
+/// attempt is repeated a few times, with longer pauses. (A drop is left to
+/// the caller: copy retries it in the open, with a log line.)
 fn connect_capped(uri: &NbdUri, mut opts: ConnectOptions) -> client::Result<Client> {
+    let mut dropped = None;
+    let (mut halved, mut again) = (false, 0);
     loop {
         match runtime().block_on(Client::connect(uri, &opts)) {
-            Err(e @ (client::Error::Connect { .. } | client::Error::Handshake { .. }))
-                if opts.connections > 1 =>
+            Err(client::Error::Handshake { .. })
+                if halved && opts.connections == 1 && again < 3 =>
             {
+                again += 1;
+                std::thread::sleep(Duration::from_millis(200 * again));
+            }
+            Err(
+                e @ (client::Error::Connect { .. }
+                | client::Error::Handshake { .. }
+                | client::Error::Dropped { .. }),
+            ) if opts.connections > 1 => {
                 opts.connections /= 2;
+                halved = true;
                 tracing::info!("{uri}: {e}; trying {} connection(s)", opts.connections);
-                std::thread::sleep(std::time::Duration::from_millis(100));
+                if matches!(e, client::Error::Dropped { .. }) {
+                    dropped.get_or_insert(e);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(client::Error::Connect { .. }) if dropped.is_some() => {
+                return Err(dropped.expect("checked"))
             }
             r => return r,
         }

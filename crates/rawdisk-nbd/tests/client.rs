@@ -375,3 +375,132 @@ fn blocking_facade() {
     same(&buf, &want, "blocking read");
     c.disconnect().unwrap();
 }
+
+fn signal(srv: &NbdServer, sig: &str) {
+    let st = std::process::Command::new("kill")
+        .args([sig, &srv.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+#[test]
+fn request_timeout_abandons_a_server_that_stops_answering() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img.raw");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(256 << 20)
+        .unwrap();
+    let srv = NbdServer::qemu_nbd(&img);
+    let limit = Duration::from_millis(800);
+    rt().block_on(async {
+        let opts = ConnectOptions {
+            connections: 2,
+            request_timeout: Some(limit),
+            ..Default::default()
+        };
+        let c = Arc::new(Client::connect(&uri(&srv), &opts).await.unwrap());
+        c.write(0, &pattern(0, 4096), false).await.unwrap();
+        // Idle for longer than the limit: nothing was waiting, nothing ends.
+        tokio::time::sleep(limit * 2).await;
+        same(
+            &c.read(0, 4096).await.unwrap(),
+            &pattern(0, 4096),
+            "after idle",
+        );
+        // Stopped: big writes fill the socket and block in send, small
+        // reads wait for replies; all must fail once the limit passes.
+        signal(&srv, "-STOP");
+        let t0 = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..8u64 {
+            let w = c.clone();
+            set.spawn(async move {
+                let data = vec![0xa5u8; 16 << 20];
+                w.write(i * (16 << 20), &data, false).await
+            });
+            let r = c.clone();
+            set.spawn(async move { r.read(i * 4096, 4096).await.map(|_| ()) });
+        }
+        while let Some(r) = set.join_next().await {
+            let e = r.unwrap().unwrap_err();
+            assert!(matches!(e, Error::Connection { .. }), "{e}");
+            assert!(e.to_string().contains("did not answer for 800ms"), "{e}");
+        }
+        let took = t0.elapsed();
+        assert!(took >= limit && took < limit * 3, "{took:?}");
+        let e = c.read(0, 512).await.unwrap_err();
+        assert!(e.to_string().contains("connection lost"), "{e}");
+    });
+    signal(&srv, "-CONT");
+}
+
+#[test]
+fn request_timeout_counts_silence_not_busy_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, want) = sparse_image(dir.path());
+    // Each read is answered after 300 ms; two are always in flight, staggered,
+    // so the connection is busy far longer than the limit but the server is
+    // never silent that long.
+    let srv = NbdServer::nbdkit(&img, &["--filter=delay"], &["delay-read=300ms"]);
+    rt().block_on(async {
+        let opts = ConnectOptions {
+            request_timeout: Some(Duration::from_millis(700)),
+            ..Default::default()
+        };
+        let c = Arc::new(Client::connect(&uri(&srv), &opts).await.unwrap());
+        let t0 = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        let read = |i: u64| {
+            let c = c.clone();
+            async move { (i, c.read(i * 4096, 4096).await) }
+        };
+        set.spawn(read(0));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        set.spawn(read(1));
+        let mut next = 2;
+        while let Some(r) = set.join_next().await {
+            let (i, got) = r.unwrap();
+            let got = got.unwrap_or_else(|e| panic!("read {i} after {:?}: {e}", t0.elapsed()));
+            same(&got, &want[i as usize * 4096..][..4096], "slow read");
+            if next < 8 {
+                set.spawn(read(next));
+                next += 1;
+            }
+        }
+        assert!(t0.elapsed() > Duration::from_millis(1200));
+    });
+}
+
+#[test]
+fn a_handshake_cut_short_is_dropped_a_silent_one_times_out() {
+    use std::os::unix::net::UnixListener;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let l = UnixListener::bind(&sock).unwrap();
+    let u = NbdUri::parse(&format!("nbd+unix:///?socket={}", sock.display())).unwrap();
+    // Accepts and closes at once: a server that died in the handshake.
+    let closer = std::thread::spawn(move || {
+        let (c, _) = l.accept().unwrap();
+        drop(c);
+        l
+    });
+    let e = rt()
+        .block_on(Client::connect(&u, &ConnectOptions::default()))
+        .unwrap_err();
+    assert!(matches!(e, Error::Dropped { .. }), "{e:?}");
+    assert!(e.to_string().contains("closed the connection"), "{e}");
+    // Never answers (the listener is not even accepting): the handshake's
+    // bound applies.
+    let _l = closer.join().unwrap();
+    let opts = ConnectOptions {
+        timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let e = rt().block_on(Client::connect(&u, &opts)).unwrap_err();
+    assert!(matches!(e, Error::Connect { .. }), "{e:?}");
+    assert!(e.to_string().contains("timed out"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+}

@@ -56,7 +56,9 @@ pub struct CopyOptions {
     /// per CPU between local targets through the page cache, 16 with
     /// O_DIRECT.
     pub requests: usize,
-    /// NBD connections per side when the server allows multi-conn.
+    /// NBD connections per side when the server allows multi-conn; 0: 4,
+    /// at most one per CPU (nbdcopy's rule: more only add server threads
+    /// writing the same file; docs/benchmarks.md, Copy).
     pub connections: usize,
     /// Bytes per read/write request; 0: 2 MiB (fewer requests, syscalls
     /// and file system lock round trips; through NBD the server's cost per
@@ -81,13 +83,34 @@ pub struct CopyOptions {
     /// How long to keep reconnecting an NBD side whose connection broke
     /// (zero: the error ends the copy).
     pub retry_timeout: Duration,
+    /// An NBD connection whose server has not answered for this long while
+    /// requests wait counts as dropped (zero: wait forever); also bounds
+    /// each connect and handshake.
+    pub request_timeout: Duration,
+}
+
+impl CopyOptions {
+    /// How to open (and reopen) a side.
+    pub(crate) fn endpoint_options(&self, writable: bool) -> EndpointOptions {
+        let t = (!self.request_timeout.is_zero()).then_some(self.request_timeout);
+        EndpointOptions {
+            writable,
+            cache: self.cache,
+            connections: match self.connections {
+                0 => std::thread::available_parallelism().map_or(4, |n| n.get().min(4)),
+                n => n,
+            },
+            connect_timeout: t,
+            request_timeout: t,
+        }
+    }
 }
 
 impl Default for CopyOptions {
     fn default() -> Self {
         CopyOptions {
             requests: 0,
-            connections: 4,
+            connections: 0,
             request_size: 0,
             sparse_size: 4096,
             zero_mode: ZeroMode::MayTrim,
@@ -99,6 +122,7 @@ impl Default for CopyOptions {
             force: false,
             cancel: None,
             retry_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -348,13 +372,9 @@ pub fn copy_to_stream(src: &Endpoint, out: &Stream, opts: &CopyOptions) -> Resul
 
 fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
     let t0 = Instant::now();
-    let eopts = |writable| EndpointOptions {
-        writable,
-        cache: opts.cache,
-        connections: opts.connections,
-    };
-    let src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
-    let dst_link = match to {
+    let eopts = |writable| opts.endpoint_options(writable);
+    let mut src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
+    let mut dst_link = match to {
         To::Ep(e) => Some(Link::new(
             e,
             Side::Destination,
@@ -363,6 +383,11 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
         )),
         _ => None,
     };
+    let bar = progress_bar(opts.progress, src.size());
+    src_link.set_bar(bar.as_ref());
+    if let Some(l) = &mut dst_link {
+        l.set_bar(bar.as_ref());
+    }
     let dst = match (to, &dst_link) {
         (_, Some(l)) => Dst::Ep(l),
         (To::Stream(s), _) => Dst::Stream(s),
@@ -370,6 +395,9 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
     };
     let size = src.size();
     if let Some(d) = dst.size().filter(|&d| d < size) {
+        if let Some(b) = &bar {
+            b.finish_and_clear();
+        }
         return Err(CopyError::Setup(format!(
             "destination {} is {d} bytes, smaller than the source ({size} bytes)",
             dst.name(),
@@ -427,7 +455,12 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
     let offload = dst
         .endpoint()
         .and_then(|d| offload::Offload::new(src, d, opts, sparse));
-    let mut planner = Planner::new(&src_link, request, 1 << 30);
+    // Locally a zero run is one fallocate however long. An NBD server
+    // punches a long run on one thread while the other workers idle at the
+    // tail of the image: in 32 MiB pieces (qemu-img's) they run beside the
+    // writes and each other (docs/benchmarks.md, Copy).
+    let zero_chunk = if dst.is_nbd() { 32 << 20 } else { 1 << 30 };
+    let mut planner = Planner::new(&src_link, request, zero_chunk);
     planner.offload = offload.as_ref();
     let planner = Mutex::new(planner);
     let worker = Worker {
@@ -440,7 +473,6 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
         may_trim,
         c: &counters,
     };
-    let bar = progress_bar(opts.progress, size);
 
     std::thread::scope(|s| {
         for _ in 0..workers {
@@ -662,7 +694,7 @@ fn progress_bar(wanted: bool, size: u64) -> Option<indicatif::ProgressBar> {
     let b = indicatif::ProgressBar::new(size);
     b.set_style(
         indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use super::{CopyError, CopyOptions, Result, Side};
-use crate::endpoint::{self, Endpoint, EndpointOptions};
+use crate::endpoint::{self, Endpoint};
 
 /// The destination and whether it is known to read as zeros (a file this
 /// copy created, or grew from nothing).
@@ -40,15 +40,9 @@ pub fn open_pair(
 
 /// Opens the source read-only.
 pub fn open_source(source: &str, opts: &CopyOptions) -> Result<Endpoint> {
-    Endpoint::open_with(
-        source,
-        &EndpointOptions {
-            writable: false,
-            cache: opts.cache,
-            connections: opts.connections,
-        },
-    )
-    .map_err(CopyError::io(Side::Source))
+    let eopts = opts.endpoint_options(false);
+    super::retry::open(source, &eopts, Side::Source, opts.retry_timeout)
+        .map_err(CopyError::io(Side::Source))
 }
 
 /// Opens (creating if needed) the destination for a source of `size` bytes.
@@ -56,14 +50,11 @@ pub fn open_source(source: &str, opts: &CopyOptions) -> Result<Endpoint> {
 /// `opts.preallocation`); a block device or NBD export must be at least
 /// `size` bytes.
 pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Destination> {
-    let eopts = EndpointOptions {
-        writable: true,
-        cache: opts.cache,
-        connections: opts.connections,
-    };
+    let eopts = opts.endpoint_options(true);
     let io = CopyError::io(Side::Destination);
     if endpoint::is_nbd(spec) {
-        let ep = Endpoint::open_with(spec, &eopts).map_err(&io)?;
+        let ep =
+            super::retry::open(spec, &eopts, Side::Destination, opts.retry_timeout).map_err(&io)?;
         check_dest_size(&ep, size)?;
         return Ok(Destination {
             endpoint: ep,

@@ -1,6 +1,7 @@
 //! Surviving a dropped NBD connection (`--retry-timeout`): a side whose
-//! connection breaks (the server closed it, reset it, the pipe broke) is
-//! reopened from the same URI, with the same options, by the first worker
+//! connection breaks (the server closed it, reset it, the pipe broke, or
+//! left requests unanswered for `--request-timeout`, which the client
+//! reports as a broken connection) is reopened from the same URI, with the same options, by the first worker
 //! that notices; the others wait for it. The new export must be the same
 //! size (and still writable, for the destination: `Endpoint::open_with`
 //! refuses a read-only one), else the copy stops with that error. Every
@@ -12,9 +13,12 @@
 //! with SIGKILL leaves its writes in the page cache, which the flush writes
 //! out).
 //!
-//! Attempts back off from 100 ms to 2 s; the timeout counts from the first
-//! failure, and when it passes the error says what broke and that the
-//! server did not come back.
+//! Attempts back off from 100 ms to 2 s, each bounded by the time left (a
+//! stopped server accepts connections but never answers them); the timeout
+//! counts from the first failure, and when it passes the error says what
+//! broke and that the server did not come back. The progress bar shows the
+//! attempt while it lasts. The first connect is retried only when the
+//! server dropped it mid-handshake ([`open`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -41,7 +45,11 @@ struct Retry {
     /// Bumped by each reconnect, so a worker that saw the old connection
     /// fail does not reconnect again after another worker did.
     generation: AtomicU64,
-    reconnecting: Mutex<()>,
+    /// Held while reconnecting; holds the error once reconnecting gave up,
+    /// so the workers that waited do not start over with their own clock.
+    reconnecting: Mutex<Option<endpoint::Error>>,
+    /// The progress bar, which shows a reconnect while it lasts.
+    bar: Option<indicatif::ProgressBar>,
 }
 
 impl<'a> Link<'a> {
@@ -58,7 +66,8 @@ impl<'a> Link<'a> {
             timeout,
             cur: RwLock::new(None),
             generation: AtomicU64::new(0),
-            reconnecting: Mutex::new(()),
+            reconnecting: Mutex::new(None),
+            bar: None,
         });
         Link { first: ep, retry }
     }
@@ -98,7 +107,8 @@ impl<'a> Link<'a> {
                     let d = *deadline.get_or_insert_with(|| Instant::now() + r.timeout);
                     if Instant::now() >= d {
                         // Reconnected, but the request keeps failing.
-                        return Err(gave_up(self.first, &e, r.timeout, "still failing"));
+                        let name = self.first.name();
+                        return Err(gave_up(&name, &e, r.timeout, "still failing"));
                     }
                     self.reconnect(r, generation, d, &e)?;
                 }
@@ -114,61 +124,142 @@ impl<'a> Link<'a> {
         deadline: Instant,
         cause: &endpoint::Error,
     ) -> endpoint::Result<()> {
-        let _g = r.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failed = r.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &*failed {
+            return Err(e.clone());
+        }
         if r.generation.load(Ordering::Acquire) != seen {
             return Ok(()); // another worker already did
         }
-        let name = self.first.name();
-        tracing::warn!(
-            "{} {}; reconnecting (for up to {:?})",
+        let first = self.first;
+        let ep = reopen(
+            &first.name(),
+            &r.opts,
             r.side,
+            r.timeout,
+            deadline,
             cause,
-            r.timeout
+            r.bar.as_ref(),
         );
-        let mut pause = Duration::from_millis(100);
-        loop {
-            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-            let last = match Endpoint::open_with(&name, &r.opts) {
-                Ok(ep) if ep.size() != self.first.size() => {
-                    return Err(endpoint::Error {
-                        endpoint: name,
-                        errno: None,
-                        message: format!(
-                            "the export came back with {} bytes instead of {}",
-                            ep.size(),
-                            self.first.size()
-                        ),
-                    });
-                }
-                Ok(ep) => {
-                    *r.cur.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ep));
-                    r.generation.fetch_add(1, Ordering::AcqRel);
-                    tracing::warn!("{} {name}: reconnected", r.side);
-                    return Ok(());
-                }
-                // The server is back but refuses what the copy needs (a
-                // read-only export for the destination): not worth waiting.
-                Err(e) if e.errno.is_some() => return Err(e),
-                Err(e) => e,
+        let ep = ep.inspect_err(|e| *failed = Some(e.clone()))?;
+        if ep.size() != first.size() {
+            let e = endpoint::Error {
+                endpoint: first.name(),
+                errno: None,
+                message: format!(
+                    "the export came back with {} bytes instead of {}",
+                    ep.size(),
+                    first.size()
+                ),
             };
-            if Instant::now() >= deadline {
-                let last = format!("the server did not come back ({})", last.message);
-                return Err(gave_up(self.first, cause, r.timeout, &last));
-            }
-            pause = (pause * 2).min(Duration::from_secs(2));
+            *failed = Some(e.clone());
+            return Err(e);
+        }
+        *r.cur.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ep));
+        r.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Shows the retry state on `bar` (and keeps log lines off it).
+    pub(super) fn set_bar(&mut self, bar: Option<&indicatif::ProgressBar>) {
+        if let Some(r) = &mut self.retry {
+            r.bar = bar.cloned();
         }
     }
 }
 
-/// The error after `timeout` of reconnecting.
-fn gave_up(
-    ep: &Endpoint,
-    cause: &endpoint::Error,
+/// Runs `f` (a log line) above the progress bar, not through it.
+fn say(bar: Option<&indicatif::ProgressBar>, f: impl FnOnce()) {
+    match bar {
+        Some(b) => b.suspend(f),
+        None => f(),
+    }
+}
+
+/// Opens `spec` again after `cause` broke the connection: attempts back off
+/// from 100 ms to 2 s until `deadline`, each bounded by the time left. A
+/// server that is back but refuses what the copy needs (a read-only export
+/// for the destination) ends it at once.
+fn reopen(
+    name: &str,
+    opts: &EndpointOptions,
+    side: Side,
     timeout: Duration,
-    why: &str,
-) -> endpoint::Error {
+    deadline: Instant,
+    cause: &endpoint::Error,
+    bar: Option<&indicatif::ProgressBar>,
+) -> endpoint::Result<Endpoint> {
+    say(bar, || {
+        tracing::warn!("{side} {cause}; reconnecting (for up to {timeout:?})")
+    });
+    let status = |msg: String| {
+        if let Some(b) = bar {
+            b.set_message(msg);
+        }
+    };
+    let mut pause = Duration::from_millis(100);
+    for attempt in 1.. {
+        std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+        status(format!("{side} reconnecting (attempt {attempt})…"));
+        // A server that accepts but does not answer (stopped) must not
+        // hold an attempt past the deadline.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut o = opts.clone();
+        o.connect_timeout = Some(
+            o.connect_timeout
+                .map_or(left, |t| t.min(left))
+                .max(Duration::from_millis(100)),
+        );
+        let last = match Endpoint::open_with(name, &o) {
+            Ok(ep) => {
+                status(String::new());
+                say(bar, || {
+                    tracing::warn!("{side} {name}: reconnected (attempt {attempt})")
+                });
+                return Ok(ep);
+            }
+            Err(e) if e.errno.is_some() && !is_disconnect(&e) => {
+                status(String::new());
+                return Err(e);
+            }
+            Err(e) => e,
+        };
+        tracing::debug!("{side} reconnect attempt {attempt}: {last}");
+        if Instant::now() >= deadline {
+            status(String::new());
+            let why = format!("the server did not come back ({})", last.message);
+            return Err(gave_up(name, cause, timeout, &why));
+        }
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+    unreachable!("the attempts never end")
+}
+
+/// Opens one side of a copy. An NBD server that closed or reset the
+/// connection during the first handshake (killed, restarting) is tried
+/// again as a later drop would be, for up to `timeout`; every other failure
+/// of the first connect is final at once: nothing listening (no such
+/// socket, connection refused, unknown host), the server refusing the
+/// export or the TLS credentials, a timeout (so a typo never waits).
+pub(super) fn open(
+    spec: &str,
+    opts: &EndpointOptions,
+    side: Side,
+    timeout: Duration,
+) -> endpoint::Result<Endpoint> {
+    match Endpoint::open_with(spec, opts) {
+        Err(e) if endpoint::is_nbd(spec) && !timeout.is_zero() && is_disconnect(&e) => {
+            let deadline = Instant::now() + timeout;
+            reopen(spec, opts, side, timeout, deadline, &e, None)
+        }
+        r => r,
+    }
+}
+
+/// The error after `timeout` of reconnecting.
+fn gave_up(name: &str, cause: &endpoint::Error, timeout: Duration, why: &str) -> endpoint::Error {
     endpoint::Error {
-        endpoint: ep.name(),
+        endpoint: name.to_string(),
         errno: cause.errno,
         message: format!(
             "{}; gave up reconnecting after {timeout:?}: {why}",

@@ -4,9 +4,10 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::oneshot;
@@ -55,6 +56,15 @@ pub(super) struct Conn {
     structured: bool,
     context_id: Option<u32>,
     pub(super) reader: Mutex<Option<JoinHandle<()>>>,
+    /// A duplicate of the socket, to shut it down under a blocked reader
+    /// and writer when the server stops answering.
+    sock: OwnedFd,
+    /// When the server last showed life (a reply, or the first request
+    /// after an idle spell), in milliseconds since `epoch`: what the
+    /// request timeout measures. A send that went through does not count:
+    /// the kernel takes bytes for a stopped server too.
+    epoch: Instant,
+    last_activity: AtomicU64,
 }
 
 impl Conn {
@@ -68,33 +78,40 @@ impl Conn {
             target: target.to_string(),
             message: e.to_string(),
         };
-        let (r, w): (Box<dyn AsyncRead + Send + Unpin>, Writer) = match &uri.transport {
-            Transport::Tcp { host, port } => {
-                let s = tokio::net::TcpStream::connect((host.as_str(), *port))
-                    .await
-                    .map_err(connect_err)?;
-                s.set_nodelay(true).map_err(connect_err)?;
-                let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
-                    .map_err(connect_err)?;
-                (Box::new(r), Box::new(w))
-            }
-            Transport::Unix { path } => {
-                let s = tokio::net::UnixStream::connect(path)
-                    .await
-                    .map_err(connect_err)?;
-                // Write payloads queue in this side's send buffer (AF_UNIX
-                // charges the sender; docs/benchmarks.md, Copy).
-                crate::sock::grow_unix_send_buffer(&s);
-                let (r, w, _) = crate::sock::split(s.into_std().map_err(connect_err)?.into())
-                    .map_err(connect_err)?;
-                (Box::new(r), Box::new(w))
-            }
-        };
+        let (r, w, sock): (Box<dyn AsyncRead + Send + Unpin>, Writer, OwnedFd) =
+            match &uri.transport {
+                Transport::Tcp { host, port } => {
+                    let s = tokio::net::TcpStream::connect((host.as_str(), *port))
+                        .await
+                        .map_err(connect_err)?;
+                    s.set_nodelay(true).map_err(connect_err)?;
+                    let fd: OwnedFd = s.into_std().map_err(connect_err)?.into();
+                    let dup = fd.try_clone().map_err(connect_err)?;
+                    let (r, w, _) = crate::sock::split(fd).map_err(connect_err)?;
+                    (Box::new(r), Box::new(w), dup)
+                }
+                Transport::Unix { path } => {
+                    let s = tokio::net::UnixStream::connect(path)
+                        .await
+                        .map_err(connect_err)?;
+                    // Write payloads queue in this side's send buffer (AF_UNIX
+                    // charges the sender; docs/benchmarks.md, Copy).
+                    crate::sock::grow_unix_send_buffer(&s);
+                    let fd: OwnedFd = s.into_std().map_err(connect_err)?.into();
+                    let dup = fd.try_clone().map_err(connect_err)?;
+                    let (r, w, _) = crate::sock::split(fd).map_err(connect_err)?;
+                    (Box::new(r), Box::new(w), dup)
+                }
+            };
         let mut r = BufReader::with_capacity(256 * 1024, r);
         let mut w = w;
-        let hs_err = |message| Error::Handshake {
-            target: target.to_string(),
-            message,
+        let hs_err = |message: String| {
+            let target = target.to_string();
+            if dropped(&message) {
+                Error::Dropped { target, message }
+            } else {
+                Error::Handshake { target, message }
+            }
         };
         let no_zeroes = greet(&mut r, &mut w).await.map_err(hs_err)?;
         if let Some(tls) = tls {
@@ -128,6 +145,9 @@ impl Conn {
             structured: info.structured_replies,
             context_id,
             reader: Mutex::new(None),
+            sock,
+            epoch: Instant::now(),
+            last_activity: AtomicU64::new(0),
         });
         let c2 = conn.clone();
         let h = tokio::spawn(async move {
@@ -138,7 +158,30 @@ impl Conn {
             c2.kill(&reason);
         });
         *conn.reader.lock().unwrap() = Some(h);
+        if let Some(limit) = opts.request_timeout.filter(|t| !t.is_zero()) {
+            tokio::spawn(watchdog(Arc::downgrade(&conn), limit));
+        }
         Ok((conn, info))
+    }
+
+    /// The server showed life now.
+    fn touch(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.last_activity.store(ms, Ordering::Relaxed);
+    }
+
+    fn idle(&self) -> Duration {
+        let last = Duration::from_millis(self.last_activity.load(Ordering::Relaxed));
+        self.epoch.elapsed().saturating_sub(last)
+    }
+
+    /// Gives up on a connection whose server stopped answering: every
+    /// request in flight fails with `reason`, and the socket is shut down
+    /// so the reader and a writer blocked on a full socket stop too (the
+    /// server sees the connection end).
+    fn abandon(&self, reason: &str) {
+        self.kill(reason);
+        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
     }
 
     /// Mark the connection dead and fail every request in flight.
@@ -199,6 +242,10 @@ impl Conn {
             if let Some(d) = &st.dead {
                 return Err(conn_err(format!("connection lost: {d}")));
             }
+            // After an idle spell the server's silence counts from now.
+            if self.inflight.load(Ordering::Relaxed) == 0 {
+                self.touch();
+            }
             st.pending.insert(
                 cookie,
                 Pending {
@@ -224,6 +271,10 @@ impl Conn {
         }
         .encode(&mut hdr, self.extended);
         if let Err(e) = self.send(&hdr, payload).await {
+            // Abandoned (the server stopped answering): say that, not EPIPE.
+            if let Some(d) = self.state.lock().unwrap().dead.clone() {
+                return Err(conn_err(format!("connection lost: {d}")));
+            }
             // The request may be half on the wire: the stream is unusable.
             self.kill(&e);
             return Err(conn_err(format!("sending the request: {e}")));
@@ -257,7 +308,11 @@ impl Conn {
         r.map_err(|e| e.to_string())
     }
 
-    pub(super) async fn disconnect(&self) {
+    /// Sends NBD_CMD_DISC and closes the writing side; the server then
+    /// answers what is in flight and closes. [`Conn::finish_disconnect`]
+    /// waits for that: a client with several connections sends every DISC
+    /// first, so the servers close them at once, not one after another.
+    pub(super) async fn begin_disconnect(&self) {
         {
             let mut guard = self.writer.lock().await;
             if let Some(w) = guard.as_mut() {
@@ -273,6 +328,9 @@ impl Conn {
             }
             *guard = None;
         }
+    }
+
+    pub(super) async fn finish_disconnect(&self) {
         let h = self.reader.lock().unwrap().take();
         if let Some(h) = h {
             // The server closes after answering what was in flight.
@@ -288,6 +346,26 @@ impl Conn {
     }
 }
 
+/// Abandons the connection once requests have waited `limit` without the
+/// server showing life (a stopped server, a hung one, a network path that
+/// dropped silently): their callers see a broken connection, which copy
+/// answers by reconnecting. Ends with the connection.
+async fn watchdog(conn: Weak<Conn>, limit: Duration) {
+    let tick = (limit / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(tick).await;
+        let Some(c) = conn.upgrade() else { return };
+        if c.state.lock().unwrap().dead.is_some() {
+            return;
+        }
+        if c.inflight.load(Ordering::Relaxed) > 0 && c.idle() >= limit {
+            tracing::debug!("no reply for {limit:?}: abandoning the connection");
+            c.abandon(&format!("the server did not answer for {limit:?}"));
+            return;
+        }
+    }
+}
+
 struct Poison<'a> {
     conn: &'a Conn,
     armed: bool,
@@ -299,6 +377,17 @@ impl Drop for Poison<'_> {
             self.conn.kill("a request was abandoned half-sent");
         }
     }
+}
+
+/// The connection broke under the handshake (EOF, reset, broken pipe: the
+/// wording of [`read_exact`] and the handshake's writes), as opposed to the
+/// server refusing something. [`after_tls`] words a break right after the
+/// TLS handshake as a likely refusal, which this does not match.
+fn dropped(message: &str) -> bool {
+    message == "the server closed the connection"
+        || (message.starts_with("reading from the server: ")
+            || message.starts_with("writing to the server: "))
+            && !message.contains("right after the TLS handshake")
 }
 
 /// With TLS 1.3 the server checks the client's certificate after the
@@ -336,7 +425,7 @@ async fn reader_loop(conn: &Conn, r: &mut Reader) -> std::result::Result<(), Str
     let mut hb = [0u8; EXTENDED_REPLY_HEADER_LEN];
     loop {
         match r.read_exact(&mut hb[..4]).await {
-            Ok(_) => {}
+            Ok(_) => conn.touch(),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 let st = conn.state.lock().unwrap();
                 if st.pending.is_empty() {

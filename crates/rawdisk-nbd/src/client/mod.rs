@@ -40,6 +40,11 @@ pub enum Error {
     /// The handshake failed (the server refused an option, the export, ...).
     #[error("NBD handshake with {target}: {message}")]
     Handshake { target: String, message: String },
+    /// The server closed or reset the connection in the middle of the
+    /// handshake (it died, or was restarted): worth trying again, unlike a
+    /// refusal.
+    #[error("NBD handshake with {target}: {message}")]
+    Dropped { target: String, message: String },
     /// The server answered a request with an error.
     #[error("{cmd} at offset {offset} length {len}: server error {}{}", errno_name(*.errno), .message.as_deref().map(|m| format!(": {m}")).unwrap_or_default())]
     Server {
@@ -204,6 +209,9 @@ pub struct ConnectOptions {
     pub block_status: bool,
     /// Give up connecting and negotiating after this long.
     pub timeout: Duration,
+    /// Abandon a connection whose server has not answered for this long
+    /// while requests wait (its requests fail as on a broken connection).
+    pub request_timeout: Option<Duration>,
 }
 
 impl Default for ConnectOptions {
@@ -214,6 +222,7 @@ impl Default for ConnectOptions {
             structured_replies: true,
             block_status: true,
             timeout: Duration::from_secs(30),
+            request_timeout: None,
         }
     }
 }
@@ -688,7 +697,10 @@ impl Client {
     /// by those requests, not lost.
     pub async fn disconnect(&self) -> Result<()> {
         for c in &self.conns {
-            c.disconnect().await;
+            c.begin_disconnect().await;
+        }
+        for c in &self.conns {
+            c.finish_disconnect().await;
         }
         Ok(())
     }

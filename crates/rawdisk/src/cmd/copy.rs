@@ -49,9 +49,10 @@ pub struct Args {
     /// files and devices one per CPU, 16 with --cache none].
     #[arg(short = 'm', long, visible_short_alias = 'R', value_parser = clap::value_parser!(u32).range(1..=1024))]
     requests: Option<u32>,
-    /// NBD connections per side when the server allows multi-conn.
-    #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    connections: u32,
+    /// NBD connections per side when the server allows multi-conn
+    /// [default: 4, at most one per CPU, as nbdcopy].
+    #[arg(short = 'C', long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    connections: Option<u32>,
     /// Bytes per read and write request, at most the NBD server's maximum
     /// [default: 2M].
     #[arg(long, allow_hyphen_values = true, value_parser = size_arg)]
@@ -87,6 +88,13 @@ pub struct Args {
     /// (120, 90s, 500ms, 2m; 0: fail at once).
     #[arg(long, default_value = "60s", value_parser = duration_arg)]
     retry_timeout: Duration,
+    /// An NBD server that leaves requests unanswered this long (stopped,
+    /// hung, a silent network) counts as a dropped connection, which
+    /// --retry-timeout retries (a final flush that takes longer is sent
+    /// again on a new connection); also bounds each connect and handshake
+    /// (0: requests wait forever).
+    #[arg(long, default_value = "60s", value_parser = duration_arg)]
+    request_timeout: Duration,
     /// After the copy, compare both sides and fail on any difference.
     #[arg(long)]
     verify: bool,
@@ -119,7 +127,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let cancel = cancel_on_signal(signal.clone());
     let opts = CopyOptions {
         requests: a.requests.unwrap_or(0) as usize,
-        connections: a.connections as usize,
+        connections: a.connections.unwrap_or(0) as usize,
         request_size: a.request_size.unwrap_or(0),
         sparse_size: a.sparse_size,
         zero_mode: if a.target_is_zero {
@@ -140,6 +148,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         force: a.force,
         cancel: Some(cancel),
         retry_timeout: a.retry_timeout,
+        request_timeout: a.request_timeout,
     };
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
