@@ -277,3 +277,24 @@ def test_rawdisk_commands_against_a_dir_server(workdir, serve):
     srv.terminate()
     assert_target_is(os.path.join(d, "b.img"), new_b, "b.img")
     assert_target_is(os.path.join(d, "a.img"), model_a, "a.img")
+
+
+@pytest.mark.parametrize("args,code,says", [
+    (["--dir", "DIR", "--create", "1G"], 2, "cannot be used with"),
+    (["--dir", "DIR", "-e", "x"], 2, "cannot be used with"),
+    (["--default-export", "a", "FILE"], 2, "cannot be used with"),
+    (["--dir", "MISSING"], 1, "cannot serve directory 'MISSING': No such file or directory"),
+    (["--dir", "FILE"], 1, "cannot serve directory 'FILE': Not a directory"),
+])
+def test_dir_usage_errors(workdir, args, code, says):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    path, _ = make_image(workdir, "f.img", MiB)
+    subst = {"DIR": d, "FILE": path, "MISSING": os.path.join(workdir, "missing")}
+    argv = [subst.get(a, a) for a in args]
+    r = subprocess.run([servers.RAWDISK_BIN, "serve", "--socket", os.path.join(workdir, "s.sock"),
+                        *argv], capture_output=True, text=True, timeout=30)
+    for k, v in subst.items():
+        says = says.replace(k, v)
+    assert r.returncode == code, r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

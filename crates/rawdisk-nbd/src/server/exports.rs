@@ -93,14 +93,10 @@ pub(super) type Unknown = String;
 
 impl Exports {
     pub(super) fn dir(dir: &Path, opts: OpenOptions, default: Option<String>) -> io::Result<Dir> {
-        let dir = dir
-            .canonicalize()
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+        // The caller names the directory; the errors say only why.
+        let dir = dir.canonicalize()?;
         if !dir.is_dir() {
-            return Err(io::Error::other(format!(
-                "{}: not a directory",
-                dir.display()
-            )));
+            return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
         }
         Ok(Dir {
             dir,

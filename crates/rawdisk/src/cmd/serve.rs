@@ -63,7 +63,7 @@ pub struct Args {
     dir: Option<PathBuf>,
     /// With --dir: the export a client asking for the empty name gets
     /// (otherwise it is refused and told to pick a name).
-    #[arg(long, value_name = "NAME", requires = "dir")]
+    #[arg(long, value_name = "NAME", requires = "dir", conflicts_with = "target")]
     default_export: Option<String>,
     /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
     /// whatever the clients do.
@@ -205,7 +205,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let (server, what) = match (&args.dir, &args.target) {
         (Some(dir), _) => {
             let server = Server::new_dir(dir, open, args.default_export.clone(), cfg)
-                .map_err(|e| anyhow::anyhow!("cannot serve directory {e}"))?;
+                .map_err(|e| anyhow::anyhow!("cannot serve directory '{}': {e}", dir.display()))?;
             (server, format!("directory '{}'", dir.display()))
         }
         (None, Some(path)) => {
