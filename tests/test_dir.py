@@ -6,6 +6,7 @@ added and deleted while served, the default export, socket activation."""
 import json
 import os
 import random
+import shutil
 import socket
 import struct
 import subprocess
@@ -214,6 +215,8 @@ def test_read_only_file_is_exported_read_only(workdir, serve):
     h.shutdown()
 
 
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
+                    reason="needs systemd-socket-activate")
 def test_socket_activated_dir_service(workdir):
     """systemd-socket-activate passes the listener as fd 3; --dir serves
     every file of the directory through it."""
