@@ -15,7 +15,7 @@
 //! next FLUSH (which shows the clients care for durability again). Targets
 //! with no write-back at all (tmpfs, ramfs, `--cache none`) never track.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, OnceLock};
 
@@ -62,6 +62,9 @@ pub(super) struct Policy {
     written: Box<[OnceLock<Leaf>]>,
     /// Chunks written again since the last FLUSH.
     rewritten: AtomicU64,
+    /// Whether any chunk was marked since the last FLUSH: a client that
+    /// flushes often must not pay a walk of the whole bitmap each time.
+    marked: AtomicBool,
     /// The thread that starts write-back, made at first use: a write's
     /// reply must not wait while sync_file_range queues device writes.
     starter: OnceLock<Option<SyncSender<(u64, u64)>>>,
@@ -90,6 +93,7 @@ impl Policy {
             chunk_shift,
             written: (0..leaves).map(|_| OnceLock::new()).collect(),
             rewritten: AtomicU64::new(0),
+            marked: AtomicBool::new(false),
             starter: OnceLock::new(),
         }
     }
@@ -124,7 +128,7 @@ impl Policy {
 
     /// A FLUSH succeeded: everything written before it is clean.
     pub(super) fn flushed(&self) {
-        if self.mode != WriteBehind::Auto {
+        if self.mode != WriteBehind::Auto || !self.marked.swap(false, Ordering::Relaxed) {
             return;
         }
         for leaf in self.written.iter().filter_map(OnceLock::get) {
@@ -141,6 +145,9 @@ impl Policy {
         let unit = 1u64 << self.chunk_shift;
         let first = offset.div_ceil(unit);
         let end = offset.saturating_add(len) / unit;
+        if first < end && !self.marked.load(Ordering::Relaxed) {
+            self.marked.store(true, Ordering::Relaxed);
+        }
         let mut again = 0;
         let mut chunk = first;
         while chunk < end {
@@ -233,6 +240,20 @@ mod tests {
         // A flush shows the clients want durability: on again.
         p.flushed();
         assert_eq!(pass(&p, 0, 64 * MIB, MIB), 64);
+    }
+
+    #[test]
+    fn a_flush_walks_the_bitmap_only_after_writes() {
+        let p = Policy::new(WriteBehind::Auto, true, 64 * MIB);
+        p.flushed();
+        assert!(!p.marked.load(Ordering::Relaxed));
+        assert_eq!(pass(&p, 0, 8 * MIB, MIB), 8);
+        assert!(p.marked.load(Ordering::Relaxed));
+        p.flushed();
+        assert!(!p.marked.load(Ordering::Relaxed));
+        // Cleared: the same ranges are new again.
+        assert_eq!(pass(&p, 0, 8 * MIB, MIB), 8);
+        assert_eq!(p.rewritten.load(Ordering::Relaxed), 0);
     }
 
     #[test]
