@@ -95,27 +95,16 @@ def test_lists_read_only_export(workdir, serve):
     assert listed(srv.uri) == {"": (MiB, True, None)}
 
 
-def test_lists_nbdkit_exports_with_their_sizes(workdir, daemon):
+@pytest.mark.parametrize("sizes", [
+    {"small": 512 * 1024, "big": 5 * MiB + 512, "mid": 2 * MiB},
+    # More exports than one handshake's options are asked for.
+    {f"disk{i:02}": (i + 1) * 4096 + i for i in range(40)},
+], ids=["three", "forty"])
+def test_lists_nbdkit_exports_with_their_sizes(workdir, daemon, sizes):
     """nbdkit's file plugin serves each file of a directory as an export:
-    one listing, a different size per export."""
+    one listing, each export with its own size."""
     d = os.path.join(workdir, "dir")
     os.mkdir(d)
-    sizes = {"small": 512 * 1024, "big": 5 * MiB + 512, "mid": 2 * MiB}
-    for name, size in sizes.items():
-        with open(os.path.join(d, name), "wb") as f:
-            f.truncate(size)
-    sock = os.path.join(workdir, "k.sock")
-    daemon(["nbdkit", "-f", "-U", sock, "file", f"dir={d}"], sock)
-    got = listed(f"nbd+unix:///?socket={sock}")
-    assert got == {n: (s, False, None) for n, s in sizes.items()}
-
-
-def test_lists_many_exports(workdir, daemon):
-    """More exports than one handshake's options are asked for: every one
-    still comes with its own size."""
-    d = os.path.join(workdir, "dir")
-    os.mkdir(d)
-    sizes = {f"disk{i:02}": (i + 1) * 4096 + i for i in range(40)}
     for name, size in sizes.items():
         with open(os.path.join(d, name), "wb") as f:
             f.truncate(size)
