@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rawdisk_nbd::proto::*;
-use rawdisk_nbd::server::{Listener, Server, ServerConfig, WriteBehind};
+use rawdisk_nbd::server::{Server, ServerConfig, WriteBehind};
+
+mod common;
+use common::{assert_file_is, Bind, Running};
 use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{FaultSys, OpenOptions, Target};
-use tokio::sync::watch;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * 1024;
@@ -25,11 +27,11 @@ const MIB: u64 = 1024 * 1024;
 // ---------------------------------------------------------------------------
 
 struct Harness {
+    /// First, so the server stops before the directory goes.
+    server: Running,
     _dir: tempfile::TempDir,
     path: PathBuf,
     sock: PathBuf,
-    stop: Option<watch::Sender<bool>>,
-    thread: Option<std::thread::JoinHandle<io::Result<()>>>,
     model: Vec<u8>,
     fault: Option<Arc<FaultSys>>,
 }
@@ -94,30 +96,12 @@ impl Harness {
             (Target::open(&path, &opts).unwrap(), None)
         };
         let target = Arc::new(target);
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let sock2 = sock.clone();
-        let cfg = setup.cfg;
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(async move {
-                let l = tokio::net::UnixListener::bind(&sock2)?;
-                ready_tx.send(()).unwrap();
-                Server::new(target, cfg)
-                    .serve(Listener::Unix(l), stop_rx)
-                    .await
-            })
-        });
-        ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let server = Running::start(Server::new(target, setup.cfg), Bind::Unix(sock.clone()));
         Harness {
+            server,
             _dir: dir,
             path,
             sock,
-            stop: Some(stop_tx),
-            thread: Some(thread),
             model,
             fault,
         }
@@ -135,34 +119,12 @@ impl Harness {
     }
 
     fn check_file(&self) {
-        let f = std::fs::read(&self.path).unwrap();
-        assert_eq!(f.len(), self.model.len(), "file size changed");
-        if let Some(i) = (0..f.len()).find(|&i| f[i] != self.model[i]) {
-            panic!(
-                "file differs from the model at byte {i}: {:#x} != {:#x}",
-                f[i], self.model[i]
-            );
-        }
+        assert_file_is(&self.path, &self.model);
     }
 
     /// Stops the server and returns what serve() returned.
     fn stop(&mut self) -> io::Result<()> {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(true);
-        }
-        match self.thread.take() {
-            Some(t) => t.join().expect("server thread panicked"),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let r = self.stop();
-        if !std::thread::panicking() {
-            r.expect("serve() failed");
-        }
+        self.server.stop()
     }
 }
 
@@ -1718,7 +1680,7 @@ fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
     }
     // Let the server read them off the socket before asking it to stop.
     std::thread::sleep(Duration::from_millis(300));
-    h.stop.take().unwrap().send(true).unwrap();
+    h.server.request_stop();
     for _ in 0..16 {
         let r = a.recv();
         assert_eq!(r.error, 0);
@@ -1727,7 +1689,7 @@ fn flush_covers_all_connections_and_shutdown_finishes_in_flight() {
     }
     assert!(a.closed_by_server());
     assert!(b.closed_by_server());
-    h.thread.take().unwrap().join().unwrap().unwrap();
+    h.server.stop().unwrap();
     h.check_file();
 }
 
@@ -1747,7 +1709,7 @@ fn shutdown_answers_the_handshake_err_shutdown_and_closes_idle_ones() {
     quits.start();
     std::thread::sleep(Duration::from_millis(100));
     let t0 = Instant::now();
-    h.stop.take().unwrap().send(true).unwrap();
+    h.server.request_stop();
     std::thread::sleep(Duration::from_millis(200));
     let r = busy.opt(&ClientOption::Go(InfoRequest {
         name: String::new(),
@@ -1766,7 +1728,7 @@ fn shutdown_answers_the_handshake_err_shutdown_and_closes_idle_ones() {
     assert!(quits.closed_by_server());
     assert!(idle.closed_by_server());
     assert!(mute.closed_by_server());
-    h.thread.take().unwrap().join().unwrap().unwrap();
+    h.server.stop().unwrap();
     let took = t0.elapsed();
     assert!(
         took < Duration::from_secs(3),

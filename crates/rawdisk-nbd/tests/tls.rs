@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode, SslVersion};
 use rawdisk_nbd::client::{Client, ConnectOptions};
 use rawdisk_nbd::proto::*;
-use rawdisk_nbd::server::{Listener, Server, ServerConfig};
+use rawdisk_nbd::server::{Server, ServerConfig};
 use rawdisk_nbd::tls::ServerTls;
 use rawdisk_nbd::uri::NbdUri;
+
+mod common;
+use common::{assert_file_is, Bind, Running};
 use rawdisk_storage::{OpenOptions, Target};
-use tokio::sync::watch;
 
 const SIZE: usize = 4 << 20;
 const PSK_KEY: &str = "5eb1a8c1f0c4a9c2b4d2e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a6b7";
@@ -179,12 +181,11 @@ impl Pki {
 // Server
 
 struct Harness {
+    /// First, so the server stops before the directory goes.
+    server: Running,
     _dir: tempfile::TempDir,
     path: PathBuf,
-    port: u16,
     model: Vec<u8>,
-    stop: Option<watch::Sender<bool>>,
-    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
 }
 
 impl Harness {
@@ -205,65 +206,30 @@ impl Harness {
         let model: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8 | 1).collect();
         std::fs::write(&path, &model).unwrap();
         let target = Arc::new(Target::open(&path, &OpenOptions::default()).unwrap());
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                ready_tx.send(l.local_addr()?.port()).unwrap();
-                Server::new(target, cfg)
-                    .serve(Listener::Tcp(l), stop_rx)
-                    .await
-            })
-        });
-        let port = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let server = Running::start(Server::new(target, cfg), Bind::Tcp);
         Harness {
+            server,
             _dir: dir,
             path,
-            port,
             model,
-            stop: Some(stop_tx),
-            thread: Some(thread),
         }
     }
 
     fn uri(&self, scheme_user: &str, query: &str) -> NbdUri {
-        let s = format!("{scheme_user}127.0.0.1:{}/?{query}", self.port);
+        let s = format!("{scheme_user}127.0.0.1:{}/?{query}", self.server.port);
         NbdUri::parse(&s).unwrap_or_else(|e| panic!("{s}: {e}"))
     }
 
     fn check_file(&self) {
-        let f = std::fs::read(&self.path).unwrap();
-        assert_eq!(f.len(), self.model.len());
-        if let Some(i) = (0..f.len()).find(|&i| f[i] != self.model[i]) {
-            panic!("file differs from the model at byte {i}");
-        }
+        assert_file_is(&self.path, &self.model);
     }
 
     /// A raw connection past the greeting and the client flags.
     fn greeted(&self) -> TcpStream {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        let mut s = TcpStream::connect(("127.0.0.1", self.server.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         greet(&mut s);
         s
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(true);
-        }
-        if let Some(t) = self.thread.take() {
-            let r = t.join().expect("server thread panicked");
-            if !std::thread::panicking() {
-                r.expect("serve() failed");
-            }
-        }
     }
 }
 
@@ -728,7 +694,7 @@ fn tls_handshake_holds_a_connection_slot() {
     stalled.write_all(&[0x16, 0x03]).unwrap();
     // The only slot is taken: the next connection is refused; it is told
     // why (NBD_REP_ERR_POLICY to its options) and never gets an export.
-    let mut refused = TcpStream::connect(("127.0.0.1", h.port)).unwrap();
+    let mut refused = TcpStream::connect(("127.0.0.1", h.server.port)).unwrap();
     refused
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
