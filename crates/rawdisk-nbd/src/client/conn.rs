@@ -67,6 +67,76 @@ pub(super) struct Conn {
     last_activity: AtomicU64,
 }
 
+/// A connection in the option phase: connected, greeted, TLS started for a
+/// TLS URI. Also the socket (for shutting it down when the server stops
+/// answering) and whether the server takes NO_ZEROES.
+pub(super) async fn dial(
+    uri: &NbdUri,
+    target: &str,
+    tls: Option<&ClientTls>,
+) -> Result<(Reader, Writer, OwnedFd, bool)> {
+    let connect_err = |e: std::io::Error| Error::Connect {
+        target: target.to_string(),
+        message: e.to_string(),
+    };
+    let (r, w, sock): (Box<dyn AsyncRead + Send + Unpin>, Writer, OwnedFd) = match &uri.transport {
+        Transport::Tcp { host, port } => {
+            let s = tokio::net::TcpStream::connect((host.as_str(), *port))
+                .await
+                .map_err(connect_err)?;
+            s.set_nodelay(true).map_err(connect_err)?;
+            let fd: OwnedFd = s.into_std().map_err(connect_err)?.into();
+            let dup = fd.try_clone().map_err(connect_err)?;
+            let (r, w, _) = crate::sock::split(fd).map_err(connect_err)?;
+            (Box::new(r), Box::new(w), dup)
+        }
+        Transport::Unix { path } => {
+            let s = tokio::net::UnixStream::connect(path)
+                .await
+                .map_err(connect_err)?;
+            // Write payloads queue in this side's send buffer (AF_UNIX
+            // charges the sender; docs/benchmarks.md, Copy).
+            crate::sock::grow_unix_send_buffer(&s);
+            let fd: OwnedFd = s.into_std().map_err(connect_err)?.into();
+            let dup = fd.try_clone().map_err(connect_err)?;
+            let (r, w, _) = crate::sock::split(fd).map_err(connect_err)?;
+            (Box::new(r), Box::new(w), dup)
+        }
+    };
+    let mut r = BufReader::with_capacity(256 * 1024, r);
+    let mut w = w;
+    let hs_err = |message: String| handshake_error(target, message);
+    let no_zeroes = greet(&mut r, &mut w).await.map_err(hs_err)?;
+    if let Some(tls) = tls {
+        starttls(&mut r, &mut w).await.map_err(hs_err)?;
+        // Spec: nothing but TLS follows the ACK; a server that sent more
+        // in plaintext is not one to trust.
+        if !r.buffer().is_empty() {
+            return Err(hs_err(
+                "the server sent plaintext after accepting NBD_OPT_STARTTLS".into(),
+            ));
+        }
+        let stream = tokio::io::join(r.into_inner(), w);
+        let (stream, info) = tls.connect(stream).await.map_err(hs_err)?;
+        tracing::debug!("{target}: TLS {info}");
+        let (tr, tw) = crate::tls::split(stream);
+        r = BufReader::with_capacity(256 * 1024, Box::new(tr));
+        w = Box::new(tw);
+    }
+    Ok((r, w, sock, no_zeroes))
+}
+
+/// A handshake failure: `Dropped` when the server went away mid-way (worth
+/// a retry), else `Handshake`.
+fn handshake_error(target: &str, message: String) -> Error {
+    let target = target.to_string();
+    if dropped(&message) {
+        Error::Dropped { target, message }
+    } else {
+        Error::Handshake { target, message }
+    }
+}
+
 impl Conn {
     pub(super) async fn open(
         uri: &NbdUri,
@@ -74,62 +144,8 @@ impl Conn {
         target: &str,
         tls: Option<&ClientTls>,
     ) -> Result<(Arc<Conn>, ExportInfo)> {
-        let connect_err = |e: std::io::Error| Error::Connect {
-            target: target.to_string(),
-            message: e.to_string(),
-        };
-        let (r, w, sock): (Box<dyn AsyncRead + Send + Unpin>, Writer, OwnedFd) =
-            match &uri.transport {
-                Transport::Tcp { host, port } => {
-                    let s = tokio::net::TcpStream::connect((host.as_str(), *port))
-                        .await
-                        .map_err(connect_err)?;
-                    s.set_nodelay(true).map_err(connect_err)?;
-                    let fd: OwnedFd = s.into_std().map_err(connect_err)?.into();
-                    let dup = fd.try_clone().map_err(connect_err)?;
-                    let (r, w, _) = crate::sock::split(fd).map_err(connect_err)?;
-                    (Box::new(r), Box::new(w), dup)
-                }
-                Transport::Unix { path } => {
-                    let s = tokio::net::UnixStream::connect(path)
-                        .await
-                        .map_err(connect_err)?;
-                    // Write payloads queue in this side's send buffer (AF_UNIX
-                    // charges the sender; docs/benchmarks.md, Copy).
-                    crate::sock::grow_unix_send_buffer(&s);
-                    let fd: OwnedFd = s.into_std().map_err(connect_err)?.into();
-                    let dup = fd.try_clone().map_err(connect_err)?;
-                    let (r, w, _) = crate::sock::split(fd).map_err(connect_err)?;
-                    (Box::new(r), Box::new(w), dup)
-                }
-            };
-        let mut r = BufReader::with_capacity(256 * 1024, r);
-        let mut w = w;
-        let hs_err = |message: String| {
-            let target = target.to_string();
-            if dropped(&message) {
-                Error::Dropped { target, message }
-            } else {
-                Error::Handshake { target, message }
-            }
-        };
-        let no_zeroes = greet(&mut r, &mut w).await.map_err(hs_err)?;
-        if let Some(tls) = tls {
-            starttls(&mut r, &mut w).await.map_err(hs_err)?;
-            // Spec: nothing but TLS follows the ACK; a server that sent more
-            // in plaintext is not one to trust.
-            if !r.buffer().is_empty() {
-                return Err(hs_err(
-                    "the server sent plaintext after accepting NBD_OPT_STARTTLS".into(),
-                ));
-            }
-            let stream = tokio::io::join(r.into_inner(), w);
-            let (stream, info) = tls.connect(stream).await.map_err(hs_err)?;
-            tracing::debug!("{target}: TLS {info}");
-            let (tr, tw) = crate::tls::split(stream);
-            r = BufReader::with_capacity(256 * 1024, Box::new(tr));
-            w = Box::new(tw);
-        }
+        let (mut r, mut w, sock, no_zeroes) = dial(uri, target, tls).await?;
+        let hs_err = |message: String| handshake_error(target, message);
         let (info, context_id) = handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
             .await
             .map_err(|m| hs_err(after_tls(tls.is_some(), m)))?;

@@ -265,19 +265,7 @@ async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
         target: target.to_string(),
         message,
     };
-    let tls = match &uri.tls {
-        Some(p) => {
-            let host = match &uri.transport {
-                Transport::Tcp { host, .. } => Some(host.as_str()),
-                Transport::Unix { .. } => None,
-            };
-            Some(ClientTls::new(p, host).map_err(|e| Error::Connect {
-                target: target.to_string(),
-                message: e.to_string(),
-            })?)
-        }
-        None => None,
-    };
+    let tls = client_tls(uri, target)?;
     let (mut r, mut w) = negotiate(uri, target, tls.as_ref()).await?;
     let names = handshake::list_exports(&mut r, &mut w)
         .await
@@ -304,51 +292,32 @@ async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
     Ok(out)
 }
 
-/// A connection in the option phase (greeted, TLS started for a TLS URI),
-/// for options only: plain tokio halves, none of the transmission phase's
-/// socket tuning.
+/// A connection in the option phase, for options only.
 async fn negotiate(
     uri: &NbdUri,
     target: &str,
     tls: Option<&ClientTls>,
 ) -> Result<(conn::Reader, conn::Writer)> {
-    let connect_err = |e: std::io::Error| Error::Connect {
-        target: target.to_string(),
-        message: e.to_string(),
-    };
-    let hs_err = |message| Error::Handshake {
-        target: target.to_string(),
-        message,
-    };
-    let (r, w): (Box<dyn tokio::io::AsyncRead + Send + Unpin>, conn::Writer) = match &uri.transport
-    {
-        Transport::Tcp { host, port } => {
-            let s = tokio::net::TcpStream::connect((host.as_str(), *port))
-                .await
-                .map_err(connect_err)?;
-            let (r, w) = s.into_split();
-            (Box::new(r), Box::new(w))
-        }
-        Transport::Unix { path } => {
-            let s = tokio::net::UnixStream::connect(path)
-                .await
-                .map_err(connect_err)?;
-            let (r, w) = s.into_split();
-            (Box::new(r), Box::new(w))
-        }
-    };
-    let mut r = tokio::io::BufReader::new(r);
-    let mut w = w;
-    handshake::greet(&mut r, &mut w).await.map_err(hs_err)?;
-    if let Some(tls) = tls {
-        handshake::starttls(&mut r, &mut w).await.map_err(hs_err)?;
-        let stream = tokio::io::join(r.into_inner(), w);
-        let (stream, _) = tls.connect(stream).await.map_err(hs_err)?;
-        let (tr, tw) = crate::tls::split(stream);
-        r = tokio::io::BufReader::new(Box::new(tr));
-        w = Box::new(tw);
-    }
+    let (r, w, _, _) = conn::dial(uri, target, tls).await?;
     Ok((r, w))
+}
+
+/// The TLS client for an `nbds://` URI (credentials read once, for every
+/// connection), checking the server against the URI's host.
+fn client_tls(uri: &NbdUri, target: &str) -> Result<Option<ClientTls>> {
+    let Some(p) = &uri.tls else {
+        return Ok(None);
+    };
+    let host = match &uri.transport {
+        Transport::Tcp { host, .. } => Some(host.as_str()),
+        Transport::Unix { .. } => None,
+    };
+    ClientTls::new(p, host)
+        .map(Some)
+        .map_err(|e| Error::Connect {
+            target: target.to_string(),
+            message: e.to_string(),
+        })
 }
 
 /// `NBD_CMD_WRITE_ZEROES` flags.
@@ -404,20 +373,7 @@ impl Client {
     pub async fn connect(uri: &NbdUri, opts: &ConnectOptions) -> Result<Client> {
         let target = uri.to_string();
         // Credentials are read once and shared by every connection.
-        let tls = match &uri.tls {
-            Some(p) => {
-                let host = match &uri.transport {
-                    Transport::Tcp { host, .. } => Some(host.as_str()),
-                    Transport::Unix { .. } => None,
-                };
-                let t = ClientTls::new(p, host).map_err(|e| Error::Connect {
-                    target: target.clone(),
-                    message: e.to_string(),
-                })?;
-                Some(Arc::new(t))
-            }
-            None => None,
-        };
+        let tls = client_tls(uri, &target)?.map(Arc::new);
         let first =
             tokio::time::timeout(opts.timeout, Conn::open(uri, opts, &target, tls.as_deref()))
                 .await
