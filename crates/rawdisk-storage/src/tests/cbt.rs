@@ -365,6 +365,31 @@ fn outside_change_is_detected() {
     }
 }
 
+/// A target resized behind a tracking server's back: the close says so
+/// and the bitmaps (whose layout follows the size) are dropped.
+#[test]
+fn resize_while_served_makes_every_checkpoint_inconsistent() {
+    let t = tmp_file(64 * G);
+    state(&t).create_checkpoint(Some("a")).unwrap();
+    let tr = track(&t);
+    tr.mark(G, 1);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&t.path)
+        .unwrap()
+        .set_len(1000 * G)
+        .unwrap();
+    tr.close().unwrap();
+    drop(tr);
+    let sf = state(&t);
+    let r = reasons(&sf);
+    assert!(r[0].2.as_deref().unwrap().contains("size changed"), "{r:?}");
+    assert_eq!(sf.changed_ranges("a").unwrap(), vec![(0, 1000 * G)]);
+    let tr = Tracker::open(&t.path, 1000 * G, &opts()).unwrap();
+    tr.mark(999 * G, G);
+    tr.close().unwrap();
+}
+
 /// A header whose CRC does not match: every checkpoint inconsistent
 /// ("corrupt"), names kept; new checkpoints work.
 #[test]
