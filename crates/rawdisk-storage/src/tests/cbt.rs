@@ -25,6 +25,15 @@ fn size_of(t: &Tmp) -> u64 {
     std::fs::metadata(&t.path).unwrap().len()
 }
 
+/// Resize the target as another program would.
+fn set_len(t: &Tmp, size: u64) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&t.path)
+        .unwrap();
+    f.set_len(size).unwrap();
+}
+
 fn track(t: &Tmp) -> Tracker {
     Tracker::open(&t.path, size_of(t), &opts()).unwrap()
 }
@@ -338,12 +347,7 @@ fn outside_change_is_detected() {
         // Past the file system's timestamp granularity.
         std::thread::sleep(Duration::from_millis(30));
         if resize {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&t.path)
-                .unwrap()
-                .set_len(65 * G)
-                .unwrap();
+            set_len(&t, 65 * G);
         } else {
             rawdisk_testkit::write_at(&t.path, 7 * G, b"outside");
             assert_eq!(rawdisk_testkit::read_range(&t.path, 7 * G, 7), b"outside");
@@ -373,12 +377,7 @@ fn resize_while_served_makes_every_checkpoint_inconsistent() {
     state(&t).create_checkpoint(Some("a")).unwrap();
     let tr = track(&t);
     tr.mark(G, 1);
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&t.path)
-        .unwrap()
-        .set_len(1000 * G)
-        .unwrap();
+    set_len(&t, 1000 * G);
     tr.close().unwrap();
     drop(tr);
     let sf = state(&t);
