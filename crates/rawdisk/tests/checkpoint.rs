@@ -142,6 +142,16 @@ fn state_dir_holds_the_state_file() {
     let sd = d.path().join("state");
     std::fs::create_dir(&sd).unwrap();
     let dir = sd.to_str().unwrap();
+    let r = cp(
+        &["create", "--state-dir", "/nonexistent-dir", "--name", "s"],
+        &img,
+    );
+    let r = r.fails_one_line(1);
+    assert!(
+        r.stderr.contains("does not exist: create it"),
+        "{}",
+        r.stderr
+    );
     cp(&["create", "--state-dir", dir, "--name", "s"], &img).ok();
     assert!(sd.join("disk.img.rawdisk-cbt").exists());
     assert!(!d.path().join("disk.img.rawdisk-cbt").exists());
