@@ -43,7 +43,10 @@ impl Context {
 /// namespace. SET: exact names only (spec: an empty leaf name SHOULD NOT
 /// select anything). Queries of other namespaces are ignored (spec: MUST).
 pub(super) fn matching(e: &Export, queries: &[String], set: bool) -> Vec<Context> {
-    let checkpoints = checkpoint_names(e);
+    select(checkpoint_names(e), queries, set)
+}
+
+fn select(checkpoints: Vec<String>, queries: &[String], set: bool) -> Vec<Context> {
     let everything = !set && queries.is_empty();
     let mut allocation = everything;
     let mut all_changed = everything;
@@ -107,5 +110,72 @@ pub(super) fn refresh(e: &Export) {
         if let Err(err) = t.refresh() {
             warn!("export {:?}: {err}", e.name);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(found: &[Context]) -> Vec<String> {
+        found.iter().map(Context::name).collect()
+    }
+
+    fn run(queries: &[&str], set: bool) -> Vec<String> {
+        let cps = vec!["a".to_string(), "b".to_string()];
+        let q: Vec<String> = queries.iter().map(|s| s.to_string()).collect();
+        names(&select(cps, &q, set))
+    }
+
+    #[test]
+    fn list_queries() {
+        let all = ["base:allocation", "rawdisk:changed:a", "rawdisk:changed:b"];
+        assert_eq!(run(&[], false), all);
+        assert_eq!(run(&["rawdisk:"], false), all[1..]);
+        assert_eq!(run(&["rawdisk:changed:"], false), all[1..]);
+        assert_eq!(
+            run(&["rawdisk:changed:b", "base:"], false),
+            [all[0], all[2]]
+        );
+        let ignored = [
+            "x-y:z",
+            "nocolon",
+            "rawdisk:other",
+            "rawdisk:changed:c",
+            "base:other",
+        ];
+        assert!(run(&ignored, false).is_empty());
+    }
+
+    #[test]
+    fn set_takes_exact_names_once_with_ids() {
+        assert!(run(&[], true).is_empty());
+        assert!(run(&["rawdisk:", "rawdisk:changed:", "base:"], true).is_empty());
+        let q = ["rawdisk:changed:b", "rawdisk:changed:b", "base:allocation"];
+        assert_eq!(run(&q, true), ["base:allocation", "rawdisk:changed:b"]);
+        let cps = vec!["a".to_string(), "b".to_string()];
+        let q = vec![
+            "rawdisk:changed:b".to_string(),
+            "rawdisk:changed:a".to_string(),
+        ];
+        let ids: Vec<u32> = numbered(select(cps, &q, true))
+            .iter()
+            .map(|p| p.0)
+            .collect();
+        assert_eq!(ids, [2, 3]);
+        let ids: Vec<u32> = numbered(vec![Context::Allocation])
+            .iter()
+            .map(|p| p.0)
+            .collect();
+        assert_eq!(ids, [1]);
+    }
+
+    #[test]
+    fn many_queries_cost_one_pass() {
+        let cps: Vec<String> = (0..32).map(|i| format!("c{i}")).collect();
+        let q: Vec<String> = (0..20_000)
+            .map(|i| format!("rawdisk:changed:c{}", i % 40))
+            .collect();
+        assert_eq!(select(cps, &q, true).len(), 32);
     }
 }
