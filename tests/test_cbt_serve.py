@@ -318,6 +318,24 @@ def test_clean_stop_keeps_the_sets(workdir, serve):
     assert_target_is(path, model)
 
 
+def test_run_exit_closes_cleanly(workdir, serve):
+    """--run: the command's end stops the server the clean way, like SIGTERM."""
+    path, model = make_image(workdir, "disk.img", SIZE, seed=15)
+    checkpoint(path, "a")
+    script = 'h.pwrite(b"r" * 10, 5 * 65536 + 3); h.flush()'
+    r = rawdisk("serve", "--track-changes", "-U", os.path.join(workdir, "run.sock"),
+                "--run", f"nbdsh -u \"$uri\" -c '{script}'", path)
+    model[5 * GRAIN + 3:5 * GRAIN + 13] = b"r" * 10
+    assert "inconsistent" not in r.stderr
+    assert checkpoints(path) == {"a": True}
+    srv = track(serve, path)
+    assert "inconsistent" not in srv.stderr()
+    assert changed(srv.uri, "a") == {5}
+    assert_export_is(srv.uri, model)
+    assert srv.terminate() == 0
+    assert_target_is(path, model)
+
+
 @pytest.mark.parametrize("when", ["before-flush", "after-flush"])
 def test_kill_9_makes_every_checkpoint_all_changed(workdir, serve, when):
     path, model = make_image(workdir, "disk.img", SIZE, seed=7)
