@@ -35,6 +35,7 @@ struct Harness {
     sock: PathBuf,
     model: Vec<u8>,
     fault: Option<Arc<FaultSys>>,
+    track_fault: Option<Arc<FaultSys>>,
 }
 
 struct Setup {
@@ -45,6 +46,8 @@ struct Setup {
     fault: bool,
     /// Changed-block tracking with these checkpoints made before the start.
     track: Option<Vec<&'static str>>,
+    /// The tracker's state file I/O through a FaultSys of its own.
+    track_fault: bool,
 }
 
 impl Default for Setup {
@@ -58,6 +61,7 @@ impl Default for Setup {
             },
             fault: false,
             track: None,
+            track_fault: false,
         }
     }
 }
@@ -100,13 +104,18 @@ impl Harness {
             (Target::open(&path, &opts).unwrap(), None)
         };
         let target = Arc::new(target);
+        let track_fault = setup.track_fault.then(FaultSys::real);
         let tracker = setup.track.map(|names| {
             let mut st = StateFile::open(&path, None, true).unwrap();
             for n in names {
                 st.create_checkpoint(Some(n)).unwrap();
             }
-            let t = Tracker::open(&path, setup.size, &TrackOptions::default()).unwrap();
-            Arc::new(t)
+            let opts = TrackOptions::default();
+            let t = match &track_fault {
+                Some(fs) => Tracker::open_with_sys(&path, setup.size, &opts, fs.clone()),
+                None => Tracker::open(&path, setup.size, &opts),
+            };
+            Arc::new(t.unwrap())
         });
         let server = Running::start(
             Server::new_tracked(target, tracker, setup.cfg),
@@ -119,6 +128,7 @@ impl Harness {
             sock,
             model,
             fault,
+            track_fault,
         }
     }
 
@@ -1073,6 +1083,40 @@ fn changed_block_contexts_in_structured_and_extended_replies() {
         assert_eq!(left.len(), 1);
         assert!(left[0].consistent && left[0].name == "a", "{left:?}");
     }
+}
+
+#[test]
+fn a_failed_persist_fails_the_flush_and_the_next_one_writes_it() {
+    const GRAIN: u64 = 64 * KIB;
+    let mut h = Harness::start(Setup {
+        track: Some(vec!["a"]),
+        track_fault: true,
+        ..Default::default()
+    });
+    let fs = h.track_fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let d = random(4096, 11);
+    c.write(MIB, &d);
+    h.model[MIB as usize..(MIB + 4096) as usize].copy_from_slice(&d);
+    fs.reset_counts();
+    fs.fail_from(CallKind::Fdatasync, 1, libc::EIO);
+    let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
+    assert_eq!(r.error, NBD_EIO);
+    assert!(!r.message.is_empty());
+    // A FUA write lands but is not acknowledged as durable.
+    let r = c.cmd(Command::Write, CMD_FLAG_FUA, 3 * MIB, 4096, &d);
+    assert_eq!(r.error, NBD_EIO);
+    h.model[(3 * MIB) as usize..(3 * MIB + 4096) as usize].copy_from_slice(&d);
+    fs.clear_rules();
+    assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+    // Both marks reached the state file: the failed persists gave them back.
+    let st = StateFile::open(&h.path, None, false).unwrap();
+    let want = [(MIB, GRAIN), (3 * MIB, GRAIN)];
+    assert_eq!(st.changed_ranges("a").unwrap(), want);
+    assert!(st.list().unwrap()[0].consistent);
 }
 
 #[test]
