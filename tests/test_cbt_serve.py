@@ -24,7 +24,7 @@ import pytest
 import servers
 import wire
 from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, make_image,
-                     random_bytes)
+                     random_bytes, read_target)
 
 pytestmark = pytest.mark.rawdisk_only("changed-block tracking is rawdisk's")
 
@@ -134,9 +134,10 @@ def nbdinfo_changed(uri, name, grain=GRAIN, size=SIZE):
     return changed_set(ext, grain, size)
 
 
-def random_changes(uri, model, seed, conns=4, ops=40, grain=GRAIN):
+def random_changes(uri, model, seed, conns=4, ops=40, grain=GRAIN,
+                   kinds=("write", "write", "zero", "trim")):
     """Writes, zeroes and trims from `conns` connections at once, each in its
-    own quarter of the export (so the byte model is exact); every connection
+    own part of the export (so the byte model is exact); every connection
     flushes at the end. Returns the chunks touched."""
     touched = set()
     lock = threading.Lock()
@@ -150,7 +151,7 @@ def random_changes(uri, model, seed, conns=4, ops=40, grain=GRAIN):
                 for _ in range(ops):
                     n = rng.choice([1, 511, 4 * KiB, grain - 1, grain + 3, 3 * grain, 300 * KiB])
                     off = part * i + rng.randrange(0, part - n)
-                    kind = rng.choice(["write", "write", "zero", "trim"])
+                    kind = rng.choice(kinds)
                     if kind == "write":
                         data = random_bytes(n, rng.randrange(1 << 30))
                         h.pwrite(data, off)
@@ -443,6 +444,27 @@ def test_dir_tracks_each_export_in_its_own_state(workdir, serve):
     for name in models:
         assert_target_is(os.path.join(d, name), models[name])
         assert checkpoints(os.path.join(d, name), "--state-dir", states) == {"base": True}
+
+
+def test_block_device_needs_a_state_dir(workdir, serve, loop512):
+    dev = loop512
+    size = 32 * MiB
+    r = rawdisk("serve", "--track-changes", "-U", os.path.join(workdir, "x.sock"), dev,
+                check=False)
+    assert r.returncode == 1 and "--state-dir" in r.stderr, r.stderr
+    states = os.path.join(workdir, "states")
+    os.mkdir(states)
+    checkpoint(dev, "a", "--state-dir", states)
+    model = bytearray(read_target(dev))
+    srv = track(serve, dev, "--state-dir", states)
+    # A discard's contents are not defined on this device: writes and zeroes.
+    touched = random_changes(srv.uri, model, seed=16, conns=2, ops=15, kinds=("write", "zero"))
+    assert changed(srv.uri, "a", size=size) == touched
+    assert_export_is(srv.uri, model)
+    assert srv.terminate() == 0
+    assert_target_is(dev, model)
+    assert checkpoints(dev, "--state-dir", states) == {"a": True}
+    assert os.path.exists(os.path.join(states, os.path.basename(dev) + STATE))
 
 
 # -- context listing -----------------------------------------------------------------
