@@ -358,19 +358,29 @@ impl Server {
             }
         }
         // After the final flush: the clean close records the target as it
-        // is on disk now.
+        // is on disk now. Every tracker is closed even when one fails.
+        let mut failed = None;
         for (name, t) in sh.exports.trackers() {
-            match tokio::task::spawn_blocking(move || t.close()).await {
-                Ok(Ok(())) => debug!("export {name:?}: changed-block tracking state closed"),
-                Ok(Err(err)) => return Err(io::Error::other(err.to_string())),
-                Err(err) => {
-                    return Err(io::Error::other(format!(
-                        "closing the tracking state of {name:?}: {err}"
-                    )))
+            let closed = tokio::task::spawn_blocking(move || t.close()).await;
+            let err = match closed {
+                Ok(Ok(())) => {
+                    debug!("export {name:?}: changed-block tracking state closed");
+                    continue;
                 }
+                Ok(Err(err)) => err.to_string(),
+                Err(err) => format!("closing the tracking state of {name:?}: {err}"),
+            };
+            // The first is the server's error; any further ones are logged.
+            if failed.is_some() {
+                warn!("{err}");
+            } else {
+                failed = Some(err);
             }
         }
-        Ok(())
+        match failed {
+            Some(err) => Err(io::Error::other(err)),
+            None => Ok(()),
+        }
     }
 
     /// Serves one already-connected stream (tests, the fuzz target, pipes)
