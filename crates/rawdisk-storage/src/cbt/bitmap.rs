@@ -56,11 +56,6 @@ impl Bits {
         }
     }
 
-    #[cfg(test)]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.words.iter().all(|&w| w == 0)
-    }
-
     /// Indexes of the slot pages (of [`PAGE`] bytes) holding a set bit.
     pub(crate) fn pages(&self) -> Vec<usize> {
         self.words
@@ -102,57 +97,102 @@ impl Bits {
 }
 
 /// U: the chunks marked since the last persist. Marking is a load when the
-/// bits are already set, else one fetch_or per word; no lock.
+/// bits are already set, else one fetch_or per word; no lock. A summary
+/// bit per slot page says which pages may hold bits, so a persist visits
+/// only those: its cost follows what changed, not the target's size.
 #[derive(Debug)]
 pub(crate) struct AtomicBits {
     words: Vec<AtomicU64>,
+    /// Bit `p` of word `p / 64`: page `p` of `words` may hold bits.
+    pages: Vec<AtomicU64>,
+}
+
+/// Bits taken out of U: only the pages that held some, `(index, words)`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Taken {
+    pub pages: Vec<(usize, Vec<u64>)>,
 }
 
 impl AtomicBits {
     pub(crate) fn new(chunks: u64) -> Self {
+        let words = chunks.div_ceil(64) as usize;
         AtomicBits {
-            words: (0..chunks.div_ceil(64))
+            words: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            pages: (0..words.div_ceil(WORDS_PER_PAGE).div_ceil(64))
                 .map(|_| AtomicU64::new(0))
                 .collect(),
         }
     }
 
-    /// Set chunks `first..=last`; whether any was already set everywhere
-    /// (true: every bit was set before, nothing changed).
-    pub(crate) fn set(&self, first: u64, last: u64) -> bool {
-        let mut all_set = true;
+    /// Set chunks `first..=last`. Each page's summary bit is checked after
+    /// its words, also when they were already set (by a mark that may not
+    /// have reached the summary yet): when this returns, a take that starts
+    /// later finds the bits.
+    pub(crate) fn set(&self, first: u64, last: u64) {
         for_words(first, last, |w, m| {
             let word = &self.words[w];
-            if word.load(Ordering::Acquire) & m != m {
-                word.fetch_or(m, Ordering::AcqRel);
-                all_set = false;
+            if word.load(Ordering::SeqCst) & m != m {
+                word.fetch_or(m, Ordering::SeqCst);
             }
         });
-        all_set
-    }
-
-    /// Take every bit out (each word swapped with zero).
-    pub(crate) fn take(&self) -> Bits {
-        Bits {
-            words: self
-                .words
-                .iter()
-                .map(|w| w.swap(0, Ordering::AcqRel))
-                .collect(),
+        let (p0, p1) = (
+            first as usize / 64 / WORDS_PER_PAGE,
+            last as usize / 64 / WORDS_PER_PAGE,
+        );
+        for p in p0..=p1 {
+            let (word, bit) = (&self.pages[p / 64], 1u64 << (p % 64));
+            if word.load(Ordering::SeqCst) & bit == 0 {
+                word.fetch_or(bit, Ordering::SeqCst);
+            }
         }
     }
 
-    /// Put bits back (a persist that failed).
-    pub(crate) fn give_back(&self, b: &Bits) {
-        for (w, &v) in self.words.iter().zip(&b.words) {
-            if v != 0 {
-                w.fetch_or(v, Ordering::AcqRel);
+    /// Take every bit out: each summary word swapped with zero, then the
+    /// words of the pages it named.
+    pub(crate) fn take(&self) -> Taken {
+        let mut t = Taken::default();
+        for (i, sw) in self.pages.iter().enumerate() {
+            let mut bits = sw.swap(0, Ordering::SeqCst);
+            while bits != 0 {
+                let p = i * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let end = ((p + 1) * WORDS_PER_PAGE).min(self.words.len());
+                let words: Vec<u64> = self.words[p * WORDS_PER_PAGE..end]
+                    .iter()
+                    .map(|w| w.swap(0, Ordering::SeqCst))
+                    .collect();
+                if words.iter().any(|&w| w != 0) {
+                    t.pages.push((p, words));
+                }
             }
+        }
+        t
+    }
+
+    /// Put bits back (a persist that failed).
+    pub(crate) fn give_back(&self, t: &Taken) {
+        for (p, words) in &t.pages {
+            for (w, &v) in self.words[p * WORDS_PER_PAGE..].iter().zip(words) {
+                if v != 0 {
+                    w.fetch_or(v, Ordering::SeqCst);
+                }
+            }
+            self.pages[p / 64].fetch_or(1 << (p % 64), Ordering::SeqCst);
         }
     }
 
     pub(crate) fn word(&self, w: usize) -> u64 {
         self.words[w].load(Ordering::Acquire)
+    }
+}
+
+impl Bits {
+    /// OR taken words into page `p`; the page as stored after.
+    pub(crate) fn or_page(&mut self, p: usize, words: &[u64]) -> Vec<u8> {
+        for (a, b) in self.words[p * WORDS_PER_PAGE..].iter_mut().zip(words) {
+            *a |= b;
+        }
+        self.page(p)
     }
 }
 
@@ -272,14 +312,28 @@ mod tests {
 
     #[test]
     fn atomic_marks_are_taken_once_and_given_back() {
-        let u = AtomicBits::new(200);
-        assert!(!u.set(3, 130));
-        assert!(u.set(64, 100));
-        let b = u.take();
-        assert!((3..=130).all(|c| b.get(c)) && !b.get(2) && !b.get(131));
-        assert!(u.take().is_empty());
-        u.give_back(&b);
-        assert_eq!(u.take(), b);
+        // Three pages of words and a bit: marks in pages 0, 1 and 3.
+        let chunks = 3 * 64 * WORDS_PER_PAGE as u64 + 1;
+        let page = 64 * WORDS_PER_PAGE as u64;
+        let u = AtomicBits::new(chunks);
+        u.set(3, 130);
+        u.set(64, 100);
+        u.set(page + 5, page + 5);
+        u.set(chunks - 1, chunks - 1);
+        let t = u.take();
+        let idx: Vec<usize> = t.pages.iter().map(|(p, _)| *p).collect();
+        assert_eq!(idx, [0, 1, 3]);
+        let mut b = Bits::new(chunks);
+        for (p, w) in &t.pages {
+            b.or_page(*p, w);
+        }
+        let set: Vec<u64> = (0..chunks).filter(|&c| b.get(c)).collect();
+        let mut want: Vec<u64> = (3..=130).collect();
+        want.extend([page + 5, chunks - 1]);
+        assert_eq!(set, want);
+        assert_eq!(u.take(), Taken::default());
+        u.give_back(&t);
+        assert_eq!(u.take(), t);
     }
 
     #[test]

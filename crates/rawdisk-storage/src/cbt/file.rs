@@ -484,14 +484,14 @@ impl StateFile {
     }
 
     /// The header as the checks leave it (under the mutation lock), and
-    /// whether it differs from the file's. While served the server owns
-    /// the open flag and the stamp, so only a corrupt header is handled.
-    fn checked_header(&self, d: &Disk) -> Result<(Header, bool, bool), CbtError> {
+    /// whether a server tracks the target. While served the server owns the
+    /// open flag and the stamp, so only a corrupt header is handled.
+    fn checked_header(&self, d: &Disk) -> Result<(Header, bool), CbtError> {
         let served = d.served()?;
         let st = stat_target(&*d.sys, &self.target)?;
-        let (mut h, mut dirty) = match d.read_header()? {
-            Read::Ok(h) => (h, false),
-            Read::Blank => (new_header(DEFAULT_GRANULARITY, st.stamp), true),
+        let mut h = match d.read_header()? {
+            Read::Ok(h) => h,
+            Read::Blank => new_header(DEFAULT_GRANULARITY, st.stamp),
             Read::Corrupt(old) => {
                 tracing::warn!(
                     "changed-block state {} is corrupt: every checkpoint is now inconsistent",
@@ -501,15 +501,13 @@ impl StateFile {
                 let mut h = repair(old, g, st.stamp);
                 // The server (if any) set the open flag it still holds.
                 h.open = served;
-                (h, true)
+                h
             }
         };
         if !served {
-            let before = h.clone();
             check_unserved(&mut h, &st);
-            dirty |= h != before;
         }
-        Ok((h, dirty, served))
+        Ok((h, served))
     }
 
     fn commit(d: &Disk, h: &Header) -> Result<(), CbtError> {
@@ -524,7 +522,7 @@ impl StateFile {
             check_name(OP, &self.disk.path, n)?;
         }
         self.locked(LockKind::Write, |d| {
-            let (mut h, _, _) = self.checked_header(d)?;
+            let (mut h, _) = self.checked_header(d)?;
             let name = match name {
                 Some(n) => n.to_string(),
                 None => {
@@ -586,7 +584,7 @@ impl StateFile {
     pub fn delete_checkpoint(&mut self, name: &str) -> Result<(), CbtError> {
         const OP: &str = "delete checkpoint from";
         self.locked(LockKind::Write, |d| {
-            let (mut h, _, _) = self.checked_header(d)?;
+            let (mut h, _) = self.checked_header(d)?;
             let Some(k) = h.find(name) else {
                 return Err(no_such(OP, &d.path, &h, name));
             };
@@ -620,7 +618,7 @@ impl StateFile {
 
     pub fn list(&self) -> Result<Vec<CheckpointInfo>, CbtError> {
         self.locked(LockKind::Read, |d| {
-            let (h, _, _) = self.checked_header(d)?;
+            let (h, _) = self.checked_header(d)?;
             Ok(infos(&h))
         })
     }
@@ -633,7 +631,7 @@ impl StateFile {
     pub fn changed_ranges(&self, name: &str) -> Result<Vec<(u64, u64)>, CbtError> {
         const OP: &str = "read changed ranges from";
         self.locked(LockKind::Read, |d| {
-            let (h, _, served) = self.checked_header(d)?;
+            let (h, served) = self.checked_header(d)?;
             if served {
                 return Err(CbtError::msg(
                     OP,

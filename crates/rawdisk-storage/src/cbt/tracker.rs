@@ -179,9 +179,9 @@ impl Tracker {
             return;
         }
         let last = ((offset.saturating_add(len) - 1) / self.granularity).min(self.chunks - 1);
-        // The flag after the bits, also when they were set by another mark
-        // that may not have raised it yet: once this returns, a persist
-        // that starts later takes these bits (see `persist`).
+        // The flag after the bits (and their page summary), also when they
+        // were set by another mark that may not have raised it yet: once
+        // this returns, a persist that starts later takes these bits.
         self.u.set(first, last);
         if !self.dirty.load(Ordering::SeqCst) {
             self.dirty.store(true, Ordering::SeqCst);
@@ -210,12 +210,13 @@ impl Tracker {
                 // inconsistent ones) the bits are needed by nobody.
                 let newest = mem.header.checkpoints.last().map(|e| e.slot);
                 let write = match (newest, mem.maps.last_mut()) {
-                    (Some(slot), Some(Some(map))) => {
-                        map.or(&taken);
-                        let pages = taken.pages();
-                        let copy: Vec<(usize, Vec<u8>)> =
-                            pages.iter().map(|&p| (p, map.page(p))).collect();
-                        Some((slot, copy))
+                    (Some(slot), Some(Some(map))) if !taken.pages.is_empty() => {
+                        let pages: Vec<(usize, Vec<u8>)> = taken
+                            .pages
+                            .iter()
+                            .map(|(p, words)| (*p, map.or_page(*p, words)))
+                            .collect();
+                        Some((slot, pages))
                     }
                     _ => None,
                 };

@@ -293,6 +293,42 @@ fn wait_unserved(sf: &StateFile) {
     }
 }
 
+/// A persist writes the bitmap pages that gained bits, nothing else, then
+/// fdatasyncs: its I/O follows the changes, not the target's size.
+#[test]
+fn persist_writes_only_the_pages_that_gained_bits() {
+    // 1 GiB at 4 KiB: 8 bitmap pages of 32768 chunks each, in slot 0.
+    let size = 1 << 30;
+    let t = tmp_file(size);
+    state(&t).create_checkpoint(Some("a")).unwrap();
+    let sys = FaultSys::real();
+    let tr = Tracker::open_with_sys(&t.path, size, &opts(), sys.clone()).unwrap();
+    let page_span = 32768 * G;
+    tr.mark(7, 1);
+    tr.mark(5 * page_span + 3 * G, 10 * G);
+    tr.mark(5 * page_span, 1);
+    sys.record();
+    tr.persist().unwrap();
+    let log = sys.take_log();
+    let writes: Vec<(u64, u64)> = log
+        .iter()
+        .filter(|c| c.kind == CallKind::Pwrite)
+        .map(|c| (c.offset, c.len))
+        .collect();
+    assert_eq!(writes, [(4096, 4096), (4096 + 5 * 4096, 4096)]);
+    let last = log
+        .iter()
+        .rposition(|c| c.kind == CallKind::Pwrite)
+        .unwrap();
+    assert!(
+        log[last..].iter().any(|c| c.kind == CallKind::Fdatasync),
+        "{log:?}"
+    );
+    let mut want = vec![0, 5 * 32768];
+    want.extend(5 * 32768 + 3..5 * 32768 + 13);
+    assert_eq!(tr.persisted("a"), want);
+}
+
 fn reasons(sf: &StateFile) -> Vec<(String, bool, Option<String>)> {
     sf.list()
         .unwrap()
