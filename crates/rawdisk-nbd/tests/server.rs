@@ -16,6 +16,7 @@ use rawdisk_nbd::server::{Server, ServerConfig, WriteBehind};
 
 mod common;
 use common::{assert_file_is, Bind, Running};
+use rawdisk_storage::cbt::{StateFile, TrackOptions, Tracker};
 use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{FaultSys, OpenOptions, Target};
 
@@ -34,6 +35,7 @@ struct Harness {
     sock: PathBuf,
     model: Vec<u8>,
     fault: Option<Arc<FaultSys>>,
+    track_fault: Option<Arc<FaultSys>>,
 }
 
 struct Setup {
@@ -42,6 +44,10 @@ struct Setup {
     fill: bool,
     cfg: ServerConfig,
     fault: bool,
+    /// Changed-block tracking with these checkpoints made before the start.
+    track: Option<Vec<&'static str>>,
+    /// The tracker's state file I/O through a FaultSys of its own.
+    track_fault: bool,
 }
 
 impl Default for Setup {
@@ -54,6 +60,8 @@ impl Default for Setup {
                 ..Default::default()
             },
             fault: false,
+            track: None,
+            track_fault: false,
         }
     }
 }
@@ -96,7 +104,23 @@ impl Harness {
             (Target::open(&path, &opts).unwrap(), None)
         };
         let target = Arc::new(target);
-        let server = Running::start(Server::new(target, setup.cfg), Bind::Unix(sock.clone()));
+        let track_fault = setup.track_fault.then(FaultSys::real);
+        let tracker = setup.track.map(|names| {
+            let mut st = StateFile::open(&path, None, true).unwrap();
+            for n in names {
+                st.create_checkpoint(Some(n)).unwrap();
+            }
+            let opts = TrackOptions::default();
+            let t = match &track_fault {
+                Some(fs) => Tracker::open_with_sys(&path, setup.size, &opts, fs.clone()),
+                None => Tracker::open(&path, setup.size, &opts),
+            };
+            Arc::new(t.unwrap())
+        });
+        let server = Running::start(
+            Server::new_tracked(target, tracker, setup.cfg),
+            Bind::Unix(sock.clone()),
+        );
         Harness {
             server,
             _dir: dir,
@@ -104,6 +128,7 @@ impl Harness {
             sock,
             model,
             fault,
+            track_fault,
         }
     }
 
@@ -158,6 +183,8 @@ struct Reply {
     hole_chunks: usize,
     descriptors: Vec<Descriptor>,
     context_id: Option<u32>,
+    /// Every block status chunk: (context id, descriptors).
+    contexts: Vec<(u32, Vec<Descriptor>)>,
     simple: bool,
     covered: Vec<(u64, u64)>,
 }
@@ -466,6 +493,7 @@ impl Conn {
                         };
                         assert_eq!(typ, want);
                         r.context_id = Some(context_id);
+                        r.contexts.push((context_id, descriptors.clone()));
                         r.descriptors = descriptors;
                     }
                     Chunk::Error { error, message } => {
@@ -960,6 +988,135 @@ fn sparse_reads_df_and_block_status() {
         h.stop().unwrap();
         h.check_file();
     }
+}
+
+/// Descriptors as (length, status) pairs.
+fn pairs(ds: &[Descriptor]) -> Vec<(u64, u64)> {
+    ds.iter().map(|d| (d.length, d.status)).collect()
+}
+
+#[test]
+fn changed_block_contexts_in_structured_and_extended_replies() {
+    const GRAIN: u64 = 64 * KIB;
+    for mode in [ReplyMode::Structured, ReplyMode::Extended] {
+        let mut h = Harness::start(Setup {
+            track: Some(vec!["a", "b"]),
+            ..Default::default()
+        });
+        let mut c = h.conn();
+        c.start();
+        let opt = match mode {
+            ReplyMode::Extended => ClientOption::ExtendedHeaders,
+            _ => ClientOption::StructuredReply,
+        };
+        assert_eq!(c.opt(&opt), [OptionReply::Ack]);
+        let queries = ["rawdisk:changed:b", "base:allocation", "rawdisk:changed:a"];
+        let r = c.opt(&ClientOption::SetMetaContext(MetaContextRequest {
+            name: String::new(),
+            queries: queries.iter().map(|q| q.to_string()).collect(),
+        }));
+        let ctx = |id: u32, name: &str| OptionReply::MetaContext {
+            id,
+            name: name.into(),
+        };
+        let want = [
+            ctx(1, "base:allocation"),
+            ctx(2, "rawdisk:changed:a"),
+            ctx(3, "rawdisk:changed:b"),
+            OptionReply::Ack,
+        ];
+        assert_eq!(r, want);
+        c.opt(&ClientOption::Go(InfoRequest::default()));
+        c.mode = mode;
+
+        let d = random(4096, 9);
+        c.write(MIB + 10, &d);
+        h.model[(MIB + 10) as usize..(MIB + 10 + 4096) as usize].copy_from_slice(&d);
+        let r = c.cmd(Command::BlockStatus, 0, 0, 4 * MIB, &[]);
+        assert_eq!(r.error, 0, "{}", r.message);
+        let ids: Vec<u32> = r.contexts.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            ids.iter().copied().collect::<HashSet<_>>(),
+            [1, 2, 3].into()
+        );
+        for (id, ds) in &r.contexts {
+            let total: u64 = ds.iter().map(|d| d.length).sum();
+            assert!(total <= 4 * MIB && total > 0, "context {id}: {ds:?}");
+            if *id != 1 {
+                let want = [(MIB, 0), (GRAIN, 1), (3 * MIB - GRAIN, 0)];
+                assert_eq!(pairs(ds), want, "context {id}");
+            }
+        }
+        // REQ_ONE: one descriptor per context, within the request.
+        let r = c.cmd(
+            Command::BlockStatus,
+            CMD_FLAG_REQ_ONE,
+            MIB + GRAIN / 2,
+            MIB,
+            &[],
+        );
+        assert_eq!(r.contexts.len(), 3);
+        for (id, ds) in &r.contexts {
+            assert_eq!(ds.len(), 1, "context {id}");
+            assert!(ds[0].length <= MIB);
+            if *id != 1 {
+                assert_eq!(pairs(ds), [(GRAIN / 2, 1)], "context {id}");
+            }
+        }
+        // A checkpoint deleted by another process while selected: EINVAL
+        // naming it.
+        StateFile::open(&h.path, None, false)
+            .unwrap()
+            .delete_checkpoint("b")
+            .unwrap();
+        let r = c.cmd(Command::BlockStatus, 0, 0, MIB, &[]);
+        assert_eq!(r.error, NBD_EINVAL);
+        assert!(r.message.contains("\"b\""), "{}", r.message);
+        assert!(r.contexts.is_empty());
+        c.disc();
+        h.stop().unwrap();
+        h.check_file();
+        let left = StateFile::open(&h.path, None, false)
+            .unwrap()
+            .list()
+            .unwrap();
+        assert_eq!(left.len(), 1);
+        assert!(left[0].consistent && left[0].name == "a", "{left:?}");
+    }
+}
+
+#[test]
+fn a_failed_persist_fails_the_flush_and_the_next_one_writes_it() {
+    const GRAIN: u64 = 64 * KIB;
+    let mut h = Harness::start(Setup {
+        track: Some(vec!["a"]),
+        track_fault: true,
+        ..Default::default()
+    });
+    let fs = h.track_fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let d = random(4096, 11);
+    c.write(MIB, &d);
+    h.model[MIB as usize..(MIB + 4096) as usize].copy_from_slice(&d);
+    fs.reset_counts();
+    fs.fail_from(CallKind::Fdatasync, 1, libc::EIO);
+    let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
+    assert_eq!(r.error, NBD_EIO);
+    assert!(!r.message.is_empty());
+    // A FUA write lands but is not acknowledged as durable.
+    let r = c.cmd(Command::Write, CMD_FLAG_FUA, 3 * MIB, 4096, &d);
+    assert_eq!(r.error, NBD_EIO);
+    h.model[(3 * MIB) as usize..(3 * MIB + 4096) as usize].copy_from_slice(&d);
+    fs.clear_rules();
+    assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+    // Both marks reached the state file: the failed persists gave them back.
+    let st = StateFile::open(&h.path, None, false).unwrap();
+    let want = [(MIB, GRAIN), (3 * MIB, GRAIN)];
+    assert_eq!(st.changed_ranges("a").unwrap(), want);
+    assert!(st.list().unwrap()[0].consistent);
 }
 
 #[test]
