@@ -296,6 +296,7 @@ pub(super) fn execute(
 ) -> Encoded {
     let t = &*s.export.target;
     let fua = req.flags & CMD_FLAG_FUA != 0;
+    let _done = MarkWhenDone(s, req);
     let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(sh, s, req, to, op, e);
     match req.command {
         Command::Read => read(sh, s, req, to),
@@ -687,6 +688,18 @@ pub(super) fn mark_changes(s: &Session, req: &Request) {
         {
             t.mark(req.offset, req.length);
         }
+    }
+}
+
+/// Marks the request's range again when [`execute`] returns, before the
+/// reply goes out: a checkpoint created while the write was in flight
+/// (after the mark of [`mark_changes`] was persisted into the older
+/// bitmap) must see it too (docs/cbt.md, the persistence rule).
+struct MarkWhenDone<'a>(&'a Session, &'a Request);
+
+impl Drop for MarkWhenDone<'_> {
+    fn drop(&mut self) {
+        mark_changes(self.0, self.1);
     }
 }
 

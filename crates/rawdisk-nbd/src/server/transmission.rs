@@ -638,6 +638,8 @@ where
                 let r = self.batch.hold(sock.recv_mapped(&mut mw)).await;
                 let got = mw.received() as u64;
                 drop(mw);
+                // As execute does when a write returns (MarkWhenDone).
+                mark_changes(&self.s, &req);
                 match r {
                     Ok(()) => {
                         let e = &self.s.export;
