@@ -20,6 +20,9 @@
 //!   - `target/offload.rs`: copy offload from another file (FICLONERANGE,
 //!     copy_file_range), learned per pair of file systems;
 //!   - `target/probe.rs`: trying the methods on purpose (`rawdisk probe`).
+//! - [`cbt`]: **changed-block tracking**: the sidecar state file of
+//!   checkpoints and their bitmaps ([`cbt::Tracker`] for a server,
+//!   [`cbt::StateFile`] for `rawdisk checkpoint`); docs/cbt.md.
 //! - `errno.rs`: which errnos mean "not supported" (the only ones the engine
 //!   learns from; EIO, ENOSPC, EPERM... are returned and teach nothing),
 //!   EINTR retry, short reads.
@@ -37,6 +40,7 @@
 //! first use...) is in docs/capabilities.md.
 
 pub mod caps;
+pub mod cbt;
 mod errno;
 pub mod error;
 #[cfg(any(test, feature = "fault-injection"))]
