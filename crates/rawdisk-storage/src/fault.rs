@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::sys::{
-    syscalls, BlockGeometry, CallKind, DioAlign, FallocMode, FileStat, MapSpan, Mapping, OpenHow,
-    Sys,
+    syscalls, BlockGeometry, CallKind, DioAlign, FallocMode, FileStat, LockCmd, LockKind, MapSpan,
+    Mapping, OpenHow, Sys,
 };
 
 /// "The `nth` call (1-based, counted per [`CallKind`]) of `kind` fails with

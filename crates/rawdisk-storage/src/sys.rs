@@ -85,6 +85,31 @@ pub enum CallKind {
     CloneRange,
     /// copy_file_range(2): the kernel copies between two files.
     CopyFileRange,
+    /// fcntl(F_OFD_SETLK / F_OFD_SETLKW / F_OFD_GETLK)
+    OfdLock(LockCmd),
+}
+
+/// Which fcntl command an open-file-description lock call is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LockCmd {
+    /// F_OFD_SETLK: take or release without waiting (EAGAIN on conflict).
+    Set,
+    /// F_OFD_SETLKW: wait until it can be taken.
+    SetWait,
+    /// F_OFD_GETLK: only test whether another description holds a
+    /// conflicting lock.
+    Get,
+}
+
+/// What an open-file-description lock call asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LockKind {
+    /// F_RDLCK: shared.
+    Read,
+    /// F_WRLCK: exclusive.
+    Write,
+    /// F_UNLCK: release.
+    Unlock,
 }
 
 /// Block device geometry read by ioctls.
@@ -128,6 +153,9 @@ pub struct FileStat {
     /// st_blocks: 512-byte units allocated.
     pub blocks: u64,
     pub blksize: u64,
+    /// st_mtime and st_ctime as (seconds, nanoseconds).
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
 }
 
 impl FileStat {
@@ -185,6 +213,12 @@ macro_rules! syscalls {
             fn fdatasync(fd: BorrowedFd<'_>) -> () [Fdatasync, 0, 0];
             /// ftruncate(2).
             fn ftruncate(fd: BorrowedFd<'_>, size: u64) -> () [Ftruncate, size, 0];
+            /// fcntl(F_OFD_SETLK / SETLKW / GETLK) of `kind` on [start, start+len)
+            /// (open-file-description locks: two descriptions exclude each
+            /// other even in one process). Set/SetWait return false; Get
+            /// returns whether another description holds a conflicting lock.
+            fn ofd_lock(fd: BorrowedFd<'_>, cmd: LockCmd, kind: LockKind, start: u64, len: u64) -> bool
+                [OfdLock(cmd), start, len];
             /// posix_fadvise(WILLNEED).
             fn fadvise_willneed(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
                 [Fadvise, offset, len];
@@ -530,6 +564,41 @@ impl Sys for RealSys {
         Ok(rustix::fs::ftruncate(fd, size)?)
     }
 
+    fn ofd_lock(
+        &self,
+        fd: BorrowedFd<'_>,
+        cmd: LockCmd,
+        kind: LockKind,
+        start: u64,
+        len: u64,
+    ) -> io::Result<bool> {
+        let inval = || io::Error::from_raw_os_error(libc::EINVAL);
+        // SAFETY: flock is a plain C struct; all-zero is a valid value of it
+        // (and l_pid must be 0 for OFD locks).
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = match kind {
+            LockKind::Read => libc::F_RDLCK,
+            LockKind::Write => libc::F_WRLCK,
+            LockKind::Unlock => libc::F_UNLCK,
+        } as libc::c_short;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        l.l_start = libc::off_t::try_from(start).map_err(|_| inval())?;
+        l.l_len = libc::off_t::try_from(len).map_err(|_| inval())?;
+        let cmd = match cmd {
+            LockCmd::Set => libc::F_OFD_SETLK,
+            LockCmd::SetWait => libc::F_OFD_SETLKW,
+            LockCmd::Get => libc::F_OFD_GETLK,
+        };
+        // SAFETY: `fd` is valid for the borrow; the F_OFD_* commands read
+        // (and GETLK writes) one struct flock through the pointer, which
+        // points to a live local of that type.
+        let r = unsafe { libc::fcntl(fd.as_raw_fd(), cmd, &mut l as *mut libc::flock) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(cmd == libc::F_OFD_GETLK && l.l_type != libc::F_UNLCK as libc::c_short)
+    }
+
     fn fadvise_willneed(&self, fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
         Ok(rustix::fs::fadvise(
             fd,
@@ -608,6 +677,8 @@ impl Sys for RealSys {
             size: st.st_size as u64,
             blocks: st.st_blocks as u64,
             blksize: st.st_blksize as u64,
+            mtime: (st.st_mtime, st.st_mtime_nsec as u32),
+            ctime: (st.st_ctime, st.st_ctime_nsec as u32),
         })
     }
 

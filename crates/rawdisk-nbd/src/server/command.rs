@@ -13,7 +13,7 @@ use tracing::{debug, trace, warn};
 
 use super::buffers::PIPE_BYTES;
 use super::exports::Export;
-use super::handshake::BASE_ALLOCATION_ID;
+use super::meta::{Context, STATE_CHANGED};
 use super::{Session, Shared};
 use crate::proto::*;
 use crate::sock::Pipe;
@@ -140,7 +140,7 @@ pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
         }
     }
     if req.command == Command::BlockStatus {
-        if s.base_allocation.is_none() {
+        if s.contexts.is_empty() {
             return Err((NBD_EINVAL, "no metadata context was negotiated"));
         }
         if req.length == 0 {
@@ -310,6 +310,9 @@ pub(super) fn execute(
             }
             sh.pool.put(buf);
             match r {
+                Ok(()) if fua => {
+                    persist(sh, s, req, to, "write (FUA)").unwrap_or_else(|| whole(small_ok(s, to)))
+                }
                 Ok(()) => whole(small_ok(s, to)),
                 Err(e) => fail("write", &e),
             }
@@ -317,7 +320,7 @@ pub(super) fn execute(
         Command::Flush => match t.flush() {
             Ok(()) => {
                 s.export.write_behind.flushed();
-                whole(small_ok(s, to))
+                persist(sh, s, req, to, "flush").unwrap_or_else(|| whole(small_ok(s, to)))
             }
             Err(e) => fail("flush", &e),
         },
@@ -335,6 +338,9 @@ pub(super) fn execute(
             if fua {
                 if let Err(e) = t.flush() {
                     return fail("trim (FUA flush)", &e);
+                }
+                if let Some(r) = persist(sh, s, req, to, "trim (FUA)") {
+                    return r;
                 }
             }
             whole(small_ok(s, to))
@@ -373,6 +379,9 @@ pub(super) fn execute(
             if fua {
                 if let Err(e) = t.flush() {
                     return fail("write zeroes (FUA flush)", &e);
+                }
+                if let Some(r) = persist(sh, s, req, to, "write zeroes (FUA)") {
+                    return r;
                 }
             }
             whole(small_ok(s, to))
@@ -566,14 +575,48 @@ fn sparse_read(
     Encoded::bytes(buf, start, at)
 }
 
+/// One block status chunk per selected context, each from the request's
+/// offset (spec: NBD_CMD_BLOCK_STATUS). A checkpoint deleted since the
+/// client selected its context fails the whole request.
 fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
-    let t = &*s.export.target;
-    let id = s.base_allocation.unwrap_or(BASE_ALLOCATION_ID);
     let max_runs = if req.flags & CMD_FLAG_REQ_ONE != 0 {
         1
     } else {
         MAX_DESCRIPTORS
     };
+    if s.contexts.iter().any(|(_, c)| *c != Context::Allocation) {
+        // Checkpoints made or deleted since the last look (one pread when
+        // none were).
+        super::meta::refresh(&s.export);
+    }
+    let mut chunks = Vec::with_capacity(s.contexts.len());
+    for (id, c) in &s.contexts {
+        let ds = match c {
+            Context::Allocation => allocation(s, req, max_runs),
+            Context::Changed(name) => match changed(s, name, req, max_runs) {
+                Some(ds) => ds,
+                None => {
+                    let msg = format!("checkpoint {name:?} no longer exists (it was deleted)");
+                    debug!("block status: {msg}");
+                    return small_error(s, to, NBD_EINVAL, &msg);
+                }
+            },
+        };
+        chunks.push((*id, ds));
+    }
+    let size: usize = chunks.iter().map(|(_, ds)| 40 + 16 * ds.len()).sum();
+    let mut b = Vec::with_capacity(size);
+    let last = chunks.len().saturating_sub(1);
+    for (i, (id, ds)) in chunks.iter().enumerate() {
+        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+        encode_block_status(&mut b, s.mode, to, flags, *id, ds);
+    }
+    whole(b)
+}
+
+/// base:allocation: holes (reading as zeros) and data.
+fn allocation(s: &Session, req: &Request, max_runs: usize) -> Vec<Descriptor> {
+    let t = &*s.export.target;
     let mut ds: Vec<Descriptor> = match t.extents(req.offset, req.length, max_runs) {
         Ok(ext) => ext
             .iter()
@@ -606,7 +649,57 @@ fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
             d.length = d.length.min(u32::MAX as u64 & !511);
         }
     }
-    let mut b = Vec::with_capacity(s.mode.header_len() + 8 + 16 * ds.len());
-    encode_block_status(&mut b, s.mode, to, REPLY_FLAG_DONE, id, &ds);
-    whole(b)
+    ds
+}
+
+/// rawdisk:changed:NAME: the ranges changed since the checkpoint; None when
+/// it no longer exists. The tracker's runs cover the request exactly.
+fn changed(s: &Session, name: &str, req: &Request, max_runs: usize) -> Option<Vec<Descriptor>> {
+    let tracker = s.export.tracker.as_ref()?;
+    let runs = tracker.changed(name, req.offset, req.length, max_runs)?;
+    let mut ds: Vec<Descriptor> = runs
+        .into_iter()
+        .filter(|&(len, _)| len > 0)
+        .map(|(length, changed)| Descriptor {
+            length,
+            status: if changed { STATE_CHANGED as u64 } else { 0 },
+        })
+        .collect();
+    if ds.is_empty() {
+        // Never an empty chunk; "changed" is the answer that hides nothing.
+        ds.push(Descriptor {
+            length: req.length,
+            status: STATE_CHANGED as u64,
+        });
+    }
+    Some(ds)
+}
+
+/// Changed-block tracking: a validated WRITE, WRITE_ZEROES or TRIM marks
+/// its range before any of it reaches the storage (every write path,
+/// mapped writes included, comes after this).
+pub(super) fn mark_changes(s: &Session, req: &Request) {
+    if let Some(t) = &s.export.tracker {
+        if matches!(
+            req.command,
+            Command::Write | Command::WriteZeroes | Command::Trim
+        ) && req.length > 0
+        {
+            t.mark(req.offset, req.length);
+        }
+    }
+}
+
+/// Changed-block tracking: makes the marks durable before a FLUSH or FUA
+/// reply tells the client its data is; the error reply if that fails.
+fn persist(sh: &Shared, s: &Session, req: &Request, to: ReplyTo, op: &str) -> Option<Encoded> {
+    let t = s.export.tracker.as_ref()?;
+    let err = t.persist().err()?;
+    if sh.storage_errors.allow() {
+        warn!(
+            "{op} of {} bytes at offset {} answered NBD_EIO: {err}",
+            req.length, req.offset
+        );
+    }
+    Some(error_reply(s, to, NBD_EIO, &err.to_string(), None))
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use rawdisk_storage::cbt::{TrackOptions, Tracker, STATE_SUFFIX};
 use rawdisk_storage::{CacheMode, OpenOptions, Target};
 use tracing::{debug, info, warn};
 
@@ -33,6 +34,9 @@ pub(super) struct Export {
     pub sparse_skip: AtomicU64,
     /// Capability generation last logged.
     pub caps_logged: AtomicU64,
+    /// Changed-block tracking (`--track-changes`), shared with every other
+    /// connection to the same target.
+    pub tracker: Option<Arc<Tracker>>,
     /// (st_dev, st_ino) of what was opened: a file replaced under the same
     /// name is a new export.
     id: (u64, u64),
@@ -52,6 +56,7 @@ impl Export {
         write_behind: WriteBehind,
         max_payload: u32,
         id: (u64, u64),
+        tracker: Option<Arc<Tracker>>,
     ) -> Export {
         let read_only = read_only || target.is_read_only();
         let (min_block, preferred_block) = block_sizes(&target, max_payload);
@@ -69,6 +74,7 @@ impl Export {
             min_block,
             preferred_block,
             id,
+            tracker,
         }
     }
 }
@@ -81,18 +87,31 @@ pub(super) struct Dir {
     default: Option<String>,
     /// Exports some connection still holds, by name.
     open: Mutex<HashMap<String, Weak<Export>>>,
+    /// With `--track-changes`: how to open each export's tracker.
+    track: Option<TrackOptions>,
+    /// Trackers by export name with the (st_dev, st_ino) they track. They
+    /// outlive the connections: only the server's exit closes them cleanly.
+    trackers: Mutex<Trackers>,
 }
+
+/// Tracker of each export name, with the (st_dev, st_ino) it tracks.
+type Trackers = HashMap<String, ((u64, u64), Arc<Tracker>)>;
 
 pub(super) enum Exports {
     One(Arc<Export>),
-    Dir(Dir),
+    Dir(Box<Dir>),
 }
 
 /// Why a name does not open an export: the message for NBD_REP_ERR_UNKNOWN.
 pub(super) type Unknown = String;
 
 impl Exports {
-    pub(super) fn dir(dir: &Path, opts: OpenOptions, default: Option<String>) -> io::Result<Dir> {
+    pub(super) fn dir(
+        dir: &Path,
+        opts: OpenOptions,
+        default: Option<String>,
+        track: Option<TrackOptions>,
+    ) -> io::Result<Dir> {
         // The caller names the directory; the errors say only why.
         let dir = dir.canonicalize()?;
         if !dir.is_dir() {
@@ -103,6 +122,8 @@ impl Exports {
             opts,
             default,
             open: Mutex::new(HashMap::new()),
+            track,
+            trackers: Mutex::new(HashMap::new()),
         })
     }
 
@@ -140,6 +161,22 @@ impl Exports {
             Exports::Dir(d) => {
                 let open = d.open.lock().unwrap_or_else(|p| p.into_inner());
                 open.values().filter_map(Weak::upgrade).collect()
+            }
+        }
+    }
+
+    /// Every tracker the server opened (closed at exit, after the final
+    /// flush).
+    pub(super) fn trackers(&self) -> Vec<(String, Arc<Tracker>)> {
+        match self {
+            Exports::One(e) => e
+                .tracker
+                .iter()
+                .map(|t| (e.name.clone(), t.clone()))
+                .collect(),
+            Exports::Dir(d) => {
+                let t = d.trackers.lock().unwrap_or_else(|p| p.into_inner());
+                t.iter().map(|(n, (_, t))| (n.clone(), t.clone())).collect()
             }
         }
     }
@@ -188,6 +225,13 @@ impl Dir {
                 shorten(name)
             ));
         }
+        if name.ends_with(STATE_SUFFIX) {
+            // Changed-block tracking state, not a disk.
+            return Err(format!(
+                "{:?} is a changed-block tracking state file, not an export",
+                shorten(name)
+            ));
+        }
         let unknown = || format!("no export named {:?}", shorten(name));
         let path = self.dir.join(name).canonicalize().map_err(|_| unknown())?;
         if !path.starts_with(&self.dir) {
@@ -232,6 +276,7 @@ impl Dir {
             }
         }
         let (target, read_only) = self.open_target(&path)?;
+        let tracker = self.tracker(name, &path, id, target.size())?;
         let e = Arc::new(Export::new(
             name.to_string(),
             Arc::new(target),
@@ -239,6 +284,7 @@ impl Dir {
             write_behind,
             max_payload,
             id,
+            tracker,
         ));
         debug!(
             "export {name:?}: {} bytes{}",
@@ -247,6 +293,43 @@ impl Dir {
         );
         open.insert(name.to_string(), Arc::downgrade(&e));
         Ok(e)
+    }
+
+    /// The tracker of the export `name` (file `path`, `id`), opened on first
+    /// use. A file replaced under the same name gets a new one: the old one
+    /// is closed first, as both use the same state file.
+    fn tracker(
+        &self,
+        name: &str,
+        path: &Path,
+        id: (u64, u64),
+        size: u64,
+    ) -> Result<Option<Arc<Tracker>>, Unknown> {
+        let Some(opts) = &self.track else {
+            return Ok(None);
+        };
+        let mut trackers = self.trackers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((tid, t)) = trackers.get(name) {
+            if *tid == id {
+                return Ok(Some(t.clone()));
+            }
+            if let Err(e) = t.close() {
+                warn!("export {name:?}: {e}");
+            }
+            trackers.remove(name);
+        }
+        match Tracker::open(path, size, opts) {
+            Ok(t) => {
+                let t = Arc::new(t);
+                trackers.insert(name.to_string(), (id, t.clone()));
+                Ok(Some(t))
+            }
+            Err(e) => {
+                // Serving it untracked would hide its changes from backups.
+                warn!("cannot export {}: {e}", path.display());
+                Err(format!("cannot track changes of {name:?}: {e}"))
+            }
+        }
     }
 
     /// Opens read-write unless the server is read-only; a file the server

@@ -15,11 +15,9 @@ use tracing::{debug, trace, warn};
 use super::buffers::{Input, READ_AHEAD};
 use super::exports::Export;
 use super::limits::HandshakeSlot;
+use super::meta::{self, Context};
 use super::{protocol_error, BoxRead, BoxWrite, Session, Shared};
 use crate::proto::*;
-
-/// Context id handed out for base:allocation.
-pub(super) const BASE_ALLOCATION_ID: u32 = 1;
 
 /// Transmission flags from what the target can do. Computed once per
 /// connection, so they never change while it lasts.
@@ -242,8 +240,8 @@ where
     let cfg = &sh.cfg;
     let mut out = Vec::with_capacity(512);
     let mut mode = ReplyMode::Simple;
-    // (export name, selected base:allocation) from the last SET_META_CONTEXT.
-    let mut meta: Option<(String, bool)> = None;
+    // (export name, selected contexts) from the last SET_META_CONTEXT.
+    let mut selected: Option<(String, Vec<(u32, Context)>)> = None;
     // Per export, fixed at the first INFO/GO so INFO and GO agree (spec).
     let mut base_flags: Vec<(String, u16)> = Vec::new();
     let mut data = Vec::new();
@@ -339,8 +337,8 @@ where
                 }
                 encode_export_name_reply(&mut out, size, flags, no_zeroes);
                 send(wr, &mut out).await?;
-                let base_allocation = meta_for(&meta, &export);
-                let s = session(sh, e, mode, flags, size, base_allocation, false);
+                let contexts = contexts_for(&mut selected, &export);
+                let s = session(sh, e, mode, flags, size, contexts, false);
                 return Ok(Outcome::Session(s));
             }
             ClientOption::Abort => {
@@ -402,7 +400,7 @@ where
                 let set = h.option == OPT_SET_META_CONTEXT;
                 if set {
                     // Spec: SET replaces the selection even when it fails.
-                    meta = None;
+                    selected = None;
                 }
                 if !mode.structured() {
                     reply_err(
@@ -416,37 +414,29 @@ where
                     continue;
                 }
                 // Not logged: the INFO/GO that follows is.
-                let found = sh
+                let e = match sh
                     .exports
-                    .find(&req.name, cfg.write_behind, cfg.max_payload);
-                if let Err(msg) = found {
-                    reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
-                    continue;
-                }
-                let matches = if set {
-                    // "base:" alone selects nothing during SET (spec).
-                    req.queries
-                        .iter()
-                        .any(|q| q == META_CONTEXT_BASE_ALLOCATION)
-                } else {
-                    req.queries.is_empty()
-                        || req
-                            .queries
-                            .iter()
-                            .any(|q| q == "base:" || q == META_CONTEXT_BASE_ALLOCATION)
+                    .find(&req.name, cfg.write_behind, cfg.max_payload)
+                {
+                    Ok(e) => e,
+                    Err(msg) => {
+                        reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
+                        continue;
+                    }
                 };
-                if matches {
+                let found = meta::numbered(meta::matching(&e, &req.queries, set));
+                for (id, c) in &found {
                     OptionReply::MetaContext {
                         // LIST: the id is reserved and SHOULD be zero.
-                        id: if set { BASE_ALLOCATION_ID } else { 0 },
-                        name: META_CONTEXT_BASE_ALLOCATION.into(),
+                        id: if set { *id } else { 0 },
+                        name: c.name(),
                     }
                     .encode(h.option, &mut out);
                 }
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
                 if set {
-                    meta = Some((req.name, matches));
+                    selected = Some((req.name, found));
                 }
             }
             ClientOption::Info(req) | ClientOption::Go(req) => {
@@ -458,6 +448,7 @@ where
                         continue;
                     }
                 };
+                meta::refresh(&e);
                 let flags = flags_for(&mut base_flags, &e) | df_flag(mode);
                 let size = e.target.size();
                 OptionReply::Info(Info::Export { size, flags }).encode(h.option, &mut out);
@@ -482,9 +473,9 @@ where
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
                 if go {
-                    let base_allocation = meta_for(&meta, &req.name);
+                    let contexts = contexts_for(&mut selected, &req.name);
                     let agreed = req.info.contains(&INFO_BLOCK_SIZE);
-                    let s = session(sh, e, mode, flags, size, base_allocation, agreed);
+                    let s = session(sh, e, mode, flags, size, contexts, agreed);
                     return Ok(Outcome::Session(s));
                 }
             }
@@ -552,10 +543,15 @@ fn df_flag(mode: ReplyMode) -> u16 {
     }
 }
 
-fn meta_for(meta: &Option<(String, bool)>, export: &str) -> Option<u32> {
-    match meta {
-        Some((name, true)) if name == export => Some(BASE_ALLOCATION_ID),
-        _ => None,
+/// The contexts the last SET_META_CONTEXT selected, if it named the export
+/// the client goes on with (spec).
+fn contexts_for(
+    selected: &mut Option<(String, Vec<(u32, Context)>)>,
+    export: &str,
+) -> Vec<(u32, Context)> {
+    match selected.take() {
+        Some((name, found)) if name == export => found,
+        _ => Vec::new(),
     }
 }
 
@@ -565,17 +561,17 @@ fn session(
     mode: ReplyMode,
     flags: u16,
     size: u64,
-    base_allocation: Option<u32>,
+    contexts: Vec<(u32, Context)>,
     enforce_min_block: bool,
 ) -> Session {
     Session {
         mode,
         flags,
         size,
-        base_allocation: if mode.structured() {
-            base_allocation
+        contexts: if mode.structured() {
+            contexts
         } else {
-            None
+            Vec::new()
         },
         enforce_min_block,
         min_block: export.min_block,

@@ -37,6 +37,7 @@ mod command;
 mod exports;
 mod handshake;
 mod limits;
+mod meta;
 mod refuse;
 mod transmission;
 mod writeback;
@@ -46,6 +47,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rawdisk_storage::cbt::{TrackOptions, Tracker};
 use rawdisk_storage::{OpenOptions, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
 use tokio::sync::{watch, Semaphore};
@@ -108,6 +110,9 @@ pub struct ServerConfig {
     pub map_writes: bool,
     /// TLS credentials and whether TLS is required; None: no TLS.
     pub tls: Option<crate::tls::ServerTls>,
+    /// Changed-block tracking of `--dir` exports (`--track-changes`); a
+    /// single export gets its tracker from [`Server::new_tracked`].
+    pub track_changes: Option<TrackOptions>,
 }
 
 impl Default for ServerConfig {
@@ -131,6 +136,7 @@ impl Default for ServerConfig {
             write_behind: WriteBehind::Auto,
             map_writes: false,
             tls: None,
+            track_changes: None,
         }
     }
 }
@@ -176,6 +182,16 @@ struct Shared {
 
 impl Server {
     pub fn new(target: Arc<Target>, cfg: ServerConfig) -> Server {
+        Server::new_tracked(target, None, cfg)
+    }
+
+    /// One export whose changes `tracker` records (`--track-changes`); the
+    /// server closes it cleanly when `serve` returns.
+    pub fn new_tracked(
+        target: Arc<Target>,
+        tracker: Option<Arc<Tracker>>,
+        cfg: ServerConfig,
+    ) -> Server {
         let export = Export::new(
             cfg.export_name.clone(),
             target,
@@ -183,6 +199,7 @@ impl Server {
             cfg.write_behind,
             cfg.max_payload,
             (0, 0),
+            tracker,
         );
         Server::with_exports(Exports::One(Arc::new(export)), cfg)
     }
@@ -200,8 +217,8 @@ impl Server {
             read_only: opts.read_only || cfg.read_only,
             ..opts
         };
-        let dir = Exports::dir(dir, opts, default_export)?;
-        Ok(Server::with_exports(Exports::Dir(dir), cfg))
+        let dir = Exports::dir(dir, opts, default_export, cfg.track_changes.clone())?;
+        Ok(Server::with_exports(Exports::Dir(Box::new(dir)), cfg))
     }
 
     fn with_exports(exports: Exports, mut cfg: ServerConfig) -> Server {
@@ -340,6 +357,19 @@ impl Server {
                 }
             }
         }
+        // After the final flush: the clean close records the target as it
+        // is on disk now.
+        for (name, t) in sh.exports.trackers() {
+            match tokio::task::spawn_blocking(move || t.close()).await {
+                Ok(Ok(())) => debug!("export {name:?}: changed-block tracking state closed"),
+                Ok(Err(err)) => return Err(io::Error::other(err.to_string())),
+                Err(err) => {
+                    return Err(io::Error::other(format!(
+                        "closing the tracking state of {name:?}: {err}"
+                    )))
+                }
+            }
+        }
         Ok(())
     }
 
@@ -472,8 +502,9 @@ struct Session {
     mode: ReplyMode,
     flags: u16,
     size: u64,
-    /// Context id of base:allocation if the client selected it for this export.
-    base_allocation: Option<u32>,
+    /// The metadata contexts the client selected for this export, with
+    /// their ids; BLOCK_STATUS answers one chunk per context.
+    contexts: Vec<(u32, meta::Context)>,
     /// The client asked for NBD_INFO_BLOCK_SIZE in NBD_OPT_GO and so promised
     /// to honour the minimum block size (spec: Size constraints).
     enforce_min_block: bool,
@@ -585,7 +616,7 @@ async fn transmit<R, W>(
     session.splice = sink.is_some();
     let peer = &who.peer;
     debug!(
-        "{peer}: negotiated {} replies, flags {}, size {}, base:allocation {}, block size {} ({})",
+        "{peer}: negotiated {} replies, flags {}, size {}, metadata contexts [{}], block size {} ({})",
         match session.mode {
             ReplyMode::Simple => "simple",
             ReplyMode::Structured => "structured",
@@ -595,11 +626,12 @@ async fn transmit<R, W>(
             .collect::<Vec<_>>()
             .join("|"),
         session.size,
-        if session.base_allocation.is_some() {
-            "on"
-        } else {
-            "off"
-        },
+        session
+            .contexts
+            .iter()
+            .map(|(_, c)| c.name())
+            .collect::<Vec<_>>()
+            .join(", "),
         session.min_block,
         if session.enforce_min_block {
             "agreed"

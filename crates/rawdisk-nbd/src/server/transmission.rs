@@ -32,7 +32,9 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
-use super::command::{execute, small_error, small_ok, storage_error, validate, whole, Encoded};
+use super::command::{
+    execute, mark_changes, small_error, small_ok, storage_error, validate, whole, Encoded,
+};
 use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
@@ -391,6 +393,9 @@ where
             return Ok(Some(()));
         }
         let check = validate(&self.s, &req);
+        if check.is_ok() {
+            mark_changes(&self.s, &req);
+        }
         // Bytes this request will hold: its payload, or the read reply.
         let (need, reply) = match (&check, req.command) {
             (Ok(()), Command::Read) => (req.length as usize + 2 * DATA_ALIGN, true),

@@ -1,16 +1,422 @@
-//! The state file on disk, and [`StateFile`]: `rawdisk checkpoint` and local
+//! The state file on disk ([`Disk`]: locks, header, slots, all through
+//! [`Sys`]), the checks every opener makes (crash, outside change, corrupt
+//! header), and [`StateFile`]: `rawdisk checkpoint` and local
 //! `copy --changed-since`.
+//!
+//! Locks are OFD locks (per open file description, so two handles in one
+//! process exclude each other like two processes): byte 0 is the short
+//! "mutation" lock held while reading-and-writing the header, byte 1 the
+//! "served" lock a tracking server holds for its whole life.
 
-use std::path::Path;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{CbtError, CheckpointInfo};
-use crate::sys::Sys;
+use super::bitmap::{self, Bits};
+use super::format::{Bad, Entry, Header, Reason, Stamp, PAGE};
+use super::{
+    valid_name, CbtError, CheckpointInfo, DEFAULT_GRANULARITY, MAX_CHECKPOINTS, MAX_NAME_LEN,
+};
+use crate::errno::retry;
+use crate::sys::{FallocMode, LockCmd, LockKind, OpenHow, Sys};
+
+pub(crate) const MUTATION_BYTE: u64 = 0;
+pub(crate) const SERVED_BYTE: u64 = 1;
+
+/// The target as the checks see it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TargetStat {
+    pub is_block: bool,
+    /// Size, and for a regular file its mtime/ctime (zero for a block
+    /// device: writes to a device do not move its inode's times).
+    pub stamp: Stamp,
+}
+
+pub(crate) fn stat_target(sys: &dyn Sys, target: &Path) -> Result<TargetStat, CbtError> {
+    const OP: &str = "stat target";
+    let err = |e| CbtError::io(OP, target, e);
+    let fd = retry(|| {
+        sys.open(
+            target,
+            OpenHow {
+                read_only: true,
+                ..OpenHow::default()
+            },
+        )
+    })
+    .map_err(err)?;
+    let st = retry(|| sys.fstat(fd.as_fd())).map_err(err)?;
+    if st.is_block {
+        let g = retry(|| sys.block_geometry(fd.as_fd())).map_err(err)?;
+        return Ok(TargetStat {
+            is_block: true,
+            stamp: Stamp {
+                size: g.size,
+                ..Stamp::default()
+            },
+        });
+    }
+    if !st.is_regular {
+        return Err(CbtError::msg(
+            OP,
+            target,
+            "not a regular file or block device",
+        ));
+    }
+    Ok(TargetStat {
+        is_block: false,
+        stamp: Stamp {
+            size: st.size,
+            mtime: st.mtime,
+            ctime: st.ctime,
+        },
+    })
+}
+
+pub(crate) fn state_path_for(
+    target: &Path,
+    state_dir: Option<&Path>,
+    is_block: bool,
+) -> Result<PathBuf, CbtError> {
+    if is_block && state_dir.is_none() {
+        return Err(CbtError::msg(
+            "find the changed-block state of",
+            target,
+            "a block device keeps its state in a directory: pass --state-dir DIR",
+        ));
+    }
+    super::state_path(target, state_dir)
+}
+
+/// The state file's open descriptor and every I/O on it.
+pub(crate) struct Disk {
+    pub sys: Arc<dyn Sys>,
+    pub path: PathBuf,
+    pub fd: OwnedFd,
+}
+
+/// What reading a header found.
+pub(crate) enum Read {
+    Ok(Header),
+    /// Never written.
+    Blank,
+    /// CRC mismatch: what still parses (names to report), if anything.
+    Corrupt(Option<Header>),
+}
+
+impl Disk {
+    pub(crate) fn open(
+        sys: Arc<dyn Sys>,
+        path: PathBuf,
+        create: bool,
+        target: &Path,
+    ) -> Result<Disk, CbtError> {
+        let how = OpenHow {
+            create,
+            ..OpenHow::default()
+        };
+        let fd = retry(|| sys.open(&path, how)).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOENT) && !create {
+                CbtError::msg(
+                    "open changed-block state",
+                    &path,
+                    format!(
+                        "no such file: {} has no checkpoints yet (rawdisk checkpoint create, \
+                         or serve it with --track-changes)",
+                        target.display()
+                    ),
+                )
+            } else {
+                CbtError::io("open changed-block state", &path, e)
+            }
+        })?;
+        Ok(Disk { sys, path, fd })
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(std::io::Error) -> CbtError + '_ {
+        move |e| CbtError::io(op, &self.path, e)
+    }
+
+    pub(crate) fn lock(&self, byte: u64, kind: LockKind) -> Result<(), CbtError> {
+        retry(|| {
+            self.sys
+                .ofd_lock(self.fd.as_fd(), LockCmd::SetWait, kind, byte, 1)
+        })
+        .map(|_| ())
+        .map_err(self.err("lock changed-block state"))
+    }
+
+    pub(crate) fn unlock(&self, byte: u64) {
+        if let Err(e) = self
+            .sys
+            .ofd_lock(self.fd.as_fd(), LockCmd::Set, LockKind::Unlock, byte, 1)
+        {
+            // Closing the descriptor releases it anyway.
+            tracing::warn!("unlock {}: {e}", self.path.display());
+        }
+    }
+
+    /// Take a lock without waiting: Ok(false) when another holds it.
+    pub(crate) fn try_lock(&self, byte: u64) -> Result<bool, CbtError> {
+        match self
+            .sys
+            .ofd_lock(self.fd.as_fd(), LockCmd::Set, LockKind::Write, byte, 1)
+        {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => Ok(false),
+            Err(e) => Err(self.err("lock changed-block state")(e)),
+        }
+    }
+
+    /// Whether another description holds the served lock.
+    pub(crate) fn served(&self) -> Result<bool, CbtError> {
+        self.sys
+            .ofd_lock(
+                self.fd.as_fd(),
+                LockCmd::Get,
+                LockKind::Write,
+                SERVED_BYTE,
+                1,
+            )
+            .map_err(self.err("test the served lock of changed-block state"))
+    }
+
+    /// Read [offset, offset+buf.len()); bytes past the end of the file read
+    /// as zeros (a slot never written).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), CbtError> {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = retry(|| {
+                self.sys
+                    .pread(self.fd.as_fd(), &mut buf[done..], offset + done as u64)
+            })
+            .map_err(self.err("read changed-block state"))?;
+            if n == 0 {
+                buf[done..].fill(0);
+                break;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), CbtError> {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = retry(|| {
+                self.sys
+                    .pwrite(self.fd.as_fd(), &buf[done..], offset + done as u64)
+            })
+            .map_err(self.err("write changed-block state"))?;
+            if n == 0 {
+                return Err(self.err("write changed-block state")(std::io::Error::from(
+                    std::io::ErrorKind::WriteZero,
+                )));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn sync(&self) -> Result<(), CbtError> {
+        retry(|| self.sys.fdatasync(self.fd.as_fd())).map_err(self.err("sync changed-block state"))
+    }
+
+    pub(crate) fn read_header(&self) -> Result<Read, CbtError> {
+        let mut p = [0u8; PAGE];
+        self.read_at(&mut p, 0)?;
+        match Header::decode(&p) {
+            Ok(h) => Ok(Read::Ok(h)),
+            Err(Bad::Blank) => Ok(Read::Blank),
+            Err(Bad::Corrupt(h)) => Ok(Read::Corrupt(h)),
+            Err(Bad::NotState) => Err(CbtError::msg(
+                "read changed-block state",
+                &self.path,
+                "not a rawdisk changed-block state file (bad magic); move it away",
+            )),
+            Err(Bad::Version(v)) => Err(CbtError::msg(
+                "read changed-block state",
+                &self.path,
+                format!("format version {v} is newer than this rawdisk reads"),
+            )),
+        }
+    }
+
+    pub(crate) fn write_header(&self, h: &Header) -> Result<(), CbtError> {
+        self.write_at(&h.encode(), 0)
+    }
+
+    /// A slot's bitmap; holes are skipped (SEEK_DATA), so a sparse slot of
+    /// a huge target reads little.
+    pub(crate) fn read_slot(&self, h: &Header, slot: u32) -> Result<Bits, CbtError> {
+        let chunks = h.chunks();
+        let start = h.slot_offset(slot);
+        let bytes = chunks.div_ceil(64) * 8;
+        let mut buf = vec![0u8; bytes as usize];
+        let end = start + bytes;
+        let mut at = start;
+        while at < end {
+            let data = match retry(|| self.sys.seek_data(self.fd.as_fd(), at)) {
+                Ok(Some(d)) => d,
+                Ok(None) => break,
+                // No SEEK_DATA here: read it all.
+                Err(_) => at,
+            };
+            if data >= end {
+                break;
+            }
+            let hole = match retry(|| self.sys.seek_hole(self.fd.as_fd(), data)) {
+                Ok(Some(h)) => h.min(end),
+                _ => end,
+            };
+            let hole = hole.max(data + 1).min(end);
+            let (a, b) = ((data - start) as usize, (hole - start) as usize);
+            self.read_at(&mut buf[a..b], data)?;
+            at = hole;
+        }
+        Ok(Bits::from_bytes(chunks, &buf))
+    }
+
+    /// Write the pages `pages` of `bits` into `slot`.
+    pub(crate) fn write_pages(
+        &self,
+        h: &Header,
+        slot: u32,
+        bits: &Bits,
+        pages: &[usize],
+    ) -> Result<(), CbtError> {
+        let start = h.slot_offset(slot);
+        for &p in pages {
+            self.write_at(&bits.page(p), start + (p * PAGE) as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Write whole pages `(index, bytes)` into `slot`.
+    pub(crate) fn write_page_bytes(
+        &self,
+        h: &Header,
+        slot: u32,
+        pages: &[(usize, Vec<u8>)],
+    ) -> Result<(), CbtError> {
+        let start = h.slot_offset(slot);
+        for (p, bytes) in pages {
+            self.write_at(bytes, start + (p * PAGE) as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Make a slot all zeros: punch it out (a hole), or where the file
+    /// system cannot, overwrite its data with zeros.
+    pub(crate) fn clear_slot(&self, h: &Header, slot: u32) -> Result<(), CbtError> {
+        let (start, len) = (h.slot_offset(slot), h.slot_bytes());
+        match retry(|| {
+            self.sys
+                .fallocate(self.fd.as_fd(), FallocMode::PunchHole, start, len)
+        }) {
+            Ok(()) => Ok(()),
+            Err(e) if crate::errno::is_unsupported(&e, crate::errno::Einval::Invalid) => {
+                let bits = self.read_slot(h, slot)?;
+                let zero = Bits::new(h.chunks());
+                self.write_pages(h, slot, &zero, &bits.pages())
+            }
+            Err(e) => Err(self.err("clear a slot of changed-block state")(e)),
+        }
+    }
+}
+
+/// A fresh header for a new (or blank, or unreadable) state file.
+pub(crate) fn new_header(granularity: u64, stamp: Stamp) -> Header {
+    Header {
+        granularity,
+        stamp,
+        generation: 1,
+        open: false,
+        checkpoints: Vec::new(),
+    }
+}
+
+/// A corrupt header made usable: every checkpoint whose name still parses
+/// is kept as inconsistent ("corrupt"), the rest forgotten.
+pub(crate) fn repair(h: Option<Header>, granularity: u64, stamp: Stamp) -> Header {
+    let mut fixed = new_header(granularity, stamp);
+    if let Some(old) = h {
+        fixed.generation = old.generation.wrapping_add(1);
+        fixed.checkpoints = old.checkpoints;
+        for e in &mut fixed.checkpoints {
+            e.reason = Some(Reason::Corrupt);
+        }
+    }
+    fixed
+}
+
+/// The checks of an opener that finds nobody serving: a set open flag is a
+/// crash; a target whose size or times moved since they were recorded was
+/// changed from outside. Either makes every checkpoint inconsistent. Then
+/// the current stamp is recorded and the open flag cleared (in `h`; the
+/// caller writes it if it writes at all). Returns what was found.
+pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason> {
+    let found = if h.open {
+        Some(Reason::Crash)
+    } else if now.stamp.size != h.stamp.size {
+        Some(Reason::SizeChanged)
+    } else if !now.is_block
+        && (now.stamp.mtime != h.stamp.mtime || now.stamp.ctime != h.stamp.ctime)
+    {
+        Some(Reason::Modified)
+    } else {
+        None
+    };
+    if let Some(r) = found {
+        if h.checkpoints.iter().any(|e| e.reason.is_none()) {
+            tracing::warn!(
+                "changed-block tracking: every checkpoint of this target is now \
+                 inconsistent (reported as all changed): {}",
+                r.text()
+            );
+        }
+        h.all_inconsistent(r);
+    }
+    h.open = false;
+    // A new size changes the slot layout: only with every checkpoint
+    // inconsistent (above), whose slots are never read again.
+    h.stamp = now.stamp;
+    found
+}
+
+pub(crate) fn infos(h: &Header) -> Vec<CheckpointInfo> {
+    h.checkpoints
+        .iter()
+        .map(|e| CheckpointInfo {
+            name: e.name.clone(),
+            created: e.created,
+            consistent: e.reason.is_none(),
+            reason: e.reason.map(|r| r.text().to_string()),
+        })
+        .collect()
+}
+
+/// OR of the bitmaps of checkpoints `k..` (all consistent).
+pub(crate) fn changed_since(disk: &Disk, h: &Header, k: usize) -> Result<Bits, CbtError> {
+    let mut acc = Bits::new(h.chunks());
+    for e in &h.checkpoints[k..] {
+        acc.or(&disk.read_slot(h, e.slot)?);
+    }
+    Ok(acc)
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 /// A target's state file opened for checkpoint commands; works while a
 /// server tracks the target (edits happen under the mutation lock).
 pub struct StateFile {
-    _sys: Arc<dyn Sys>,
+    disk: Disk,
+    target: PathBuf,
 }
 
 impl StateFile {
@@ -31,28 +437,179 @@ impl StateFile {
         create: bool,
         sys: Arc<dyn Sys>,
     ) -> Result<StateFile, CbtError> {
-        let _ = (target, state_dir, create, sys);
-        unimplemented!()
+        let st = stat_target(&*sys, target)?;
+        let path = state_path_for(target, state_dir, st.is_block)?;
+        let disk = Disk::open(sys, path, create, target)?;
+        let f = StateFile {
+            disk,
+            target: target.to_path_buf(),
+        };
+        if create {
+            f.locked(LockKind::Write, |d| {
+                if let Read::Blank = d.read_header()? {
+                    d.write_header(&new_header(DEFAULT_GRANULARITY, st.stamp))?;
+                    d.sync()?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(f)
+    }
+
+    /// The state file's path.
+    pub fn path(&self) -> &Path {
+        &self.disk.path
     }
 
     /// Whether a tracking server holds the state file (its "served" lock).
     pub fn served(&self) -> Result<bool, CbtError> {
-        unimplemented!()
+        self.disk.served()
+    }
+
+    fn locked<T>(
+        &self,
+        kind: LockKind,
+        f: impl FnOnce(&Disk) -> Result<T, CbtError>,
+    ) -> Result<T, CbtError> {
+        self.disk.lock(MUTATION_BYTE, kind)?;
+        let r = f(&self.disk);
+        self.disk.unlock(MUTATION_BYTE);
+        r
+    }
+
+    /// The header as the checks leave it (under the mutation lock), and
+    /// whether it differs from the file's. While served the server owns
+    /// the open flag and the stamp, so only a corrupt header is handled.
+    fn checked_header(&self, d: &Disk) -> Result<(Header, bool, bool), CbtError> {
+        let served = d.served()?;
+        let st = stat_target(&*d.sys, &self.target)?;
+        let (mut h, mut dirty) = match d.read_header()? {
+            Read::Ok(h) => (h, false),
+            Read::Blank => (new_header(DEFAULT_GRANULARITY, st.stamp), true),
+            Read::Corrupt(old) => {
+                tracing::warn!(
+                    "changed-block state {} is corrupt: every checkpoint is now inconsistent",
+                    d.path.display()
+                );
+                let g = old.as_ref().map_or(DEFAULT_GRANULARITY, |h| h.granularity);
+                let mut h = repair(old, g, st.stamp);
+                // The server (if any) set the open flag it still holds.
+                h.open = served;
+                (h, true)
+            }
+        };
+        if !served {
+            let before = h.clone();
+            check_unserved(&mut h, &st);
+            dirty |= h != before;
+        }
+        Ok((h, dirty, served))
+    }
+
+    fn commit(d: &Disk, h: &Header) -> Result<(), CbtError> {
+        d.write_header(h)?;
+        d.sync()
     }
 
     /// `name: None` picks "cp-N" (N = 1 + highest used). Duplicate name: error.
     pub fn create_checkpoint(&mut self, name: Option<&str>) -> Result<CheckpointInfo, CbtError> {
-        let _ = name;
-        unimplemented!()
+        const OP: &str = "create checkpoint in";
+        if let Some(n) = name {
+            check_name(OP, &self.disk.path, n)?;
+        }
+        self.locked(LockKind::Write, |d| {
+            let (mut h, _, _) = self.checked_header(d)?;
+            let name = match name {
+                Some(n) => n.to_string(),
+                None => {
+                    let top = h
+                        .checkpoints
+                        .iter()
+                        .filter_map(|e| e.name.strip_prefix("cp-")?.parse::<u64>().ok())
+                        .max()
+                        .unwrap_or(0);
+                    format!("cp-{}", top + 1)
+                }
+            };
+            if h.find(&name).is_some() {
+                return Err(CbtError::msg(
+                    OP,
+                    &d.path,
+                    format!("a checkpoint named '{name}' exists; pick another name"),
+                ));
+            }
+            if h.checkpoints.len() >= MAX_CHECKPOINTS {
+                return Err(CbtError::msg(
+                    OP,
+                    &d.path,
+                    format!("it holds {MAX_CHECKPOINTS} checkpoints, the most it can: delete one"),
+                ));
+            }
+            let used: Vec<u32> = h
+                .checkpoints
+                .iter()
+                .filter(|e| e.reason.is_none())
+                .map(|e| e.slot)
+                .collect();
+            let slot = (0..MAX_CHECKPOINTS as u32)
+                .find(|s| !used.contains(s))
+                .expect("fewer checkpoints than slots");
+            // The slot may hold a deleted checkpoint's bits: clear it, make
+            // that durable, then commit the header that points to it.
+            d.clear_slot(&h, slot)?;
+            d.sync()?;
+            let e = Entry {
+                name,
+                created: now_secs(),
+                reason: None,
+                slot,
+            };
+            h.checkpoints.push(e.clone());
+            h.generation += 1;
+            Self::commit(d, &h)?;
+            tracing::info!("checkpoint {} created in {}", e.name, d.path.display());
+            Ok(CheckpointInfo {
+                name: e.name,
+                created: e.created,
+                consistent: true,
+                reason: None,
+            })
+        })
     }
 
     pub fn delete_checkpoint(&mut self, name: &str) -> Result<(), CbtError> {
-        let _ = name;
-        unimplemented!()
+        const OP: &str = "delete checkpoint from";
+        self.locked(LockKind::Write, |d| {
+            let (mut h, _, _) = self.checked_header(d)?;
+            let Some(k) = h.find(name) else {
+                return Err(no_such(OP, &d.path, &h, name));
+            };
+            let victim = h.checkpoints[k].clone();
+            if let (Some(prev), None) = (k.checked_sub(1), victim.reason) {
+                let prev = h.checkpoints[prev].clone();
+                if prev.reason.is_none() {
+                    // The previous checkpoint's bitmap takes this one's bits
+                    // (durably) before the header forgets it.
+                    let bits = d.read_slot(&h, victim.slot)?;
+                    let mut merged = d.read_slot(&h, prev.slot)?;
+                    merged.or(&bits);
+                    d.write_pages(&h, prev.slot, &merged, &bits.pages())?;
+                    d.sync()?;
+                }
+            }
+            h.checkpoints.remove(k);
+            h.generation += 1;
+            Self::commit(d, &h)?;
+            tracing::info!("checkpoint {name} deleted from {}", d.path.display());
+            Ok(())
+        })
     }
 
     pub fn list(&self) -> Result<Vec<CheckpointInfo>, CbtError> {
-        unimplemented!()
+        self.locked(LockKind::Read, |d| {
+            let (h, _, _) = self.checked_header(d)?;
+            Ok(infos(&h))
+        })
     }
 
     /// (offset, length) ranges changed since `name`, merged, covering the
@@ -61,7 +618,67 @@ impl StateFile {
     /// first (then everything is changed, with a warning). Inconsistent:
     /// one range, the whole target.
     pub fn changed_ranges(&self, name: &str) -> Result<Vec<(u64, u64)>, CbtError> {
-        let _ = name;
-        unimplemented!()
+        const OP: &str = "read changed ranges from";
+        self.locked(LockKind::Read, |d| {
+            let (h, _, served) = self.checked_header(d)?;
+            if served {
+                return Err(CbtError::msg(
+                    OP,
+                    &d.path,
+                    "a server tracks this target and holds changes not yet persisted: \
+                     read them through its NBD export (copy --changed-since with an nbd:// \
+                     or nbd+unix:// source)",
+                ));
+            }
+            let Some(k) = h.find(name) else {
+                return Err(no_such(OP, &d.path, &h, name));
+            };
+            let size = h.stamp.size;
+            if let Some(r) = h.checkpoints[k].reason {
+                tracing::warn!(
+                    "checkpoint {name} is inconsistent ({}): everything counts as changed",
+                    r.text()
+                );
+                return Ok(if size == 0 { vec![] } else { vec![(0, size)] });
+            }
+            let bits = changed_since(d, &h, k)?;
+            let mut out = Vec::new();
+            let mut at = 0;
+            for (len, changed) in
+                bitmap::runs(h.granularity, h.chunks(), 0, size, usize::MAX, |w| {
+                    bits.words()[w]
+                })
+            {
+                if changed {
+                    out.push((at, len));
+                }
+                at += len;
+            }
+            Ok(out)
+        })
     }
+}
+
+fn check_name(op: &'static str, path: &Path, name: &str) -> Result<(), CbtError> {
+    if valid_name(name) {
+        return Ok(());
+    }
+    Err(CbtError::msg(
+        op,
+        path,
+        format!(
+            "invalid checkpoint name '{name}': use 1 to {MAX_NAME_LEN} of A-Z a-z 0-9 . _ - \
+             (not starting with . or -)"
+        ),
+    ))
+}
+
+fn no_such(op: &'static str, path: &Path, h: &Header, name: &str) -> CbtError {
+    let names: Vec<&str> = h.checkpoints.iter().map(|e| e.name.as_str()).collect();
+    let have = if names.is_empty() {
+        "there are none".to_string()
+    } else {
+        format!("there are: {}", names.join(", "))
+    };
+    CbtError::msg(op, path, format!("no checkpoint named '{name}' ({have})"))
 }

@@ -30,8 +30,10 @@
 //! - `tracker.rs`: [`Tracker`], the server's side.
 //! - `error.rs`: [`CbtError`].
 
+pub(crate) mod bitmap;
 mod error;
 mod file;
+mod format;
 mod tracker;
 
 use std::path::{Path, PathBuf};
@@ -95,6 +97,11 @@ pub fn state_path(target: &Path, state_dir: Option<&Path>) -> Result<PathBuf, Cb
         ));
     }
     Ok(target.with_file_name(name))
+}
+
+/// Whether `g` is a granularity a state file may have.
+pub fn valid_granularity(g: u64) -> bool {
+    g.is_power_of_two() && (MIN_GRANULARITY..=MAX_GRANULARITY).contains(&g)
 }
 
 /// Whether `name` is a valid checkpoint name: 1..=63 bytes of

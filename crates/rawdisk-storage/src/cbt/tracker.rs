@@ -1,15 +1,49 @@
 //! [`Tracker`]: the tracking server's side of a state file.
+//!
+//! Memory: the file's header and the bitmap of every consistent checkpoint
+//! as last read or written (`Mem`, behind a lock queries share), and U
+//! (atomic words, no lock). "Changed since ck" is Bk | .. | Bn | U: U counts
+//! as part of whichever checkpoint is newest, also one another process
+//! created since the last persist, so a change that may be after it is
+//! never hidden. A persist moves U into Bn in memory and writes the pages
+//! of slot n that gained bits; the state file's mutation lock is held from
+//! re-reading the header to the fdatasync, so no checkpoint can be created
+//! in between.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
-use super::{CbtError, CheckpointInfo, TrackOptions};
-use crate::sys::Sys;
+use super::bitmap::{self, AtomicBits, Bits};
+use super::file::{
+    check_unserved, infos, new_header, repair, stat_target, state_path_for, Disk, Read,
+    MUTATION_BYTE, SERVED_BYTE,
+};
+use super::format::{Header, Reason};
+use super::{valid_granularity, CbtError, CheckpointInfo, TrackOptions, DEFAULT_GRANULARITY};
+use crate::sys::{LockKind, Sys};
+
+/// The header and the bitmaps of its checkpoints (None: inconsistent).
+struct Mem {
+    header: Header,
+    maps: Vec<Option<Bits>>,
+}
 
 /// The changed-block state of one served target. One per served target per
 /// process (Arc-shared by every connection). Send + Sync.
 pub struct Tracker {
-    _sys: Arc<dyn Sys>,
+    disk: Disk,
+    target: PathBuf,
+    granularity: u64,
+    chunks: u64,
+    u: AtomicBits,
+    /// Set by every mark after its bits are in U (also on the fast path, if
+    /// it was clear); cleared by a persist before it takes U.
+    dirty: AtomicBool,
+    mem: RwLock<Mem>,
+    /// Serializes persist, refresh and close.
+    io: Mutex<()>,
+    closed: AtomicBool,
 }
 
 impl Tracker {
@@ -28,47 +62,254 @@ impl Tracker {
         opts: &TrackOptions,
         sys: Arc<dyn Sys>,
     ) -> Result<Tracker, CbtError> {
-        let _ = (target, size, opts, sys);
-        unimplemented!()
+        const OP: &str = "track changes with";
+        let mut st = stat_target(&*sys, target)?;
+        st.stamp.size = size;
+        let path = state_path_for(target, opts.state_dir.as_deref(), st.is_block)?;
+        if let Some(g) = opts.granularity {
+            if !valid_granularity(g) {
+                return Err(CbtError::msg(
+                    OP,
+                    &path,
+                    format!("bitmap granularity {g} is not a power of two from 4 KiB to 64 MiB"),
+                ));
+            }
+        }
+        let disk = Disk::open(sys, path, true, target)?;
+        if !disk.try_lock(SERVED_BYTE)? {
+            return Err(CbtError::msg(
+                OP,
+                &disk.path,
+                "another process already tracks this target (one server per target)",
+            ));
+        }
+        disk.lock(MUTATION_BYTE, LockKind::Write)?;
+        let r = Self::start(&disk, &st, opts.granularity);
+        disk.unlock(MUTATION_BYTE);
+        let mem = r?;
+        for e in &mem.header.checkpoints {
+            if let Some(r) = e.reason {
+                tracing::warn!(
+                    "checkpoint {} of {} is inconsistent, reported as all changed: {}",
+                    e.name,
+                    target.display(),
+                    r.text()
+                );
+            }
+        }
+        let (granularity, chunks) = (mem.header.granularity, mem.header.chunks());
+        Ok(Tracker {
+            disk,
+            target: target.to_path_buf(),
+            granularity,
+            chunks,
+            u: AtomicBits::new(chunks),
+            dirty: AtomicBool::new(false),
+            mem: RwLock::new(mem),
+            io: Mutex::new(()),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Under the mutation lock: read (or make) the header, run the checks,
+    /// set the open flag durably, load the bitmaps.
+    fn start(
+        disk: &Disk,
+        st: &super::file::TargetStat,
+        want: Option<u64>,
+    ) -> Result<Mem, CbtError> {
+        let mut h = match disk.read_header()? {
+            Read::Ok(h) => {
+                if let Some(g) = want.filter(|&g| g != h.granularity) {
+                    return Err(CbtError::msg(
+                        "track changes with",
+                        &disk.path,
+                        format!(
+                            "bitmap granularity {g} asked for, but the state file has {}; \
+                             omit --bitmap-granularity or delete the state file",
+                            h.granularity
+                        ),
+                    ));
+                }
+                h
+            }
+            Read::Blank => new_header(want.unwrap_or(DEFAULT_GRANULARITY), st.stamp),
+            Read::Corrupt(old) => {
+                tracing::warn!(
+                    "changed-block state {} is corrupt: every checkpoint is now inconsistent",
+                    disk.path.display()
+                );
+                let g = old
+                    .as_ref()
+                    .map(|h| h.granularity)
+                    .or(want)
+                    .unwrap_or(DEFAULT_GRANULARITY);
+                repair(old, g, st.stamp)
+            }
+        };
+        check_unserved(&mut h, st);
+        h.open = true;
+        disk.write_header(&h)?;
+        disk.sync()?;
+        load(disk, h)
     }
 
     /// Bytes per bitmap bit.
     pub fn granularity(&self) -> u64 {
-        unimplemented!()
+        self.granularity
     }
 
     pub fn state_path(&self) -> &Path {
-        unimplemented!()
+        &self.disk.path
     }
 
     /// Before WRITE / WRITE_ZEROES / TRIM of [offset, offset+len) is issued.
     /// Lock-free fast path (atomic words) when the chunks are already
     /// marked; never fails, never does I/O.
+    ///
+    /// A write still in flight when a checkpoint is created may land after
+    /// it: marking again after the write completes puts it in the newer
+    /// checkpoint too (usually the fast path).
     pub fn mark(&self, offset: u64, len: u64) {
-        let _ = (offset, len);
-        unimplemented!()
+        if len == 0 || self.chunks == 0 {
+            return;
+        }
+        let first = offset / self.granularity;
+        if first >= self.chunks {
+            return;
+        }
+        let last = ((offset.saturating_add(len) - 1) / self.granularity).min(self.chunks - 1);
+        // The flag after the bits, also when they were set by another mark
+        // that may not have raised it yet: once this returns, a persist
+        // that starts later takes these bits (see `persist`).
+        self.u.set(first, last);
+        if !self.dirty.load(Ordering::SeqCst) {
+            self.dirty.store(true, Ordering::SeqCst);
+        }
     }
 
     /// Before a FLUSH or FUA write is acknowledged. No I/O when nothing was
     /// marked since the last.
     pub fn persist(&self) -> Result<(), CbtError> {
-        unimplemented!()
+        let _io = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        self.persist_locked()
+    }
+
+    /// With `io` held. Clearing `dirty` before taking U: a mark whose bits
+    /// miss this take raises it again after.
+    fn persist_locked(&self) -> Result<(), CbtError> {
+        if !self.dirty.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let r = self.with_mutation(|| {
+            self.refresh_locked()?;
+            let (taken, write) = {
+                let mut mem = self.mem.write().unwrap_or_else(|e| e.into_inner());
+                let taken = self.u.take();
+                // The newest checkpoint, if consistent; with none (or only
+                // inconsistent ones) the bits are needed by nobody.
+                let newest = mem.header.checkpoints.last().map(|e| e.slot);
+                let write = match (newest, mem.maps.last_mut()) {
+                    (Some(slot), Some(Some(map))) => {
+                        map.or(&taken);
+                        let pages = taken.pages();
+                        let copy: Vec<(usize, Vec<u8>)> =
+                            pages.iter().map(|&p| (p, map.page(p))).collect();
+                        Some((slot, copy))
+                    }
+                    _ => None,
+                };
+                (taken, write)
+            };
+            let Some((slot, pages)) = write else {
+                return Ok(());
+            };
+            let h = self
+                .mem
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .header
+                .clone();
+            let done = self
+                .disk
+                .write_page_bytes(&h, slot, &pages)
+                .and_then(|()| self.disk.sync());
+            if done.is_err() {
+                self.u.give_back(&taken);
+            }
+            done
+        });
+        if r.is_err() {
+            self.dirty.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    fn with_mutation<T>(&self, f: impl FnOnce() -> Result<T, CbtError>) -> Result<T, CbtError> {
+        self.disk.lock(MUTATION_BYTE, LockKind::Write)?;
+        let r = f();
+        self.disk.unlock(MUTATION_BYTE);
+        r
     }
 
     /// Pick up checkpoints created or deleted by another process.
     pub fn refresh(&self) -> Result<(), CbtError> {
-        unimplemented!()
+        let _io = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        self.with_mutation(|| self.refresh_locked())
+    }
+
+    /// With the mutation lock held: re-read the header; reload everything
+    /// when its generation moved (U stays: it is part of the newest).
+    fn refresh_locked(&self) -> Result<(), CbtError> {
+        let h = match self.disk.read_header()? {
+            Read::Ok(h) => h,
+            Read::Blank | Read::Corrupt(_) => {
+                let old = self
+                    .mem
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .header
+                    .clone();
+                tracing::warn!(
+                    "changed-block state {} was overwritten while served: every checkpoint \
+                     is now inconsistent",
+                    self.disk.path.display()
+                );
+                let mut h = old;
+                h.all_inconsistent(Reason::Corrupt);
+                h.generation += 1;
+                self.disk.write_header(&h)?;
+                self.disk.sync()?;
+                h
+            }
+        };
+        {
+            let mem = self.mem.read().unwrap_or_else(|e| e.into_inner());
+            if mem.header == h {
+                return Ok(());
+            }
+        }
+        if h.granularity != self.granularity || h.chunks() != self.chunks {
+            return Err(CbtError::msg(
+                "refresh changed-block state",
+                &self.disk.path,
+                "its granularity or size changed while served",
+            ));
+        }
+        let fresh = load(&self.disk, h)?;
+        *self.mem.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+        Ok(())
     }
 
     pub fn checkpoints(&self) -> Vec<CheckpointInfo> {
-        unimplemented!()
+        infos(&self.mem.read().unwrap_or_else(|e| e.into_inner()).header)
     }
 
     /// Runs (length, changed) covering exactly [offset, offset+len)
     /// (chunk-aligned inside, the first and last run clipped to the
     /// request), merged (adjacent runs differ), at most `max_runs` (the last
-    /// run then ends early; at least one run). None: no such checkpoint.
-    /// Inconsistent checkpoint: one run, all changed.
+    /// run then ends early; at least one run, none for `len == 0`). None: no
+    /// such checkpoint. Inconsistent checkpoint: one run, all changed.
     pub fn changed(
         &self,
         name: &str,
@@ -76,14 +317,122 @@ impl Tracker {
         len: u64,
         max_runs: usize,
     ) -> Option<Vec<(u64, bool)>> {
-        let _ = (name, offset, len, max_runs);
-        unimplemented!()
+        let mem = self.mem.read().unwrap_or_else(|e| e.into_inner());
+        let k = mem.header.find(name)?;
+        if len == 0 {
+            return Some(Vec::new());
+        }
+        let maps: Option<Vec<&Bits>> = mem.maps[k..].iter().map(|m| m.as_ref()).collect();
+        let Some(maps) = maps else {
+            return Some(vec![(len, true)]);
+        };
+        let word = |w: usize| {
+            maps.iter()
+                .fold(self.u.word(w), |acc, m| acc | m.words()[w])
+        };
+        Some(bitmap::runs(
+            self.granularity,
+            self.chunks,
+            offset,
+            len,
+            max_runs,
+            word,
+        ))
     }
 
     /// Clean shutdown: persist, record the target's size/mtime/ctime, clear
     /// the open flag, fdatasync, release the served lock. Idempotent; Drop
-    /// does it best-effort with a log line on failure.
+    /// does it best-effort with a log line on failure. After a failure the
+    /// open flag stays set: the next start treats it as a crash.
     pub fn close(&self) -> Result<(), CbtError> {
-        unimplemented!()
+        let _io = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let r = self.persist_locked().and_then(|()| {
+            self.with_mutation(|| {
+                self.refresh_locked()?;
+                let st = stat_target(&*self.disk.sys, &self.target)?;
+                let mut h = self
+                    .mem
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .header
+                    .clone();
+                h.open = false;
+                h.stamp.mtime = st.stamp.mtime;
+                h.stamp.ctime = st.stamp.ctime;
+                if st.stamp.size != h.stamp.size {
+                    // Resized while served (not through NBD): the bitmaps
+                    // no longer describe it; the next start says so.
+                    tracing::warn!(
+                        "{} changed size while tracked ({} -> {} bytes)",
+                        self.target.display(),
+                        h.stamp.size,
+                        st.stamp.size
+                    );
+                    h.stamp.size = st.stamp.size;
+                }
+                self.disk.write_header(&h)?;
+                self.disk.sync()?;
+                self.mem.write().unwrap_or_else(|e| e.into_inner()).header = h;
+                Ok(())
+            })
+        });
+        self.disk.unlock(SERVED_BYTE);
+        r
+    }
+
+    /// Let go of the state file as a killed process would: no persist, the
+    /// open flag left set, the locks released. For crash tests.
+    pub fn abandon(self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+impl Tracker {
+    /// The chunks the state file (not memory) holds as changed since
+    /// `name`, read under the mutation lock.
+    pub(crate) fn persisted(&self, name: &str) -> Vec<u64> {
+        self.with_mutation(|| {
+            let Read::Ok(h) = self.disk.read_header()? else {
+                panic!("unreadable header");
+            };
+            let k = h.find(name).expect("no such checkpoint");
+            let bits = super::file::changed_since(&self.disk, &h, k)?;
+            Ok((0..h.chunks()).filter(|&c| bits.get(c)).collect())
+        })
+        .unwrap()
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Memory for header `h`: the bitmap of every consistent checkpoint.
+fn load(disk: &Disk, header: Header) -> Result<Mem, CbtError> {
+    let maps = header
+        .checkpoints
+        .iter()
+        .map(|e| match e.reason {
+            None => disk.read_slot(&header, e.slot).map(Some),
+            Some(_) => Ok(None),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Mem { header, maps })
+}
+
+impl std::fmt::Debug for Tracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracker")
+            .field("state", &self.disk.path)
+            .field("granularity", &self.granularity)
+            .finish_non_exhaustive()
     }
 }

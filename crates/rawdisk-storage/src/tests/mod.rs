@@ -9,6 +9,7 @@ use rand::{Rng, SeedableRng};
 use crate::sys::{CallKind, FallocMode, FaultSys, RealSys, Sys};
 use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, Tri, ZeroFlags};
 
+mod cbt;
 mod direct;
 mod kinds;
 mod map;

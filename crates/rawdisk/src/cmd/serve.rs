@@ -2,7 +2,8 @@
 //! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
-//! [--tls-psk FILE] [--tls-verify-peer] [-v] TARGET`
+//! [--tls-psk FILE] [--tls-verify-peer]
+//! [--track-changes [--bitmap-granularity SIZE] [--state-dir DIR]] [-v] TARGET`
 //!
 //! Prints the URI to connect to on stdout, one line, once the listener is
 //! accepting. SIGINT/SIGTERM/SIGHUP: stop accepting, finish in-flight
@@ -20,6 +21,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use rawdisk_nbd::server::{Listener, Server, ServerConfig, Totals, WriteBehind};
 use rawdisk_nbd::tls::ServerTls;
+use rawdisk_storage::cbt::{TrackOptions, Tracker};
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
@@ -151,6 +153,21 @@ pub struct Args {
     /// not revoked by DIR/ca-crl.pem.
     #[arg(long)]
     tls_verify_peer: bool,
+    /// Keep a bitmap of the ranges clients change (WRITE, WRITE_ZEROES,
+    /// TRIM) in a state file next to the target (TARGET.rawdisk-cbt), made
+    /// durable before each FLUSH is acknowledged; each checkpoint of
+    /// `rawdisk checkpoint` is then offered as the metadata context
+    /// rawdisk:changed:NAME (docs/cbt.md). With --dir, one per export.
+    #[arg(long)]
+    track_changes: bool,
+    /// Bytes per bit of a new state file's bitmaps: a power of two from 4K
+    /// to 64M [default: 64K]; an existing state file's must match.
+    #[arg(long, value_name = "SIZE", requires = "track_changes", value_parser = crate::size::size_arg)]
+    bitmap_granularity: Option<u64>,
+    /// Keep the state files here (DIR/NAME.rawdisk-cbt) instead of next
+    /// to the target; needed for block devices.
+    #[arg(long, value_name = "DIR", requires = "track_changes")]
+    state_dir: Option<PathBuf>,
     /// File or block device to export.
     #[arg(required_unless_present = "dir")]
     target: Option<PathBuf>,
@@ -174,6 +191,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Err(TlsSetup::Load(e)) => return Err(e),
     };
+    if let Some(g) = args.bitmap_granularity {
+        use rawdisk_storage::cbt::{MAX_GRANULARITY, MIN_GRANULARITY};
+        if !g.is_power_of_two() || !(MIN_GRANULARITY..=MAX_GRANULARITY).contains(&g) {
+            return Err(super::UsageError(format!(
+                "--bitmap-granularity {g}: must be a power of two from 4K to 64M \
+                 (see 'rawdisk serve --help')"
+            ))
+            .into());
+        }
+    }
+    let track = args.track_changes.then(|| TrackOptions {
+        granularity: args.bitmap_granularity,
+        state_dir: args.state_dir.clone(),
+    });
     let cache = args.cache.into();
     // Everything that can fail goes before --create makes anything: the
     // listening socket (in use, no permission) and the pid file.
@@ -195,6 +226,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         write_behind: args.write_behind.into(),
         map_writes: args.map_writes,
         tls,
+        track_changes: track.clone(),
         ..Default::default()
     };
     let open = OpenOptions {
@@ -217,7 +249,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 target.kind()
             );
             tracing::info!("storage capabilities: {}", target.caps().snapshot());
-            (Server::new(target, cfg), what)
+            let tracker = match &track {
+                Some(opts) => Some(open_tracker(path, &target, opts)?),
+                None => None,
+            };
+            (Server::new_tracked(target, tracker, cfg), what)
         }
         (None, None) => unreachable!("clap requires TARGET or --dir"),
     };
@@ -305,6 +341,19 @@ fn open_target(
         }
     }
     Ok(target)
+}
+
+/// `--track-changes` of a single target: fails when another server tracks
+/// it or its state file cannot be made.
+fn open_tracker(path: &Path, target: &Target, opts: &TrackOptions) -> anyhow::Result<Arc<Tracker>> {
+    let t = Tracker::open(path, target.size(), opts)
+        .map_err(|e| anyhow::anyhow!("cannot serve '{}': {e}", path.display()))?;
+    tracing::info!(
+        "tracking changes in '{}' ({} bytes per bit)",
+        t.state_path().display(),
+        t.granularity()
+    );
+    Ok(Arc::new(t))
 }
 
 /// --fork: returns in the child, detached from the terminal, with the pipe

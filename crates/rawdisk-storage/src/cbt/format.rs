@@ -1,0 +1,342 @@
+//! The state file's byte layout, little endian (docs/cbt.md has the table):
+//!
+//! - bytes 0..4096: the header page: magic, version, granularity, the size
+//!   the bitmaps cover, slot size, generation, open flag, checkpoint count,
+//!   the target's mtime/ctime recorded at the last clean close, the
+//!   checkpoint table (32 entries of 96 bytes from byte 128), and at byte
+//!   4092 a CRC32 of bytes 0..4092;
+//! - from byte 4096: bitmap slot `s` at `4096 + s * slot_bytes`, one bit per
+//!   chunk (chunk `c` is bit `c % 8` of byte `c / 8`). Pages never written
+//!   are holes, so a bitmap with few bits costs few blocks.
+//!
+//! Nothing here does I/O: `encode` and `decode` between [`Header`] and the
+//! page, so tests can corrupt a header byte by byte.
+
+use super::{MAX_CHECKPOINTS, MAX_NAME_LEN};
+
+pub(crate) const MAGIC: [u8; 8] = *b"RDSKCBT\0";
+pub(crate) const VERSION: u32 = 1;
+/// The header page, and the unit in which slots are written.
+pub(crate) const PAGE: usize = 4096;
+const TABLE: usize = 128;
+const ENTRY: usize = 96;
+const CRC_AT: usize = PAGE - 4;
+const _: () = assert!(TABLE + MAX_CHECKPOINTS * ENTRY <= CRC_AT);
+
+/// Why a checkpoint is inconsistent; the byte stored in its table entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// The open flag was set with nobody holding the served lock.
+    Crash = 1,
+    /// The target's size differs from the one recorded.
+    SizeChanged = 2,
+    /// The target's mtime or ctime differs from the one recorded.
+    Modified = 3,
+    /// The header's CRC did not match.
+    Corrupt = 4,
+}
+
+impl Reason {
+    fn from_byte(b: u8) -> Option<Reason> {
+        Some(match b {
+            1 => Reason::Crash,
+            2 => Reason::SizeChanged,
+            3 => Reason::Modified,
+            4 => Reason::Corrupt,
+            _ => return None,
+        })
+    }
+
+    /// The reason as `checkpoint list` shows it.
+    pub(crate) fn text(self) -> &'static str {
+        match self {
+            Reason::Crash => "the tracking server did not shut down cleanly (crash or kill)",
+            Reason::SizeChanged => "the target's size changed while it was not tracked",
+            Reason::Modified => "the target was modified while it was not tracked",
+            Reason::Corrupt => "the state file's header was corrupt",
+        }
+    }
+}
+
+/// The target's (size, mtime, ctime) as recorded; mtime/ctime are zero for
+/// block devices, whose inode times say nothing about writes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub size: u64,
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub name: String,
+    pub created: u64,
+    /// None: consistent.
+    pub reason: Option<Reason>,
+    /// Bitmap slot; meaningless for an inconsistent entry.
+    pub slot: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub granularity: u64,
+    /// Recorded at the last clean close (or by `rawdisk checkpoint` while
+    /// unserved); `stamp.size` is also the size the bitmaps cover.
+    pub stamp: Stamp,
+    pub generation: u64,
+    /// Set durably by a tracking server at start, cleared at clean close.
+    pub open: bool,
+    /// Oldest first; inconsistent ones are a prefix.
+    pub checkpoints: Vec<Entry>,
+}
+
+/// What a header page that is not a valid header is.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Bad {
+    /// Never written (all zeros): a file created by a process that died
+    /// before its first header write.
+    Blank,
+    /// Another file (no magic): refused, never overwritten.
+    NotState,
+    /// A newer format.
+    Version(u32),
+    /// The CRC does not match: the fields that still parse, if any.
+    Corrupt(Option<Header>),
+}
+
+impl Header {
+    pub(crate) fn chunks(&self) -> u64 {
+        self.stamp.size.div_ceil(self.granularity)
+    }
+
+    /// Bytes of one bitmap slot: the bitmap rounded up to whole pages.
+    pub(crate) fn slot_bytes(&self) -> u64 {
+        slot_bytes(self.stamp.size, self.granularity)
+    }
+
+    pub(crate) fn slot_offset(&self, slot: u32) -> u64 {
+        PAGE as u64 + u64::from(slot) * self.slot_bytes()
+    }
+
+    pub(crate) fn find(&self, name: &str) -> Option<usize> {
+        self.checkpoints.iter().position(|e| e.name == name)
+    }
+
+    /// Mark every checkpoint inconsistent (their bitmaps are dropped).
+    pub(crate) fn all_inconsistent(&mut self, reason: Reason) {
+        if self.checkpoints.iter().any(|e| e.reason.is_none()) {
+            self.generation += 1;
+        }
+        for e in &mut self.checkpoints {
+            e.reason.get_or_insert(reason);
+        }
+    }
+
+    pub(crate) fn encode(&self) -> [u8; PAGE] {
+        let mut p = [0u8; PAGE];
+        p[0..8].copy_from_slice(&MAGIC);
+        put32(&mut p, 8, VERSION);
+        put32(&mut p, 12, PAGE as u32);
+        put64(&mut p, 16, self.granularity);
+        put64(&mut p, 24, self.stamp.size);
+        put64(&mut p, 32, self.slot_bytes());
+        put64(&mut p, 40, self.generation);
+        put32(&mut p, 48, u32::from(self.open));
+        put32(&mut p, 52, self.checkpoints.len() as u32);
+        put64(&mut p, 56, self.stamp.mtime.0 as u64);
+        put32(&mut p, 64, self.stamp.mtime.1);
+        put32(&mut p, 68, self.stamp.ctime.1);
+        put64(&mut p, 72, self.stamp.ctime.0 as u64);
+        for (i, e) in self.checkpoints.iter().enumerate() {
+            let at = TABLE + i * ENTRY;
+            p[at..at + e.name.len()].copy_from_slice(e.name.as_bytes());
+            put64(&mut p, at + 64, e.created);
+            p[at + 72] = u8::from(e.reason.is_none());
+            p[at + 73] = e.reason.map_or(0, |r| r as u8);
+            put32(&mut p, at + 76, e.slot);
+        }
+        let crc = crc32(&p[..CRC_AT]);
+        put32(&mut p, CRC_AT, crc);
+        p
+    }
+
+    pub(crate) fn decode(p: &[u8; PAGE]) -> Result<Header, Bad> {
+        if p.iter().all(|&b| b == 0) {
+            return Err(Bad::Blank);
+        }
+        if p[0..8] != MAGIC {
+            return Err(Bad::NotState);
+        }
+        let version = get32(p, 8);
+        if version != VERSION {
+            return Err(Bad::Version(version));
+        }
+        let parsed = Self::parse(p);
+        if crc32(&p[..CRC_AT]) != get32(p, CRC_AT) {
+            return Err(Bad::Corrupt(parsed));
+        }
+        parsed.ok_or(Bad::Corrupt(None))
+    }
+
+    /// The fields, when they are within bounds (a CRC match is checked by
+    /// the caller).
+    fn parse(p: &[u8; PAGE]) -> Option<Header> {
+        let granularity = get64(p, 16);
+        if !super::valid_granularity(granularity) {
+            return None;
+        }
+        let count = get32(p, 52) as usize;
+        if count > MAX_CHECKPOINTS {
+            return None;
+        }
+        let mut checkpoints = Vec::with_capacity(count);
+        for i in 0..count {
+            let at = TABLE + i * ENTRY;
+            let raw = &p[at..at + MAX_NAME_LEN + 1];
+            let len = raw.iter().position(|&b| b == 0)?;
+            let name = std::str::from_utf8(&raw[..len]).ok()?;
+            if !super::valid_name(name) {
+                return None;
+            }
+            let reason = match p[at + 72] {
+                1 => None,
+                _ => Some(Reason::from_byte(p[at + 73])?),
+            };
+            checkpoints.push(Entry {
+                name: name.to_string(),
+                created: get64(p, at + 64),
+                reason,
+                slot: get32(p, at + 76),
+            });
+        }
+        Some(Header {
+            granularity,
+            stamp: Stamp {
+                size: get64(p, 24),
+                mtime: (get64(p, 56) as i64, get32(p, 64)),
+                ctime: (get64(p, 72) as i64, get32(p, 68)),
+            },
+            generation: get64(p, 40),
+            open: get32(p, 48) != 0,
+            checkpoints,
+        })
+    }
+}
+
+pub(crate) fn slot_bytes(size: u64, granularity: u64) -> u64 {
+    size.div_ceil(granularity)
+        .div_ceil(8)
+        .next_multiple_of(PAGE as u64)
+        .max(PAGE as u64)
+}
+
+fn put32(p: &mut [u8], at: usize, v: u32) {
+    p[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put64(p: &mut [u8], at: usize, v: u64) {
+    p[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+fn get32(p: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(p[at..at + 4].try_into().unwrap())
+}
+
+fn get64(p: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(p[at..at + 8].try_into().unwrap())
+}
+
+/// CRC-32 (IEEE 802.3, the zlib one: reflected polynomial 0xEDB88320).
+pub(crate) fn crc32(data: &[u8]) -> u32 {
+    const TABLE: [u32; 256] = {
+        let mut t = [0u32; 256];
+        let mut i = 0;
+        while i < 256 {
+            let mut c = i as u32;
+            let mut k = 0;
+            while k < 8 {
+                c = if c & 1 != 0 {
+                    0xEDB8_8320 ^ (c >> 1)
+                } else {
+                    c >> 1
+                };
+                k += 1;
+            }
+            t[i] = c;
+            i += 1;
+        }
+        t
+    };
+    let mut c = !0u32;
+    for &b in data {
+        c = TABLE[((c ^ u32::from(b)) & 0xff) as usize] ^ (c >> 8);
+    }
+    !c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32_matches_the_standard_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(b""), 0);
+    }
+
+    fn sample() -> Header {
+        Header {
+            granularity: 64 << 10,
+            stamp: Stamp {
+                size: 1 << 40,
+                mtime: (1_700_000_000, 5),
+                ctime: (-3, 999_999_999),
+            },
+            generation: 7,
+            open: true,
+            checkpoints: vec![
+                Entry {
+                    name: "old".into(),
+                    created: 1,
+                    reason: Some(Reason::Crash),
+                    slot: 0,
+                },
+                Entry {
+                    name: "a".repeat(MAX_NAME_LEN),
+                    created: 2,
+                    reason: None,
+                    slot: 31,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn header_round_trips_and_any_flipped_byte_is_corrupt() {
+        let h = sample();
+        let p = h.encode();
+        assert_eq!(Header::decode(&p), Ok(h.clone()));
+        for at in [8usize, 16, 40, 48, 130, 200, 3000, CRC_AT + 1] {
+            let mut q = p;
+            q[at] ^= 0x10;
+            let r = Header::decode(&q);
+            assert!(
+                matches!(r, Err(Bad::Corrupt(_)) | Err(Bad::Version(_))),
+                "byte {at}: {r:?}"
+            );
+        }
+        let mut q = p;
+        q[0] = b'X';
+        assert_eq!(Header::decode(&q), Err(Bad::NotState));
+        assert_eq!(Header::decode(&[0; PAGE]), Err(Bad::Blank));
+    }
+
+    #[test]
+    fn slot_bytes_are_whole_pages_of_one_bit_per_chunk() {
+        assert_eq!(slot_bytes(0, 4096), 4096);
+        assert_eq!(slot_bytes(1, 4096), 4096);
+        // 1 TiB at 64 KiB: 16 Mi chunks, 2 MiB of bits.
+        assert_eq!(slot_bytes(1 << 40, 64 << 10), 2 << 20);
+        assert_eq!(slot_bytes((4096 * 8 * 4096) + 1, 4096), 8192);
+    }
+}
