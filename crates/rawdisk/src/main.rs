@@ -37,6 +37,7 @@ enum Command {
     Resize(cmd::resize::Args),
     Checksum(cmd::checksum::Args),
     Compare(cmd::compare::Args),
+    Checkpoint(cmd::checkpoint::Args),
     /// Write man pages and shell completions (for packaging).
     #[command(hide = true)]
     GenerateDocs(docs::Args),
@@ -86,6 +87,7 @@ fn main() -> ExitCode {
         Command::Resize(a) => cmd::resize::run(a),
         Command::Checksum(a) => cmd::checksum::run(a),
         Command::Compare(a) => cmd::compare::run(a),
+        Command::Checkpoint(a) => cmd::checkpoint::run(a),
         Command::GenerateDocs(a) => docs::run(<Cli as clap::CommandFactory>::command(), a),
     };
     match result {

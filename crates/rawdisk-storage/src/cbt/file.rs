@@ -600,6 +600,13 @@ impl StateFile {
             h.checkpoints.remove(k);
             h.generation += 1;
             Self::commit(d, &h)?;
+            if victim.reason.is_none() {
+                // Give the freed slot's blocks back; nothing reads it again
+                // before a create clears it anyway.
+                if let Err(e) = d.clear_slot(&h, victim.slot) {
+                    tracing::debug!("{e}");
+                }
+            }
             tracing::info!("checkpoint {name} deleted from {}", d.path.display());
             Ok(())
         })

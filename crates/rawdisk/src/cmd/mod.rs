@@ -1,4 +1,5 @@
 //! One module per subcommand. Each defines its clap `Args` and a `run`.
+pub mod checkpoint;
 pub mod checksum;
 pub mod compare;
 pub mod copy;
@@ -86,7 +87,7 @@ pub enum FormatArg {
     Raw,
 }
 
-/// `--output`, shared by info, map and probe (qemu-img's `--output=json`).
+/// `--output`, shared by info, map, probe and checkpoint list (qemu-img's `--output=json`).
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum OutputArg {
     Human,
