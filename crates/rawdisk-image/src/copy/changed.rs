@@ -189,24 +189,20 @@ fn state_ranges(
 ) -> Result<(Ranges, Option<String>)> {
     let setup = |e: rawdisk_storage::cbt::CbtError| CopyError::Setup(e.to_string());
     let state = StateFile::open(Path::new(source), state_dir, false).map_err(setup)?;
-    let list = state.list().map_err(setup)?;
-    let Some(cp) = list.iter().find(|c| c.name == checkpoint) else {
-        let names: Vec<&str> = list.iter().map(|c| c.name.as_str()).collect();
-        return Err(CopyError::Setup(format!(
-            "source {source}: no checkpoint {checkpoint} ({})",
-            if names.is_empty() {
-                "it has none: rawdisk checkpoint create makes one".to_string()
-            } else {
-                format!("it has {}", names.join(", "))
-            }
-        )));
-    };
-    let inconsistent = (!cp.consistent).then(|| {
-        cp.reason
-            .clone()
-            .unwrap_or_else(|| "reason not recorded".into())
-    });
+    // First: it refuses while served, and names the checkpoints there are.
     let ranges = state.changed_ranges(checkpoint).map_err(setup)?;
+    // Everything changed: say whether the checkpoint is why (each look at
+    // the state logs its own warning, so only when it matters).
+    let whole = ranges.len() == 1 && ranges[0].0 == 0;
+    let inconsistent = match whole {
+        true => state
+            .list()
+            .map_err(setup)?
+            .into_iter()
+            .find(|c| c.name == checkpoint && !c.consistent)
+            .map(|c| c.reason.unwrap_or_else(|| "reason not recorded".into())),
+        false => None,
+    };
     Ok((ranges, inconsistent))
 }
 
