@@ -289,13 +289,31 @@ impl Tracker {
                 return Ok(());
             }
         }
-        if h.granularity != self.granularity || h.chunks() != self.chunks {
-            return Err(CbtError::msg(
-                "refresh changed-block state",
-                &self.disk.path,
-                "its granularity or size changed while served",
-            ));
-        }
+        let h = if h.granularity != self.granularity || h.chunks() != self.chunks {
+            // Rewritten with another geometry (a header repaired without
+            // knowing ours): keep serving ours, every checkpoint as lost.
+            tracing::warn!(
+                "changed-block state {} changed granularity or size while served: every \
+                 checkpoint is now inconsistent",
+                self.disk.path.display()
+            );
+            let mut h = h;
+            h.granularity = self.granularity;
+            h.stamp = self
+                .mem
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .header
+                .stamp;
+            h.all_inconsistent(Reason::Corrupt);
+            h.generation += 1;
+            h.open = true;
+            self.disk.write_header(&h)?;
+            self.disk.sync()?;
+            h
+        } else {
+            h
+        };
         let fresh = load(&self.disk, h)?;
         *self.mem.write().unwrap_or_else(|e| e.into_inner()) = fresh;
         Ok(())
@@ -363,14 +381,17 @@ impl Tracker {
                 h.stamp.mtime = st.stamp.mtime;
                 h.stamp.ctime = st.stamp.ctime;
                 if st.stamp.size != h.stamp.size {
-                    // Resized while served (not through NBD): the bitmaps
-                    // no longer describe it; the next start says so.
+                    // Resized behind the server's back: the bitmaps no
+                    // longer describe it, and the slot layout follows the
+                    // size, so they could not even be found.
                     tracing::warn!(
-                        "{} changed size while tracked ({} -> {} bytes)",
+                        "{} changed size while tracked ({} -> {} bytes): every checkpoint \
+                         is now inconsistent",
                         self.target.display(),
                         h.stamp.size,
                         st.stamp.size
                     );
+                    h.all_inconsistent(Reason::SizeChanged);
                     h.stamp.size = st.stamp.size;
                 }
                 self.disk.write_header(&h)?;
@@ -427,6 +448,12 @@ fn load(disk: &Disk, header: Header) -> Result<Mem, CbtError> {
         .collect::<Result<_, _>>()?;
     Ok(Mem { header, maps })
 }
+
+// Shared by every connection of a server.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Tracker>();
+};
 
 impl std::fmt::Debug for Tracker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -25,6 +25,15 @@ fn size_of(t: &Tmp) -> u64 {
     std::fs::metadata(&t.path).unwrap().len()
 }
 
+/// Resize the target as another program would.
+fn set_len(t: &Tmp, size: u64) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&t.path)
+        .unwrap();
+    f.set_len(size).unwrap();
+}
+
 fn track(t: &Tmp) -> Tracker {
     Tracker::open(&t.path, size_of(t), &opts()).unwrap()
 }
@@ -338,12 +347,7 @@ fn outside_change_is_detected() {
         // Past the file system's timestamp granularity.
         std::thread::sleep(Duration::from_millis(30));
         if resize {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&t.path)
-                .unwrap()
-                .set_len(65 * G)
-                .unwrap();
+            set_len(&t, 65 * G);
         } else {
             rawdisk_testkit::write_at(&t.path, 7 * G, b"outside");
             assert_eq!(rawdisk_testkit::read_range(&t.path, 7 * G, 7), b"outside");
@@ -363,6 +367,26 @@ fn outside_change_is_detected() {
         assert_eq!(tr.changed("a", 0, whole, 4).unwrap(), vec![(whole, true)]);
         assert!(!tr.checkpoints()[0].consistent);
     }
+}
+
+/// A target resized behind a tracking server's back: the close says so
+/// and the bitmaps (whose layout follows the size) are dropped.
+#[test]
+fn resize_while_served_makes_every_checkpoint_inconsistent() {
+    let t = tmp_file(64 * G);
+    state(&t).create_checkpoint(Some("a")).unwrap();
+    let tr = track(&t);
+    tr.mark(G, 1);
+    set_len(&t, 1000 * G);
+    tr.close().unwrap();
+    drop(tr);
+    let sf = state(&t);
+    let r = reasons(&sf);
+    assert!(r[0].2.as_deref().unwrap().contains("size changed"), "{r:?}");
+    assert_eq!(sf.changed_ranges("a").unwrap(), vec![(0, 1000 * G)]);
+    let tr = Tracker::open(&t.path, 1000 * G, &opts()).unwrap();
+    tr.mark(999 * G, G);
+    tr.close().unwrap();
 }
 
 /// A header whose CRC does not match: every checkpoint inconsistent

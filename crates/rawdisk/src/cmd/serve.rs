@@ -248,11 +248,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 target.size(),
                 target.kind()
             );
-            tracing::info!("storage capabilities: {}", target.caps().snapshot());
             let tracker = match &track {
                 Some(opts) => Some(open_tracker(path, &target, opts)?),
                 None => None,
             };
+            tracing::info!("storage capabilities: {}", target.caps().snapshot());
             (Server::new_tracked(target, tracker, cfg), what)
         }
         (None, None) => unreachable!("clap requires TARGET or --dir"),
