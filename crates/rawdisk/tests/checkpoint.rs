@@ -142,6 +142,16 @@ fn state_dir_holds_the_state_file() {
     let sd = d.path().join("state");
     std::fs::create_dir(&sd).unwrap();
     let dir = sd.to_str().unwrap();
+    let r = cp(
+        &["create", "--state-dir", "/nonexistent-dir", "--name", "s"],
+        &img,
+    );
+    let r = r.fails_one_line(1);
+    assert!(
+        r.stderr.contains("does not exist: create it"),
+        "{}",
+        r.stderr
+    );
     cp(&["create", "--state-dir", dir, "--name", "s"], &img).ok();
     assert!(sd.join("disk.img.rawdisk-cbt").exists());
     assert!(!d.path().join("disk.img.rawdisk-cbt").exists());
@@ -188,5 +198,57 @@ fn outside_write_is_listed_as_inconsistent() {
     assert_eq!(
         rawdisk_testkit::read_range(&img, 3 * MIB, 23),
         b"changed behind its back"
+    );
+}
+
+/// While a tracker (standing in for `serve --track-changes`) holds the
+/// target, the command edits the state file under its lock: the tracker
+/// sees the new checkpoint at its next refresh, with the marks it had not
+/// persisted; nothing is called inconsistent while it is alive, everything
+/// once it dies without closing.
+#[test]
+fn commands_work_while_a_tracker_holds_the_target() {
+    use rawdisk_storage::cbt::{TrackOptions, Tracker};
+    let d = tempdir();
+    let img = image(d.path());
+    let g = 64 << 10;
+    let tr = Tracker::open(&img, 8 * MIB, &TrackOptions::default()).unwrap();
+    cp(&["create", "--name", "a"], &img).ok();
+    tr.refresh().unwrap();
+    tr.mark(0, 1);
+    tr.persist().unwrap();
+    tr.mark(5 * g, 1);
+    cp(&["create", "--name", "b"], &img).ok();
+    tr.refresh().unwrap();
+    let runs = tr.changed("b", 0, 8 * MIB, 10).unwrap();
+    assert_eq!(
+        runs,
+        vec![(5 * g, false), (g, true), (8 * MIB - 6 * g, false)]
+    );
+    let r = cp(&["list"], &img).ok();
+    assert_eq!(r.stdout.matches(" consistent\n").count(), 2, "{}", r.stdout);
+    assert_eq!(r.stderr, "");
+    cp(&["delete", "--name", "a"], &img).ok();
+    tr.refresh().unwrap();
+    assert_eq!(tr.checkpoints().len(), 1);
+    // Killed: the open flag stays, the kernel drops the lock. A child of a
+    // test running beside this one, forked but not yet exec'd, briefly
+    // shares the descriptor and so the lock: wait for it to go.
+    tr.abandon();
+    let sf = rawdisk_storage::cbt::StateFile::open(&img, None, false).unwrap();
+    let t0 = std::time::Instant::now();
+    while sf.served().unwrap() {
+        assert!(
+            t0.elapsed().as_secs() < 10,
+            "the served lock outlived its tracker"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let j = cp(&["list", "--output", "json"], &img).ok().json();
+    assert_eq!(j[0]["name"], "b");
+    assert_eq!(j[0]["consistent"], false);
+    assert_eq!(
+        j[0]["reason"],
+        "the tracking server did not shut down cleanly (crash or kill)"
     );
 }

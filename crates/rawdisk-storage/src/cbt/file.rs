@@ -127,6 +127,12 @@ impl Disk {
                         target.display()
                     ),
                 )
+            } else if e.raw_os_error() == Some(libc::ENOENT) {
+                CbtError::msg(
+                    "create changed-block state",
+                    &path,
+                    "its directory does not exist: create it first",
+                )
             } else {
                 CbtError::io("open changed-block state", &path, e)
             }
