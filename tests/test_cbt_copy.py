@@ -8,7 +8,8 @@ state file). After each round the backup equals the source byte for byte,
 the bytes copied are fewer than the disk and at least the changed set at
 the bitmap's granularity, and a poisoned region of the backup that the
 source did not change survives (nothing outside the changed ranges is
-written). Then the failure paths: --verify against a destination that
+written). The same for a block device (state in --state-dir) onto a backup
+served over NBD. Then the failure paths: --verify against a destination that
 loses writes, unknown checkpoints, a missing or wrongly sized backup, a
 local target that is being served, an export without tracking, and flags
 that make no sense with an incremental copy.
@@ -24,7 +25,9 @@ import tempfile
 import pytest
 
 import servers
-from helpers import KiB, MiB, assert_same_bytes, connected, make_image, read_target, write_target
+import storage
+from helpers import (KiB, MiB, assert_same_bytes, connected, make_image, random_bytes,
+                     read_target, write_target)
 
 pytestmark = pytest.mark.rawdisk_only("changed-block tracking is rawdisk's")
 
@@ -91,12 +94,14 @@ def poison_spot(touched, rnd):
     return rnd.choice(free) * GRAN
 
 
-def incremental(src_spec, backup, since, snapshot, touched, rnd, extra=()):
-    """copy --changed-since onto a backup with one untouched chunk poisoned;
-    checks the result and restores the chunk. Returns the bytes copied."""
+def incremental(src_spec, backup, since, snapshot, touched, rnd, extra=(), dst_spec=None):
+    """copy --changed-since onto a backup (the file `backup`, or `dst_spec`
+    serving it) with one untouched chunk poisoned; checks the result and
+    restores the chunk. Returns the bytes copied and the summary."""
     spot = poison_spot(touched, rnd)
     write_target(backup, b"\xa5" * GRAN, spot)
-    out = ok(rawdisk("copy", "--changed-since", since, *extra, src_spec, backup)).stdout.decode()
+    out = ok(rawdisk("copy", "--changed-since", since, *extra, src_spec,
+                     dst_spec or backup)).stdout.decode()
     changed, size = copied_bytes(out)
     assert size == SIZE, out
     assert len(touched) * GRAN <= changed < SIZE, (len(touched), out)
@@ -253,3 +258,41 @@ def test_a_change_made_without_tracking_makes_a_full_copy(chain_dir, serve):
     assert "full copy" in res.stderr.decode(), res.stderr
     assert copied_bytes(res.stdout.decode()) == (SIZE, SIZE)
     assert_same_bytes(read_target(backup), read_target(src), "backup after a full copy")
+
+
+@pytest.fixture
+def dev():
+    """A loop device of SIZE bytes (root only)."""
+    if not storage.is_root():
+        pytest.skip("needs root")
+    with storage.loop_on_tmpfs(512, SIZE // MiB) as dev:
+        yield dev
+
+
+def test_chain_of_a_block_device_onto_an_nbd_backup(workdir, serve, dev):
+    """A block device keeps its state in --state-dir; the backup is another
+    server's export, written through NBD."""
+    rnd = random.Random(2007)
+    write_target(dev, random_bytes(SIZE, 2007))
+    sd = os.path.join(workdir, "state")
+    os.mkdir(sd)
+    # Without a state dir a block device has nowhere to keep its state.
+    failed(rawdisk("checkpoint", "create", "--name", "c0", dev), 1, "--state-dir")
+    checkpoint(dev, "c0", sd)
+    backup = os.path.join(workdir, "backup.img")
+    ok(rawdisk("copy", dev, backup))
+    dst = serve(backup)
+    for n in (1, 2):
+        srv = serve(dev, extra=["--track-changes", "--state-dir", sd])
+        touched = mutate(srv.uri, rnd)
+        checkpoint(dev, f"c{n}", sd)
+        incremental(srv.uri, backup, f"c{n - 1}", read_target(dev), touched, rnd,
+                    dst_spec=dst.uri)
+        assert srv.terminate() == 0, srv.stderr()
+    # And from the stopped device itself.
+    srv = serve(dev, extra=["--track-changes", "--state-dir", sd])
+    touched = mutate(srv.uri, rnd)
+    assert srv.terminate() == 0, srv.stderr()
+    incremental(dev, backup, "c2", read_target(dev), touched, rnd,
+                extra=["--state-dir", sd], dst_spec=dst.uri)
+    dst.assert_alive()
