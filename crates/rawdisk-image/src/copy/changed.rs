@@ -64,7 +64,7 @@ pub fn open_changed(
             "--changed-since copies onto a previous backup, which does not read as zeros".into(),
         ));
     }
-    let (src, ranges, inconsistent) = if endpoint::is_nbd(source) {
+    let (src, mut ranges, inconsistent) = if endpoint::is_nbd(source) {
         let context = context_name(checkpoint);
         let mut eopts = opts.endpoint_options(false);
         eopts.extra_contexts = vec![context.clone()];
@@ -78,6 +78,12 @@ pub fn open_changed(
         (src, ranges, inconsistent)
     };
     let size = src.size();
+    // The state file covers the size it recorded; a target resized since
+    // is refused below (the backup's size differs), but never read past.
+    ranges.retain(|r| r.0 < size);
+    if let Some(last) = ranges.last_mut() {
+        last.1 = last.1.min(size - last.0);
+    }
     if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
         super::open::refuse_same_file(source, destination)?;
     }
