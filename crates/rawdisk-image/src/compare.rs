@@ -355,7 +355,7 @@ pub fn compare_endpoints(
 }
 
 /// The first differing byte in `[offset, offset + len)`, if any.
-fn compare_both(
+pub(crate) fn compare_both(
     a: &Endpoint,
     b: &Endpoint,
     ba: &mut IoBuf,

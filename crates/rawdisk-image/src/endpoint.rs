@@ -86,6 +86,9 @@ pub struct EndpointOptions {
     /// long while requests wait; its requests fail as on a dropped
     /// connection (None: wait forever).
     pub request_timeout: Option<Duration>,
+    /// NBD: metadata contexts to select besides base:allocation, for
+    /// [`Endpoint::context_status`]; the connection fails without them.
+    pub extra_contexts: Vec<String>,
 }
 
 impl Default for EndpointOptions {
@@ -96,6 +99,7 @@ impl Default for EndpointOptions {
             connections: 1,
             connect_timeout: None,
             request_timeout: None,
+            extra_contexts: Vec::new(),
         }
     }
 }
@@ -176,6 +180,7 @@ impl Endpoint {
         let mut copts = ConnectOptions {
             connections: opts.connections.max(1),
             request_timeout: opts.request_timeout,
+            extra_contexts: opts.extra_contexts.clone(),
             ..Default::default()
         };
         if let Some(t) = opts.connect_timeout {
@@ -330,6 +335,46 @@ impl Endpoint {
                 Ok(out)
             }
         }
+    }
+
+    /// The (offset, length, flags) runs of NBD metadata context `name` (one
+    /// of [`EndpointOptions::extra_contexts`]) covering a prefix of
+    /// `[offset, offset+len)`, clipped to it (at least one run unless the
+    /// range is empty).
+    pub fn context_status(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, u64, u64)>> {
+        let end = offset.saturating_add(len).min(self.size());
+        let Endpoint::Nbd { client, .. } = self else {
+            return Err(Error {
+                endpoint: self.name(),
+                message: format!("metadata context {name}: not an NBD export"),
+                errno: None,
+            });
+        };
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let v = runtime()
+            .block_on(client.block_status_context(name, offset, end - offset))
+            .map_err(|e| self.nbd_err(e))?;
+        let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(v.len());
+        let mut pos = offset;
+        for d in v {
+            if pos >= end {
+                break;
+            }
+            let l = d.len.min(end - pos);
+            match out.last_mut() {
+                Some(last) if last.2 == d.flags => last.1 += l,
+                _ => out.push((pos, l, d.flags)),
+            }
+            pos += l;
+        }
+        Ok(out)
     }
 
     /// Reads exactly `buf.len()` bytes at `offset`.

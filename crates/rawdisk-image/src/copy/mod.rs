@@ -25,12 +25,14 @@ use rawdisk_storage::{CacheMode, Prealloc};
 
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
+mod changed;
 mod dst;
 mod offload;
 mod open;
 mod retry;
 mod verify;
 
+pub use changed::{copy_changed, open_changed, verify_changed, Incremental};
 pub use dst::Stream;
 use dst::{Dst, To};
 pub use offload::OffloadMode;
@@ -102,6 +104,7 @@ impl CopyOptions {
             },
             connect_timeout: t,
             request_timeout: t,
+            extra_contexts: Vec::new(),
         }
     }
 }
@@ -144,12 +147,15 @@ pub struct CopyStats {
     pub bytes_skipped: u64,
     /// NBD connections reopened after they broke (both sides).
     pub reconnects: u64,
+    /// `--changed-since`: the bytes of the ranges that changed (the only
+    /// ones copied); None for a whole copy.
+    pub changed: Option<u64>,
     pub elapsed: Duration,
 }
 
 impl CopyStats {
     pub fn throughput(&self) -> f64 {
-        self.size as f64 / self.elapsed.as_secs_f64().max(1e-9)
+        self.changed.unwrap_or(self.size) as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
 }
 
@@ -269,6 +275,9 @@ struct Planner<'a> {
     size: u64,
     pos: u64,
     queue: VecDeque<MapExtent>,
+    /// The only ranges to copy (`--changed-since`), in offset order; None:
+    /// the whole source.
+    only: Option<VecDeque<(u64, u64)>>,
     data_chunk: u64,
     zero_chunk: u64,
     /// While it may work, data goes out in pieces of `OFFLOAD_CHUNK`.
@@ -282,6 +291,7 @@ impl<'a> Planner<'a> {
             size: src.first.size(),
             pos: 0,
             queue: VecDeque::new(),
+            only: None,
             data_chunk,
             zero_chunk,
             offload: None,
@@ -290,13 +300,26 @@ impl<'a> Planner<'a> {
 
     fn next(&mut self) -> std::result::Result<Option<Work>, endpoint::Error> {
         if self.queue.is_empty() {
-            if self.pos >= self.size {
-                return Ok(None);
-            }
             // Look ahead far enough that the lock is rarely taken for I/O.
-            let (pos, len) = (self.pos, (self.size - self.pos).min(8 << 30));
-            let runs = self.src.with(|e| e.extents(pos, len))?;
-            self.pos = crate::scan::queue_runs(&mut self.queue, pos, self.size, runs);
+            const AHEAD: u64 = 8 << 30;
+            if let Some(only) = &mut self.only {
+                let Some((o, l)) = only.pop_front() else {
+                    return Ok(None);
+                };
+                let end = o + l.min(AHEAD);
+                let runs = self.src.with(|e| e.extents(o, end - o))?;
+                let p = crate::scan::queue_runs(&mut self.queue, o, end, runs);
+                if p < o + l {
+                    only.push_front((p, o + l - p));
+                }
+            } else {
+                if self.pos >= self.size {
+                    return Ok(None);
+                }
+                let (pos, len) = (self.pos, (self.size - self.pos).min(AHEAD));
+                let runs = self.src.with(|e| e.extents(pos, len))?;
+                self.pos = crate::scan::queue_runs(&mut self.queue, pos, self.size, runs);
+            }
         }
         let data_chunk = match self.offload {
             Some(o) if o.may_work() => offload::OFFLOAD_CHUNK.max(self.data_chunk),
@@ -356,21 +379,28 @@ pub fn copy_endpoints(
     opts: &CopyOptions,
     dst_zeroed: bool,
 ) -> Result<CopyStats> {
-    run(src, To::Ep(dst), opts, dst_zeroed)
+    run(src, To::Ep(dst), opts, dst_zeroed, None)
 }
 
 /// Reads the source and discards it (`null:`): the source's throughput.
 pub fn copy_to_null(src: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
-    run(src, To::Null, opts, true)
+    run(src, To::Null, opts, true, None)
 }
 
 /// Writes the source to a byte stream in order (`-`: standard output),
 /// zero runs as zeros.
 pub fn copy_to_stream(src: &Endpoint, out: &Stream, opts: &CopyOptions) -> Result<CopyStats> {
-    run(src, To::Stream(out), opts, false)
+    run(src, To::Stream(out), opts, false, None)
 }
 
-fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Result<CopyStats> {
+/// `only`: copy just these ranges (offset order, not overlapping).
+fn run(
+    src: &Endpoint,
+    to: To<'_>,
+    opts: &CopyOptions,
+    dst_zeroed: bool,
+    only: Option<&[(u64, u64)]>,
+) -> Result<CopyStats> {
     let t0 = Instant::now();
     let eopts = |writable| opts.endpoint_options(writable);
     let mut src_link = Link::new(src, Side::Source, eopts(false), opts.retry_timeout);
@@ -383,7 +413,8 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
         )),
         _ => None,
     };
-    let bar = progress_bar(opts.progress, src.size());
+    let changed = only.map(|r| r.iter().map(|r| r.1).sum::<u64>());
+    let bar = progress_bar(opts.progress, changed.unwrap_or(src.size()));
     src_link.set_bar(bar.as_ref());
     if let Some(l) = &mut dst_link {
         l.set_bar(bar.as_ref());
@@ -462,6 +493,7 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
     let zero_chunk = if dst.is_nbd() { 32 << 20 } else { 1 << 30 };
     let mut planner = Planner::new(&src_link, request, zero_chunk);
     planner.offload = offload.as_ref();
+    planner.only = only.map(|r| r.iter().copied().collect());
     let planner = Mutex::new(planner);
     let worker = Worker {
         src: &src_link,
@@ -534,7 +566,7 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
     if cancelled {
         return Err(CopyError::Interrupted {
             done: counters.done.into_inner(),
-            size,
+            size: changed.unwrap_or(size),
         });
     }
     // A stream is always flushed: its buffer holds the last bytes.
@@ -558,6 +590,7 @@ fn run(src: &Endpoint, to: To<'_>, opts: &CopyOptions, dst_zeroed: bool) -> Resu
         bytes_zeroed: counters.zeroed.into_inner(),
         bytes_skipped: counters.skipped.into_inner(),
         reconnects,
+        changed,
         elapsed: t0.elapsed(),
     })
 }

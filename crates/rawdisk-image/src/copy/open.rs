@@ -24,15 +24,7 @@ pub fn open_pair(
 ) -> Result<(Endpoint, Destination)> {
     let src = open_source(source, opts)?;
     if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
-        use std::os::unix::fs::MetadataExt;
-        if let (Ok(a), Ok(b)) = (std::fs::metadata(source), std::fs::metadata(destination)) {
-            // Resizing or zeroing the destination would destroy the source.
-            if (a.dev(), a.ino()) == (b.dev(), b.ino()) {
-                return Err(CopyError::Setup(format!(
-                    "source {source} and destination {destination} are the same file"
-                )));
-            }
-        }
+        refuse_same_file(source, destination)?;
     }
     let dst = open_destination(destination, src.size(), opts)?;
     Ok((src, dst))
@@ -118,6 +110,20 @@ pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Des
             })
         }
     }
+}
+
+/// Two local paths naming the same file: resizing or writing the
+/// destination would destroy the source.
+pub(super) fn refuse_same_file(source: &str, destination: &str) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if let (Ok(a), Ok(b)) = (std::fs::metadata(source), std::fs::metadata(destination)) {
+        if (a.dev(), a.ino()) == (b.dev(), b.ino()) {
+            return Err(CopyError::Setup(format!(
+                "source {source} and destination {destination} are the same file"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn check_dest_size(ep: &Endpoint, size: u64) -> Result<()> {

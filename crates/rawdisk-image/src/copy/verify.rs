@@ -35,15 +35,8 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
         only_first: Some(size),
         ..Default::default()
     };
-    let r = compare::compare_endpoints(src, dst, &copts, &NoProgress).map_err(|e| {
-        // compare names the endpoint that failed; say which side it was.
-        let side = if e.endpoint == src.name() {
-            Side::Source
-        } else {
-            Side::Destination
-        };
-        CopyError::io(side)(e)
-    })?;
+    let r = compare::compare_endpoints(src, dst, &copts, &NoProgress)
+        .map_err(|e| side_error(src, e))?;
     match r.outcome {
         Outcome::Identical => Ok(VerifyStats {
             bytes_compared: r.bytes_read,
@@ -63,4 +56,15 @@ pub fn verify(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<Veri
             dst.name()
         ))),
     }
+}
+
+/// A failure of a comparison (which names the endpoint that failed) as the
+/// side it was.
+pub(super) fn side_error(src: &Endpoint, e: crate::endpoint::Error) -> CopyError {
+    let side = if e.endpoint == src.name() {
+        Side::Source
+    } else {
+        Side::Destination
+    };
+    CopyError::io(side)(e)
 }

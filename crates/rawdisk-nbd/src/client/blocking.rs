@@ -71,6 +71,16 @@ impl Client {
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<BlockStatus>> {
         self.rt.block_on(self.inner.block_status(offset, len))
     }
+    /// Descriptors of one of the extra contexts selected when connecting.
+    pub fn block_status_context(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<BlockStatus>> {
+        self.rt
+            .block_on(self.inner.block_status_context(name, offset, len))
+    }
     pub fn disconnect(&self) -> Result<()> {
         self.rt.block_on(self.inner.disconnect())
     }

@@ -37,6 +37,8 @@ struct Pending {
     /// Bytes of a read covered by data and hole chunks so far.
     covered: u64,
     error: Option<(u32, Option<String>)>,
+    /// For block status: the context whose descriptors the caller wants.
+    context: Option<u32>,
     status: Vec<BlockStatus>,
     tx: oneshot::Sender<Result<Done>>,
 }
@@ -54,7 +56,10 @@ pub(super) struct Conn {
     pub(super) inflight: AtomicUsize,
     extended: bool,
     structured: bool,
-    context_id: Option<u32>,
+    /// The id of `base:allocation` on this connection.
+    pub(super) context_id: Option<u32>,
+    /// The extra contexts selected (name, id on this connection).
+    pub(super) contexts: Vec<(String, u32)>,
     pub(super) reader: Mutex<Option<JoinHandle<()>>>,
     /// A duplicate of the socket, to shut it down under a blocked reader
     /// and writer when the server stops answering.
@@ -146,9 +151,20 @@ impl Conn {
     ) -> Result<(Arc<Conn>, ExportInfo)> {
         let (mut r, mut w, sock, no_zeroes) = dial(uri, target, tls).await?;
         let hs_err = |message: String| handshake_error(target, message);
-        let (info, context_id) = handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
-            .await
-            .map_err(|m| hs_err(after_tls(tls.is_some(), m)))?;
+        let (info, context_id, contexts) =
+            match handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
+                .await
+                .map_err(|m| hs_err(after_tls(tls.is_some(), m)))?
+            {
+                Ok(negotiated) => negotiated,
+                Err(message) => {
+                    super::handshake::abort(&mut w).await;
+                    return Err(Error::NoContext {
+                        target: target.to_string(),
+                        message,
+                    });
+                }
+            };
         let conn = Arc::new(Conn {
             writer: tokio::sync::Mutex::new(Some(w)),
             state: Mutex::new(State {
@@ -160,6 +176,7 @@ impl Conn {
             extended: info.extended_headers,
             structured: info.structured_replies,
             context_id,
+            contexts,
             reader: Mutex::new(None),
             sock,
             epoch: Instant::now(),
@@ -220,6 +237,9 @@ impl Conn {
         }
     }
 
+    /// `context`: for block status, the context whose descriptors to keep
+    /// (the server sends a chunk for every context the connection selected).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn request(
         &self,
         cmd: Command,
@@ -228,6 +248,7 @@ impl Conn {
         len: u64,
         payload: Option<&[u8]>,
         buf: Option<(Vec<u8>, Range<usize>)>,
+        context: Option<u32>,
     ) -> Result<Done> {
         let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -271,6 +292,7 @@ impl Conn {
                     buf,
                     covered: 0,
                     error: None,
+                    context,
                     status: Vec::new(),
                     tx,
                 },
@@ -485,7 +507,7 @@ async fn reader_loop(conn: &Conn, r: &mut Reader) -> std::result::Result<(), Str
             ReplyHeader::Chunk {
                 flags, typ, length, ..
             } => {
-                handle_chunk(conn, r, &mut p, typ, length).await?;
+                handle_chunk(r, &mut p, typ, length).await?;
                 flags & REPLY_FLAG_DONE != 0
             }
         };
@@ -551,7 +573,6 @@ fn finish(
 }
 
 async fn handle_chunk(
-    conn: &Conn,
     r: &mut Reader,
     p: &mut Pending,
     typ: u16,
@@ -598,8 +619,8 @@ async fn handle_chunk(
             context_id,
             descriptors,
         } if p.cmd == Command::BlockStatus => {
-            // Only base:allocation was selected; ignore any other context.
-            if Some(context_id) == conn.context_id {
+            // One chunk per selected context: keep the one asked for.
+            if Some(context_id) == p.context {
                 for d in descriptors {
                     if d.length == 0 {
                         return Err("protocol error: zero-length block status extent".into());

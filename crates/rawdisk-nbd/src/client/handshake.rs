@@ -57,14 +57,20 @@ pub(super) async fn starttls(r: &mut Reader, w: &mut Writer) -> std::result::Res
     }
 }
 
-/// The option haggling after the greeting (and TLS, if any).
+/// What a handshake negotiated: the export, the id of `base:allocation`
+/// and the (name, id) of each extra context.
+pub(super) type Negotiated = (ExportInfo, Option<u32>, Vec<(String, u32)>);
+
+/// The option haggling after the greeting (and TLS, if any). The inner
+/// error: the server does not offer one of `opts.extra_contexts` (said
+/// before NBD_OPT_GO, so the caller can end the option phase politely).
 pub(super) async fn handshake(
     r: &mut Reader,
     w: &mut Writer,
     export: &str,
     opts: &ConnectOptions,
     no_zeroes: bool,
-) -> std::result::Result<(ExportInfo, Option<u32>), String> {
+) -> std::result::Result<std::result::Result<Negotiated, String>, String> {
     let mut extended = false;
     let mut structured = false;
     if opts.extended_headers {
@@ -77,21 +83,37 @@ pub(super) async fn handshake(
         structured = optional(r, w, ClientOption::StructuredReply).await?;
     }
 
+    let extra = &opts.extra_contexts;
+    if !structured {
+        if let Some(name) = extra.first() {
+            return Ok(Err(format!(
+                "the server does not support structured replies, which metadata context {name} needs"
+            )));
+        }
+    }
     let mut context: Option<(u32, String)> = None;
-    if structured && opts.block_status {
+    let mut contexts: Vec<(String, u32)> = Vec::new();
+    let mut queries = Vec::new();
+    if opts.block_status {
+        queries.push(META_CONTEXT_BASE_ALLOCATION.to_string());
+    }
+    queries.extend(extra.iter().cloned());
+    if structured && !queries.is_empty() {
         send_option(
             w,
             &ClientOption::SetMetaContext(MetaContextRequest {
                 name: export.to_string(),
-                queries: vec![META_CONTEXT_BASE_ALLOCATION.to_string()],
+                queries,
             }),
         )
         .await?;
         loop {
             match option_reply(r, OPT_SET_META_CONTEXT).await? {
                 OptionReply::MetaContext { id, name } => {
-                    if name == META_CONTEXT_BASE_ALLOCATION {
+                    if name == META_CONTEXT_BASE_ALLOCATION && opts.block_status {
                         context = Some((id, name));
+                    } else if extra.contains(&name) && !contexts.iter().any(|c| c.0 == name) {
+                        contexts.push((name, id));
                     }
                 }
                 OptionReply::Ack => break,
@@ -100,12 +122,22 @@ pub(super) async fn handshake(
                     // reads as data. Spec: disregard contexts sent before an
                     // error.
                     tracing::debug!(reply = reply_type_name(reply), %message, "server refused SET_META_CONTEXT");
+                    if let Some(name) = extra.first() {
+                        if matches!(reply, REP_ERR_TLS_REQD | REP_ERR_UNKNOWN | REP_ERR_SHUTDOWN) {
+                            return Err(rep_error("export", export, reply, &message));
+                        }
+                        let why = rep_error("metadata context", name, reply, &message);
+                        return Ok(Err(format!("the server refused {why}")));
+                    }
                     context = None;
                     break;
                 }
                 other => return Err(format!("unexpected reply {other:?} to SET_META_CONTEXT")),
             }
         }
+    }
+    if let Some(name) = extra.iter().find(|n| !contexts.iter().any(|c| &c.0 == *n)) {
+        return Ok(Err(missing_context(name)));
     }
 
     send_option(
@@ -134,6 +166,12 @@ pub(super) async fn handshake(
                 decode_export_name_reply(&b, no_zeroes).map_err(|e| e.to_string())?;
             info.size = size;
             info.flags = flags;
+            if let Some(name) = extra.first() {
+                // Contexts need NBD_OPT_GO: the spec ties them to it.
+                return Ok(Err(format!(
+                    "the server does not support NBD_OPT_GO, which metadata context {name} needs"
+                )));
+            }
             context = None;
             true
         }
@@ -157,7 +195,19 @@ pub(super) async fn handshake(
         info.flags = 0;
     }
     info.meta_context = context.as_ref().map(|c| c.1.clone());
-    Ok((info, context.map(|c| c.0)))
+    info.contexts = contexts.iter().map(|c| c.0.clone()).collect();
+    Ok(Ok((info, context.map(|c| c.0), contexts)))
+}
+
+/// Why a context the caller asked for is missing, with a hint for rawdisk's
+/// own (a checkpoint context exists only with tracking and the checkpoint).
+fn missing_context(name: &str) -> String {
+    match name.strip_prefix("rawdisk:changed:") {
+        Some(cp) => format!(
+            "the server does not offer metadata context {name}: is it served with --track-changes and does checkpoint {cp} exist?"
+        ),
+        None => format!("the server does not offer metadata context {name}"),
+    }
 }
 
 /// Reads the NBD_INFO replies to NBD_OPT_GO or NBD_OPT_INFO into `info` up

@@ -45,6 +45,10 @@ pub enum Error {
     /// refusal.
     #[error("NBD handshake with {target}: {message}")]
     Dropped { target: String, message: String },
+    /// The server does not offer a metadata context the caller asked for
+    /// ([`ConnectOptions::extra_contexts`]): asking again will not help.
+    #[error("NBD handshake with {target}: {message}")]
+    NoContext { target: String, message: String },
     /// The server answered a request with an error.
     #[error("{cmd} at offset {offset} length {len}: server error {}{}", errno_name(*.errno), .message.as_deref().map(|m| format!(": {m}")).unwrap_or_default())]
     Server {
@@ -115,6 +119,9 @@ pub struct ExportInfo {
     pub extended_headers: bool,
     /// The metadata context used for block status, if one was negotiated.
     pub meta_context: Option<String>,
+    /// The extra metadata contexts selected ([`ConnectOptions::extra_contexts`]),
+    /// all of them: a connection without one of them fails to open.
+    pub contexts: Vec<String>,
     /// Connections actually opened (more than one only with multi-conn).
     pub connections: usize,
 }
@@ -134,6 +141,7 @@ impl ExportInfo {
             structured_replies: false,
             extended_headers: false,
             meta_context: None,
+            contexts: Vec::new(),
             connections: 1,
         }
     }
@@ -207,6 +215,11 @@ pub struct ConnectOptions {
     pub structured_replies: bool,
     /// Select `base:allocation` for block status.
     pub block_status: bool,
+    /// More metadata contexts to select by name (`qemu:dirty-bitmap:NAME`,
+    /// `rawdisk:changed:NAME`), for [`Client::block_status_context`]. The
+    /// connection fails ([`Error::NoContext`]) when the server does not
+    /// offer every one of them.
+    pub extra_contexts: Vec<String>,
     /// Give up connecting and negotiating after this long.
     pub timeout: Duration,
     /// Abandon a connection whose server has not answered for this long
@@ -221,6 +234,7 @@ impl Default for ConnectOptions {
             extended_headers: true,
             structured_replies: true,
             block_status: true,
+            extra_contexts: Vec::new(),
             timeout: Duration::from_secs(30),
             request_timeout: None,
         }
@@ -330,7 +344,8 @@ pub struct ZeroFlags {
     pub fua: bool,
 }
 
-/// One `base:allocation` descriptor.
+/// One block status descriptor: of `base:allocation`, or of the context
+/// [`Client::block_status_context`] names (flags then mean what it defines).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockStatus {
     pub len: u64,
@@ -508,7 +523,15 @@ impl Client {
         }
         match self
             .pick()
-            .request(Command::Read, 0, offset, len, None, Some((buf, range)))
+            .request(
+                Command::Read,
+                0,
+                offset,
+                len,
+                None,
+                Some((buf, range)),
+                None,
+            )
             .await?
         {
             Done::Read(b) => Ok(b),
@@ -541,7 +564,7 @@ impl Client {
         }
         let flags = self.fua_flag(fua);
         self.pick()
-            .request(Command::Write, flags, offset, len, Some(data), None)
+            .request(Command::Write, flags, offset, len, Some(data), None, None)
             .await
             .map(|_| ())
     }
@@ -573,7 +596,7 @@ impl Client {
         }
         for (o, l) in split(offset, len, self.info.max_effect()) {
             self.pick()
-                .request(Command::WriteZeroes, f, o, l, None, None)
+                .request(Command::WriteZeroes, f, o, l, None, None, None)
                 .await?;
         }
         Ok(())
@@ -591,7 +614,7 @@ impl Client {
         let f = self.fua_flag(fua);
         for (o, l) in split(offset, len, self.info.max_effect()) {
             self.pick()
-                .request(Command::Trim, f, o, l, None, None)
+                .request(Command::Trim, f, o, l, None, None, None)
                 .await?;
         }
         Ok(())
@@ -608,7 +631,7 @@ impl Client {
         let futs: Vec<_> = self
             .conns
             .iter()
-            .map(|c| c.request(Command::Flush, 0, 0, 0, None, None))
+            .map(|c| c.request(Command::Flush, 0, 0, 0, None, None, None))
             .collect();
         for f in futs {
             f.await?;
@@ -632,20 +655,38 @@ impl Client {
             "no base:allocation context was negotiated",
         )?;
         let len = len.min(self.info.max_effect()).min(self.info.size - offset);
-        match self
-            .pick()
-            .request(Command::BlockStatus, 0, offset, len, None, None)
-            .await?
-        {
-            Done::Status(v) if !v.is_empty() => Ok(v),
-            Done::Status(_) | Done::Ok => Err(Error::Connection {
-                cmd: Command::BlockStatus.verb(),
-                offset,
-                len,
-                reason: "protocol error: the server sent no base:allocation extents".into(),
-            }),
-            Done::Read(_) => unreachable!(),
-        }
+        let conn = self.pick();
+        let id = conn.context_id;
+        status_of(conn, id, offset, len, META_CONTEXT_BASE_ALLOCATION).await
+    }
+
+    /// Descriptors of the metadata context `name`, one of
+    /// [`ConnectOptions::extra_contexts`], starting at `offset` (at least one
+    /// on success; they may cover less than `len`, or the last one more).
+    /// Chunks of the other selected contexts are ignored.
+    pub async fn block_status_context(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<BlockStatus>> {
+        self.check(
+            Command::BlockStatus,
+            offset,
+            len.min(self.info.size - offset.min(self.info.size)),
+        )?;
+        let conn = self.pick();
+        // Each connection negotiated its own ids.
+        let id = conn.contexts.iter().find(|c| c.0 == name).map(|c| c.1);
+        self.require(
+            id.is_some(),
+            Command::BlockStatus,
+            offset,
+            len,
+            &format!("metadata context {name} was not selected when connecting"),
+        )?;
+        let len = len.min(self.info.max_effect()).min(self.info.size - offset);
+        status_of(conn, id, offset, len, name).await
     }
 
     /// NBD_CMD_DISC on every connection once they are idle, then wait for the
@@ -705,6 +746,29 @@ fn abort_readers(conns: &[Arc<Conn>]) {
         if let Some(h) = c.reader.lock().unwrap().take() {
             h.abort();
         }
+    }
+}
+
+/// One BLOCK_STATUS request on `conn`, keeping the descriptors of context `id`.
+async fn status_of(
+    conn: &Conn,
+    id: Option<u32>,
+    offset: u64,
+    len: u64,
+    name: &str,
+) -> Result<Vec<BlockStatus>> {
+    match conn
+        .request(Command::BlockStatus, 0, offset, len, None, None, id)
+        .await?
+    {
+        Done::Status(v) if !v.is_empty() => Ok(v),
+        Done::Status(_) | Done::Ok => Err(Error::Connection {
+            cmd: Command::BlockStatus.verb(),
+            offset,
+            len,
+            reason: format!("protocol error: the server sent no {name} extents"),
+        }),
+        Done::Read(_) => unreachable!(),
     }
 }
 

@@ -9,6 +9,9 @@
 //! naming the side, the offset and the cause. SIGINT or SIGTERM stops it
 //! after the requests in flight, with a line saying how far it got and exit
 //! status 130 or 143.
+//!
+//! `--changed-since NAME` copies only the ranges changed since a checkpoint
+//! onto the previous backup (an incremental backup; copy/changed.rs).
 
 use super::{CacheArg, FormatArg, PreallocArg};
 use std::process::ExitCode;
@@ -28,7 +31,8 @@ use crate::size::size_arg;
 #[command(after_help = "Examples:\n  \
     rawdisk copy -p fedora.img nbd+unix:///?socket=/tmp/disk.sock\n  \
     rawdisk copy nbd://server/vm backup.img\n  \
-    rawdisk copy disk.img /dev/vg0/lv0")]
+    rawdisk copy disk.img /dev/vg0/lv0\n  \
+    rawdisk copy --changed-since c1 nbd+unix:///?socket=/run/vm.sock backup.img")]
 pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
     /// nbd+unix:///export?socket=PATH).
@@ -95,9 +99,25 @@ pub struct Args {
     /// (0: requests wait forever).
     #[arg(long, default_value = "60s", value_parser = duration_arg)]
     request_timeout: Duration,
-    /// After the copy, compare both sides and fail on any difference.
+    /// After the copy, compare both sides and fail on any difference
+    /// (with --changed-since: the changed ranges).
     #[arg(long)]
     verify: bool,
+    /// Incremental backup: copy only the ranges changed since checkpoint
+    /// NAME (`rawdisk checkpoint`) onto DESTINATION, the previous backup
+    /// (existing, the source's size; the rest of it is left as it is). The
+    /// source is a `serve --track-changes` export (rawdisk:changed:NAME) or
+    /// the local target itself while it is not served.
+    #[arg(
+        long,
+        value_name = "NAME",
+        conflicts_with_all = ["target_is_zero", "force", "preallocation"]
+    )]
+    changed_since: Option<String>,
+    /// With --changed-since and a local source: the directory of its state
+    /// file (as given to `serve --track-changes` and `checkpoint`).
+    #[arg(long, value_name = "DIR", requires = "changed_since")]
+    state_dir: Option<std::path::PathBuf>,
     /// Page cache or O_DIRECT for local sides.
     #[arg(short = 't', long, value_enum, default_value = "writeback")]
     cache: CacheArg,
@@ -122,6 +142,22 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             "--verify needs a destination that can be read back, not {}",
             a.destination
         );
+    }
+    if a.changed_since.is_some() {
+        if sink {
+            return Err(super::UsageError(format!(
+                "--changed-since updates a previous backup, not {}",
+                a.destination
+            ))
+            .into());
+        }
+        if a.state_dir.is_some() && rawdisk_image::endpoint::is_nbd(&a.source) {
+            return Err(super::UsageError(
+                "--state-dir is for a local source: an NBD source's server keeps its own state"
+                    .into(),
+            )
+            .into());
+        }
     }
     let signal = Arc::new(AtomicI32::new(0));
     let cancel = cancel_on_signal(signal.clone());
@@ -150,6 +186,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         retry_timeout: a.retry_timeout,
         request_timeout: a.request_timeout,
     };
+    if let Some(name) = &a.changed_since {
+        return run_changed(&a, name, &opts, &signal);
+    }
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
     } else {
@@ -167,16 +206,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let stats = match result {
         Ok(s) => s,
         Err(CopyError::Interrupted { done, size }) => {
-            let sig = signal.load(Ordering::Relaxed);
             close_quietly(&src, dst.as_ref().map(|d| &d.endpoint));
-            eprintln!(
-                "rawdisk: copy interrupted by {} after {done} of {size} bytes ({}); \
-                 the destination {} is incomplete",
-                signal_name(sig),
-                human(done),
-                a.destination
-            );
-            return Ok(ExitCode::from(128 + sig as u8));
+            return Ok(interrupted(&signal, done, size, &a.destination));
         }
         Err(e) => return Err(e.into()),
     };
@@ -218,11 +249,81 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The line after SIGINT or SIGTERM stopped the copy; the exit status.
+fn interrupted(signal: &AtomicI32, done: u64, size: u64, destination: &str) -> ExitCode {
+    let sig = signal.load(Ordering::Relaxed);
+    eprintln!(
+        "rawdisk: copy interrupted by {} after {done} of {size} bytes ({}); \
+         the destination {destination} is incomplete",
+        signal_name(sig),
+        human(done),
+    );
+    ExitCode::from(128 + sig as u8)
+}
+
+/// `--changed-since NAME`: the changed ranges only, onto the previous backup.
+fn run_changed(
+    a: &Args,
+    name: &str,
+    opts: &CopyOptions,
+    signal: &AtomicI32,
+) -> anyhow::Result<ExitCode> {
+    let inc = copy::open_changed(
+        &a.source,
+        &a.destination,
+        name,
+        a.state_dir.as_deref(),
+        opts,
+    )?;
+    if let Some(w) = &inc.warning {
+        eprintln!("rawdisk: warning: {w}");
+    }
+    let stats = match copy::copy_changed(&inc, opts) {
+        Ok(s) => s,
+        Err(CopyError::Interrupted { done, size }) => {
+            close_quietly(&inc.src, Some(&inc.dst));
+            return Ok(interrupted(signal, done, size, &a.destination));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let verified = match a.verify {
+        // As a whole copy's: after a reconnect, through new connections.
+        true if stats.reconnects > 0 => {
+            let s = copy::open_source(&a.source, opts)?;
+            let d = copy::open_source(&a.destination, opts)?;
+            let v = copy::verify_changed(&s, &d, &inc.ranges)?;
+            close_quietly(&s, Some(&d));
+            Some(v)
+        }
+        true => Some(copy::verify_changed(&inc.src, &inc.dst, &inc.ranges)?),
+        false => None,
+    };
+    inc.src.close().map_err(|e| anyhow::anyhow!("source {e}"))?;
+    inc.dst
+        .close()
+        .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+    if !a.quiet {
+        let mut line = format!(
+            "changed since {name}: {} of {} ({} of {} bytes); {}",
+            human(inc.changed()),
+            human(stats.size),
+            inc.changed(),
+            stats.size,
+            summary(&stats)
+        );
+        if let Some(v) = verified {
+            line.push_str(&format!("; verified: {} compared", human(v.bytes_compared)));
+        }
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn summary(stats: &CopyStats) -> String {
     let secs = stats.elapsed.as_secs_f64();
     let mut line = format!(
         "copied {} in {:.2} s ({}/s): read {}, written {}, zeroed {}, skipped {}",
-        human(stats.size),
+        human(stats.changed.unwrap_or(stats.size)),
         secs,
         human(stats.throughput() as u64),
         human(stats.bytes_read),

@@ -1,0 +1,241 @@
+//! `copy --changed-since NAME`: an incremental backup. Only the ranges that
+//! changed since checkpoint NAME are read from the source and written to
+//! the destination, the previous backup of the same disk; the rest of the
+//! destination is not touched.
+//!
+//! The ranges come from the source's server when it is an NBD export (the
+//! metadata context `rawdisk:changed:NAME` of `serve --track-changes`, flag
+//! bit 0 = changed), else from the target's state file (which refuses while
+//! a server tracks the target: that server holds changes not yet in it).
+//! They are all known before the copy starts, so the copy is the usual one
+//! restricted to them: zero runs inside them become zero requests, data is
+//! read and written in requests, on several workers and connections.
+
+use std::path::Path;
+use std::time::Instant;
+
+use rawdisk_storage::cbt::StateFile;
+
+use super::{CopyError, CopyOptions, CopyStats, Result, Side, ZeroMode};
+use crate::endpoint::{self, Endpoint, IoBuf};
+
+/// (offset, length) ranges in offset order.
+type Ranges = Vec<(u64, u64)>;
+
+/// Block status flag of a `rawdisk:changed:` context: changed since the
+/// checkpoint.
+const CHANGED: u64 = 1;
+
+/// Both sides of an incremental copy, open, and what to copy.
+pub struct Incremental {
+    pub src: Endpoint,
+    pub dst: Endpoint,
+    /// (offset, length) ranges changed since the checkpoint, in offset order.
+    pub ranges: Vec<(u64, u64)>,
+    /// Set when everything counts as changed: why this is a full copy.
+    pub warning: Option<String>,
+}
+
+impl Incremental {
+    /// Bytes in the changed ranges.
+    pub fn changed(&self) -> u64 {
+        self.ranges.iter().map(|r| r.1).sum()
+    }
+}
+
+/// The metadata context of checkpoint `name`.
+pub fn context_name(name: &str) -> String {
+    format!("rawdisk:changed:{name}")
+}
+
+/// Opens the source, learns what changed since `checkpoint` (through its
+/// NBD export, or its state file in `state_dir` for a local source) and
+/// opens the destination, which must exist with the source's size (a block
+/// device may be larger).
+pub fn open_changed(
+    source: &str,
+    destination: &str,
+    checkpoint: &str,
+    state_dir: Option<&Path>,
+    opts: &CopyOptions,
+) -> Result<Incremental> {
+    if opts.zero_mode == ZeroMode::Skip {
+        return Err(CopyError::Setup(
+            "--changed-since copies onto a previous backup, which does not read as zeros".into(),
+        ));
+    }
+    let (src, mut ranges, inconsistent) = if endpoint::is_nbd(source) {
+        let context = context_name(checkpoint);
+        let mut eopts = opts.endpoint_options(false);
+        eopts.extra_contexts = vec![context.clone()];
+        let src = super::retry::open(source, &eopts, Side::Source, opts.retry_timeout)
+            .map_err(CopyError::io(Side::Source))?;
+        let ranges = nbd_ranges(&src, &context).map_err(CopyError::io(Side::Source))?;
+        (src, ranges, None)
+    } else {
+        let (ranges, inconsistent) = state_ranges(source, checkpoint, state_dir)?;
+        let src = super::open_source(source, opts)?;
+        (src, ranges, inconsistent)
+    };
+    let size = src.size();
+    // The state file covers the size it recorded; a target resized since
+    // is refused below (the backup's size differs), but never read past.
+    ranges.retain(|r| r.0 < size);
+    if let Some(last) = ranges.last_mut() {
+        last.1 = last.1.min(size - last.0);
+    }
+    if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
+        super::open::refuse_same_file(source, destination)?;
+    }
+    let dst = open_existing(destination, size, opts)?;
+    let whole = size > 0 && ranges == [(0, size)];
+    let warning = match inconsistent {
+        Some(reason) => Some(format!(
+            "checkpoint {checkpoint} is inconsistent ({reason}): every byte counts as changed, this is a full copy"
+        )),
+        None if whole => Some(format!(
+            "every byte of {source} is reported changed since checkpoint {checkpoint}: this is a full copy \
+             (the checkpoint is inconsistent after a crash or a change made without tracking, or the whole disk was written)"
+        )),
+        None => None,
+    };
+    Ok(Incremental {
+        src,
+        dst,
+        ranges,
+        warning,
+    })
+}
+
+/// Copies the changed ranges of `inc.src` onto `inc.dst` and flushes it.
+pub fn copy_changed(inc: &Incremental, opts: &CopyOptions) -> Result<CopyStats> {
+    super::run(
+        &inc.src,
+        super::To::Ep(&inc.dst),
+        opts,
+        false,
+        Some(&inc.ranges),
+    )
+}
+
+/// Compares the changed ranges of both sides (what the copy wrote); fails
+/// with the first differing offset.
+pub fn verify_changed(
+    src: &Endpoint,
+    dst: &Endpoint,
+    ranges: &[(u64, u64)],
+) -> Result<super::VerifyStats> {
+    let t0 = Instant::now();
+    let align = src.min_block().max(dst.min_block()).max(4096);
+    let chunk = {
+        let c = (8u64 << 20).min(src.max_io()).min(dst.max_io()).max(align);
+        c - c % align
+    };
+    let mut a = IoBuf::new(chunk as usize, align as usize);
+    let mut b = IoBuf::new(chunk as usize, align as usize);
+    let mut compared = 0;
+    for &(offset, len) in ranges {
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let n = (end - pos).min(chunk);
+            let diff = crate::compare::compare_both(src, dst, &mut a, &mut b, pos, n)
+                .map_err(|e| super::verify::side_error(src, e))?;
+            if let Some(d) = diff {
+                return Err(CopyError::Mismatch(format!(
+                    "{} and {} differ at offset {d}, in a range changed since the checkpoint",
+                    src.name(),
+                    dst.name()
+                )));
+            }
+            compared += 2 * n;
+            pos += n;
+        }
+    }
+    Ok(super::VerifyStats {
+        bytes_compared: compared,
+        bytes_skipped: 0,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// The changed ranges the source's server reports, merged.
+fn nbd_ranges(src: &Endpoint, context: &str) -> endpoint::Result<Vec<(u64, u64)>> {
+    let size = src.size();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        let runs = src.context_status(context, pos, size - pos)?;
+        if runs.is_empty() {
+            return Err(endpoint::Error {
+                endpoint: src.name(),
+                message: format!("block status of {context} at offset {pos}: no extents"),
+                errno: None,
+            });
+        }
+        for (o, l, flags) in runs {
+            if flags & CHANGED != 0 {
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == o => last.1 += l,
+                    _ => out.push((o, l)),
+                }
+            }
+            pos = o + l;
+        }
+    }
+    Ok(out)
+}
+
+/// The changed ranges in a local target's state file, and why the
+/// checkpoint is inconsistent if it is.
+fn state_ranges(
+    source: &str,
+    checkpoint: &str,
+    state_dir: Option<&Path>,
+) -> Result<(Ranges, Option<String>)> {
+    let setup = |e: rawdisk_storage::cbt::CbtError| CopyError::Setup(e.to_string());
+    let state = StateFile::open(Path::new(source), state_dir, false).map_err(setup)?;
+    // First: it refuses while served, and names the checkpoints there are.
+    let ranges = state.changed_ranges(checkpoint).map_err(setup)?;
+    // Everything changed: say whether the checkpoint is why (each look at
+    // the state logs its own warning, so only when it matters).
+    let whole = ranges.len() == 1 && ranges[0].0 == 0;
+    let inconsistent = match whole {
+        true => state
+            .list()
+            .map_err(setup)?
+            .into_iter()
+            .find(|c| c.name == checkpoint && !c.consistent)
+            .map(|c| c.reason.unwrap_or_else(|| "reason not recorded".into())),
+        false => None,
+    };
+    Ok((ranges, inconsistent))
+}
+
+/// Opens the destination of an incremental copy: it must exist (it is the
+/// previous backup) and hold exactly the source's size (a block device may
+/// be larger: volumes are rounded up to their extent size).
+fn open_existing(spec: &str, size: u64, opts: &CopyOptions) -> Result<Endpoint> {
+    let eopts = opts.endpoint_options(true);
+    let io = CopyError::io(Side::Destination);
+    let ep = if endpoint::is_nbd(spec) {
+        super::retry::open(spec, &eopts, Side::Destination, opts.retry_timeout).map_err(&io)?
+    } else {
+        if std::fs::symlink_metadata(spec).is_err() {
+            return Err(CopyError::Setup(format!(
+                "destination {spec} does not exist: --changed-since updates the previous backup \
+                 (make a full copy first)"
+            )));
+        }
+        Endpoint::open_local(Path::new(spec), &eopts, false).map_err(&io)?
+    };
+    let dsize = ep.size();
+    if dsize != size && !(ep.is_block_device() && dsize > size) {
+        let _ = ep.close();
+        return Err(CopyError::Setup(format!(
+            "destination {spec} is {dsize} bytes, the source {size}: --changed-since updates \
+             the previous backup of the same disk, which has its size"
+        )));
+    }
+    Ok(ep)
+}
