@@ -6,6 +6,7 @@ import errno
 import os
 import random
 import stat
+import time
 
 import nbd
 
@@ -229,3 +230,15 @@ def wait_all(h, cookies, timeout_s=60):
                 result[c] = 0
                 pending.discard(c)
     return result
+
+
+def wait_for_line(srv, needle, timeout=10):
+    """The first line of the server's log holding `needle`, waiting for it:
+    the server may close a socket before it logs why."""
+    deadline = time.monotonic() + timeout
+    while True:
+        line = next((x for x in srv.stderr().splitlines() if needle in x), None)
+        if line is not None:
+            return line
+        assert time.monotonic() < deadline, f"no {needle!r} in: {srv.stderr()[-3000:]}"
+        time.sleep(0.05)

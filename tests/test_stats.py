@@ -16,23 +16,13 @@ import pytest
 
 import servers
 import wire
-from helpers import KiB, MiB, assert_target_is, make_image
+from helpers import KiB, MiB, assert_target_is, make_image, wait_for_line
 
 pytestmark = pytest.mark.rawdisk_only("statistics")
 
 SIZE = 8 * MiB
 REP_ERR_TLS_REQD = wire.REP_ERR + 5
 REP_ERR_UNKNOWN = wire.REP_ERR + 6
-
-
-def wait_for_line(srv, needle, timeout=10):
-    deadline = time.monotonic() + timeout
-    while True:
-        line = next((x for x in srv.stderr().splitlines() if needle in x), None)
-        if line is not None:
-            return line
-        assert time.monotonic() < deadline, f"no {needle!r} in: {srv.stderr()[-3000:]}"
-        time.sleep(0.05)
 
 
 def workload(srv, model):
