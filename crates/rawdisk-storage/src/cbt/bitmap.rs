@@ -187,12 +187,14 @@ impl AtomicBits {
 }
 
 impl Bits {
-    /// OR taken words into page `p`; the page as stored after.
-    pub(crate) fn or_page(&mut self, p: usize, words: &[u64]) -> Vec<u8> {
+    /// OR taken words into page `p`; whether the page gained a bit.
+    pub(crate) fn or_page(&mut self, p: usize, words: &[u64]) -> bool {
+        let mut gained = false;
         for (a, b) in self.words[p * WORDS_PER_PAGE..].iter_mut().zip(words) {
+            gained |= b & !*a != 0;
             *a |= b;
         }
-        self.page(p)
+        gained
     }
 }
 
@@ -325,7 +327,8 @@ mod tests {
         assert_eq!(idx, [0, 1, 3]);
         let mut b = Bits::new(chunks);
         for (p, w) in &t.pages {
-            b.or_page(*p, w);
+            assert!(b.or_page(*p, w));
+            assert!(!b.or_page(*p, w), "nothing new the second time");
         }
         let set: Vec<u64> = (0..chunks).filter(|&c| b.get(c)).collect();
         let mut want: Vec<u64> = (3..=130).collect();

@@ -10,6 +10,7 @@
 //! re-reading the header to the fdatasync, so no checkpoint can be created
 //! in between.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -27,6 +28,9 @@ use crate::sys::{LockKind, Sys};
 struct Mem {
     header: Header,
     maps: Vec<Option<Bits>>,
+    /// Pages of the newest bitmap holding bits the state file may lack:
+    /// they gained bits, and no persist has written them since.
+    unsynced: BTreeSet<usize>,
 }
 
 /// The changed-block state of one served target. One per served target per
@@ -204,19 +208,25 @@ impl Tracker {
         let r = self.with_mutation(|| {
             self.refresh_locked()?;
             let (taken, write) = {
-                let mut mem = self.mem.write().unwrap_or_else(|e| e.into_inner());
+                let mut guard = self.mem.write().unwrap_or_else(|e| e.into_inner());
+                let mem = &mut *guard;
                 let taken = self.u.take();
                 // The newest checkpoint, if consistent; with none (or only
                 // inconsistent ones) the bits are needed by nobody.
                 let newest = mem.header.checkpoints.last().map(|e| e.slot);
                 let write = match (newest, mem.maps.last_mut()) {
-                    (Some(slot), Some(Some(map))) if !taken.pages.is_empty() => {
-                        let pages: Vec<(usize, Vec<u8>)> = taken
-                            .pages
-                            .iter()
-                            .map(|(p, words)| (*p, map.or_page(*p, words)))
-                            .collect();
-                        Some((slot, pages))
+                    (Some(slot), Some(Some(map))) => {
+                        // Only pages that gained bits (or that a failed
+                        // persist left unwritten) are written: rewriting
+                        // chunks already recorded costs no I/O, no sync.
+                        for (p, words) in &taken.pages {
+                            if map.or_page(*p, words) {
+                                mem.unsynced.insert(*p);
+                            }
+                        }
+                        let pages: Vec<(usize, Vec<u8>)> =
+                            mem.unsynced.iter().map(|&p| (p, map.page(p))).collect();
+                        (!pages.is_empty()).then_some((slot, pages))
                     }
                     _ => None,
                 };
@@ -237,6 +247,10 @@ impl Tracker {
                 .and_then(|()| self.disk.sync());
             if done.is_err() {
                 self.u.give_back(&taken);
+            } else {
+                // Serialized by `io`: nothing was added since the copy.
+                let mut mem = self.mem.write().unwrap_or_else(|e| e.into_inner());
+                mem.unsynced.clear();
             }
             done
         });
@@ -447,7 +461,11 @@ fn load(disk: &Disk, header: Header) -> Result<Mem, CbtError> {
             Some(_) => Ok(None),
         })
         .collect::<Result<_, _>>()?;
-    Ok(Mem { header, maps })
+    Ok(Mem {
+        header,
+        maps,
+        unsynced: BTreeSet::new(),
+    })
 }
 
 // Shared by every connection of a server.
