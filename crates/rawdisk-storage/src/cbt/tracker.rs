@@ -13,7 +13,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::bitmap::{self, AtomicBits, Bits};
 use super::file::{
@@ -208,7 +208,7 @@ impl Tracker {
         let r = self.with_mutation(|| {
             self.refresh_locked()?;
             let (taken, write) = {
-                let mut guard = self.mem.write().unwrap_or_else(|e| e.into_inner());
+                let mut guard = self.mem_mut();
                 let mem = &mut *guard;
                 let taken = self.u.take();
                 // The newest checkpoint, if consistent; with none (or only
@@ -230,17 +230,11 @@ impl Tracker {
                     }
                     _ => None,
                 };
-                (taken, write)
+                (taken, write.map(|w| (w, mem.header.clone())))
             };
-            let Some((slot, pages)) = write else {
+            let Some(((slot, pages), h)) = write else {
                 return Ok(());
             };
-            let h = self
-                .mem
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .header
-                .clone();
             let done = self
                 .disk
                 .write_page_bytes(&h, slot, &pages)
@@ -249,7 +243,7 @@ impl Tracker {
                 self.u.give_back(&taken);
             } else {
                 // Serialized by `io`: nothing was added since the copy.
-                let mut mem = self.mem.write().unwrap_or_else(|e| e.into_inner());
+                let mut mem = self.mem_mut();
                 mem.unsynced.clear();
             }
             done
@@ -258,6 +252,16 @@ impl Tracker {
             self.dirty.store(true, Ordering::SeqCst);
         }
         r
+    }
+
+    /// The in-memory state; a poisoned lock still holds consistent data
+    /// (every writer replaces or ORs whole values).
+    fn mem(&self) -> RwLockReadGuard<'_, Mem> {
+        self.mem.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mem_mut(&self) -> RwLockWriteGuard<'_, Mem> {
+        self.mem.write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn with_mutation<T>(&self, f: impl FnOnce() -> Result<T, CbtError>) -> Result<T, CbtError> {
@@ -279,12 +283,7 @@ impl Tracker {
         let h = match self.disk.read_header()? {
             Read::Ok(h) => h,
             Read::Blank | Read::Corrupt(_) => {
-                let old = self
-                    .mem
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .header
-                    .clone();
+                let old = self.mem().header.clone();
                 tracing::warn!(
                     "changed-block state {} was overwritten while served: every checkpoint \
                      is now inconsistent",
@@ -299,7 +298,7 @@ impl Tracker {
             }
         };
         {
-            let mem = self.mem.read().unwrap_or_else(|e| e.into_inner());
+            let mem = self.mem();
             if mem.header == h {
                 return Ok(());
             }
@@ -314,12 +313,7 @@ impl Tracker {
             );
             let mut h = h;
             h.granularity = self.granularity;
-            h.stamp = self
-                .mem
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .header
-                .stamp;
+            h.stamp = self.mem().header.stamp;
             h.all_inconsistent(Reason::Corrupt);
             h.generation += 1;
             h.open = true;
@@ -330,12 +324,12 @@ impl Tracker {
             h
         };
         let fresh = load(&self.disk, h)?;
-        *self.mem.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+        *self.mem_mut() = fresh;
         Ok(())
     }
 
     pub fn checkpoints(&self) -> Vec<CheckpointInfo> {
-        infos(&self.mem.read().unwrap_or_else(|e| e.into_inner()).header)
+        infos(&self.mem().header)
     }
 
     /// Runs (length, changed) covering exactly [offset, offset+len)
@@ -350,7 +344,7 @@ impl Tracker {
         len: u64,
         max_runs: usize,
     ) -> Option<Vec<(u64, bool)>> {
-        let mem = self.mem.read().unwrap_or_else(|e| e.into_inner());
+        let mem = self.mem();
         let k = mem.header.find(name)?;
         if len == 0 {
             return Some(Vec::new());
@@ -386,12 +380,7 @@ impl Tracker {
             self.with_mutation(|| {
                 self.refresh_locked()?;
                 let st = stat_target(&*self.disk.sys, &self.target)?;
-                let mut h = self
-                    .mem
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .header
-                    .clone();
+                let mut h = self.mem().header.clone();
                 h.open = false;
                 h.stamp.mtime = st.stamp.mtime;
                 h.stamp.ctime = st.stamp.ctime;
@@ -411,7 +400,7 @@ impl Tracker {
                 }
                 self.disk.write_header(&h)?;
                 self.disk.sync()?;
-                self.mem.write().unwrap_or_else(|e| e.into_inner()).header = h;
+                self.mem_mut().header = h;
                 Ok(())
             })
         });
