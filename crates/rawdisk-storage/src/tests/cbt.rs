@@ -260,29 +260,19 @@ fn concurrent_marks_and_persists_lose_nothing() {
     tr.close().unwrap();
 }
 
-/// A persist with nothing marked since the last makes no syscall at all.
 #[test]
-fn persist_without_marks_does_no_io() {
+fn persist_does_io_only_for_newly_marked_chunks() {
     let t = tmp_file(64 * G);
     let sys = FaultSys::real();
     let tr = Tracker::open_with_sys(&t.path, 64 * G, &opts(), sys.clone()).unwrap();
     state(&t).create_checkpoint(Some("a")).unwrap();
     tr.mark(5 * G, 3 * G);
     tr.persist().unwrap();
+    // Nothing marked since the last persist: no syscall at all.
     let before = sys.counts();
     tr.persist().unwrap();
     tr.persist().unwrap();
     assert_eq!(sys.counts(), before);
-}
-
-#[test]
-fn rewriting_recorded_chunks_writes_and_syncs_nothing() {
-    let t = tmp_file(64 * G);
-    let sys = FaultSys::real();
-    let tr = Tracker::open_with_sys(&t.path, 64 * G, &opts(), sys.clone()).unwrap();
-    state(&t).create_checkpoint(Some("a")).unwrap();
-    tr.mark(5 * G, 3 * G);
-    tr.persist().unwrap();
     let io = || (sys.calls(CallKind::Pwrite), sys.calls(CallKind::Fdatasync));
     let before = io();
     // Already in the newest bitmap: the persist re-reads the header (a
