@@ -638,8 +638,11 @@ where
                 let r = self.batch.hold(sock.recv_mapped(&mut mw)).await;
                 let got = mw.received() as u64;
                 drop(mw);
-                // As execute does when a write returns (MarkWhenDone).
-                mark_changes(&self.s, &req);
+                // As execute does when a write returns (MarkWhenDone); the
+                // whole request: `req` no longer covers the head written above.
+                if let Some(t) = &self.s.export.tracker {
+                    t.mark(to.offset, payload);
+                }
                 match r {
                     Ok(()) => {
                         let e = &self.s.export;
