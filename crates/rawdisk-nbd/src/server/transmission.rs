@@ -233,23 +233,27 @@ impl Batch {
     }
 
     /// Hands the held requests to one blocking thread, which runs them in
-    /// order and queues each reply as soon as it is done.
+    /// order and queues each reply as soon as it is done. Small page-cache
+    /// writes run here instead: copying a few KiB into the cache costs less than
+    /// waking a pool thread and putting it back to sleep, which was most of
+    /// the server's time at 4 KiB (docs/benchmarks.md, Write path).
     fn dispatch(&mut self) {
         if self.jobs.is_empty() {
             return;
         }
         let jobs = std::mem::replace(&mut self.jobs, Vec::with_capacity(BATCH_MAX));
+        let here = self.s.export.target.cache_mode() == CacheMode::Writeback
+            && jobs.iter().all(|j| {
+                j.req.command == Command::Write
+                    && j.req.length <= BATCH_MAX_LEN
+                    && j.req.flags & CMD_FLAG_FUA == 0
+            });
+        if here {
+            run_jobs(&self.sh, &self.s, &self.tx, jobs);
+            return;
+        }
         let (sh, s, tx) = (self.sh.clone(), self.s.clone(), self.tx.clone());
-        tokio::task::spawn_blocking(move || {
-            for j in jobs {
-                let reply = execute(&sh, &s, &j.req, j.to, j.data);
-                let _ = tx.send(Out {
-                    reply,
-                    _permits: j.permits.produced(),
-                });
-            }
-            s.export.note_caps();
-        });
+        tokio::task::spawn_blocking(move || run_jobs(&sh, &s, &tx, jobs));
     }
 
     /// Queues a reply decided without running anything.
@@ -264,6 +268,18 @@ impl Batch {
     fn close(mut self) {
         self.dispatch();
     }
+}
+
+/// Runs held requests in order, each reply queued as soon as it is done.
+fn run_jobs(sh: &Shared, s: &Session, tx: &mpsc::UnboundedSender<Out>, jobs: Vec<Job>) {
+    for j in jobs {
+        let reply = execute(sh, s, &j.req, j.to, j.data);
+        let _ = tx.send(Out {
+            reply,
+            _permits: j.permits.produced(),
+        });
+    }
+    s.export.note_caps();
 }
 
 /// Fills `dst` (a payload) from what `rd` has buffered, or else waits for
