@@ -4,6 +4,7 @@
 Usage: /usr/bin/python3 bench/plot.py RESULTS_TSV OUTDIR   -> OUTDIR/*.png
        /usr/bin/python3 bench/plot.py RESULTS_TSV --table  -> markdown on stdout
        /usr/bin/python3 bench/plot.py RESULTS_TSV --summary -> like-for-like ratios
+       /usr/bin/python3 bench/plot.py RESULTS_TSV --goals   -> the default mode's goals
 
 Needs Debian's python3-matplotlib (only for the PNGs). "custom" is rawdisk
 serve --cache writeback, "custom:direct" rawdisk serve --cache none, as set
@@ -12,6 +13,7 @@ modes the harness runs; "faster anchor" is the one with the lowest median on
 that row (highest for throughput), so rawdisk is held to the best of them.
 """
 import csv
+import math
 import os
 import statistics
 import sys
@@ -20,7 +22,8 @@ from collections import defaultdict
 LABEL = {"custom": "rawdisk", "custom:direct": "rawdisk-direct", "custom:wb": "rawdisk-wb",
          "custom:mw": "rawdisk-mw"}
 MINE = ["custom", "custom:direct", "custom:wb", "custom:mw"]
-ANCHORS = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "qemu-nbd-unmap", "nbd-server"]
+ANCHORS = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "qemu-nbd-uring", "qemu-nbd-unmap",
+           "nbd-server"]
 ANCHOR_TOOLS = ["qemu-img"]
 ORDER = ["nbdkit", "qemu-nbd", "qemu-nbd-direct", "custom", "custom:direct", "custom:wb",
          "custom:mw", "qemu-img", "shell"]
@@ -205,6 +208,75 @@ def summary(cells):
             "%s %d of %d" % (name, met[name], seen[name]) for name in seen if seen[name]))
 
 
+def one_call(workload, target):
+    """Whether one offload call does the whole zero request (a punched hole
+    or ZERO_RANGE, BLKZEROOUT or discard on a loop device): such rows are
+    judged against the plain syscall on the same storage
+    (bench/zero-methods.sh). Not ramfs (zeros are written) nor a no-trim
+    zero on tmpfs (punch + fallocate or writing, timed; capabilities.md)."""
+    return target != "ramfs" and not (target == "tmpfs" and workload == "zero-nohole")
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def goals(cells):
+    """The default mode's goals (docs/benchmarks.md, Goals of the default
+    mode): per row, each mode's median [min-max], the fastest of its anchors
+    by median and the paired ratio (median over repetitions of mode /
+    anchor), judged to two decimals; then per mode the rows that meet the
+    row goal and the geometric mean of the paired ratios. The default mode
+    is held to every anchor, --cache none to the O_DIRECT ones."""
+    direct = DIRECT_ANCHORS + ["qemu-nbd-uring"]
+    modes = [("custom", ANCHORS), ("custom:direct", direct)]
+    rule = {"convert": "row <= 1.00, geometric mean <= 0.85",
+            "throughput": "row >= 1.00, geometric mean >= 1.15",
+            "zero": "one offload call: <= 1.1 x the syscall + 2 ms (`L`); others <= 0.90"}
+    totals = []
+    for script in ["convert", "throughput", "zero"]:
+        keys = sorted((k for k in cells if k[0] == script), key=lambda k: (k[1], tkey(k[2])))
+        if not keys:
+            continue
+        hib = script == "throughput"
+        print("#### %s (%s)\n" % (script, rule[script]))
+        print("| workload | target | " + " | ".join(
+            "%s [min-max] | fastest anchor | paired" % LABEL[m] for m, _ in modes) + " |")
+        print("|---|---|" + "---|---|---|" * len(modes))
+        ratios = {m: [] for m, _ in modes}
+        met = {m: [0, 0] for m, _ in modes}
+        for k in keys:
+            out = [k[1], k[2]]
+            for m, anchors in modes:
+                row = cells[k]
+                am, an = faster_anchor(script, row, anchors)
+                if an is None or not row.get(m):
+                    out += ["-", "-", "-"]
+                    continue
+                vals = sorted(row[m].values())
+                p = round(paired(row, m, an) or med(row[m]) / am, 2)
+                ratios[m].append(p)
+                if script == "zero" and one_call(k[1], k[2]):
+                    mark = " L"
+                else:
+                    lim = (1 / 0.9 if hib else 0.9) if script == "zero" else 1.0
+                    good = p >= lim if hib else p <= lim
+                    met[m][0] += good
+                    met[m][1] += 1
+                    mark = " +" if good else ""
+                out += ["%s [%s-%s]" % (fmt(med(row[m])), fmt(vals[0]), fmt(vals[-1])),
+                        "%s %s" % (an, fmt(am)), "%.2f%s" % (p, mark)]
+            print("| " + " | ".join(out) + " |")
+        print()
+        for m, _ in modes:
+            if ratios[m]:
+                totals.append((script, LABEL[m], met[m], geomean(ratios[m])))
+    print("| workload | mode | rows meeting the row goal | geometric mean of the paired ratios |")
+    print("|---|---|---|---|")
+    for script, label, (good, n), g in totals:
+        print("| %s | %s | %d of %d | %.2f |" % (script, label, good, n, g))
+
+
 def plots(cells, fails, outdir, cpu=None):
     import matplotlib
     matplotlib.use("Agg")
@@ -308,6 +380,9 @@ def main():
     cells, fails, res, cpu = load(sys.argv[1])
     if sys.argv[2] == "--summary":
         summary(cells)
+        return
+    if sys.argv[2] == "--goals":
+        goals(cells)
         return
     if sys.argv[2] == "--table":
         table(cells, fails, res)
