@@ -63,6 +63,8 @@ pub enum CallKind {
     BlockGeometry,
     /// pwritev2(RWF_DSYNC), used for FUA writes.
     PwriteDsync,
+    /// preadv2(RWF_NOWAIT): a read served from the page cache or not at all.
+    PreadNowait,
     /// A read of a small sysfs attribute file.
     ReadSysfs,
     /// sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)
@@ -239,6 +241,10 @@ macro_rules! syscalls {
             /// pwritev2(RWF_DSYNC): the data is durable when it returns.
             fn pwrite_dsync(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> usize
                 [PwriteDsync, offset, buf.len(), cap buf];
+            /// preadv2(RWF_NOWAIT): reads what the page cache holds; EAGAIN
+            /// (or a short count) where the rest would wait for the device.
+            fn pread_nowait(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> usize
+                [PreadNowait, offset, buf.len(), cap buf];
             /// Read a small text file (sysfs attributes).
             fn read_sysfs(path: &Path) -> String [ReadSysfs, 0, 0];
             /// Write back the dirty page cache of [offset, offset+len) and wait
@@ -706,6 +712,15 @@ impl Sys for RealSys {
             &[io::IoSlice::new(buf)],
             offset,
             rustix::io::ReadWriteFlags::DSYNC,
+        )?)
+    }
+
+    fn pread_nowait(&self, fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        Ok(rustix::io::preadv2(
+            fd,
+            &mut [io::IoSliceMut::new(buf)],
+            offset,
+            rustix::io::ReadWriteFlags::NOWAIT,
         )?)
     }
 

@@ -406,14 +406,9 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                 Some(Err(e)) => return read_err(&e),
                 None => {}
             }
-            let (mut buf, start) = sh.pool.get(SIMPLE_REPLY_LEN, n);
-            let d = start + SIMPLE_REPLY_LEN;
-            if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
-                sh.pool.put(buf);
-                return read_err(&e);
-            }
-            put_header(&mut buf[start..d], |h| encode_simple_reply(h, to.cookie, 0));
-            Encoded::bytes(buf, start, d + n)
+            copied_read(sh, s, req, to, |b| t.read_at(b, req.offset).map(|()| true))
+                .unwrap_or_else(|e| Some(read_err(&e)))
+                .expect("a blocking read always completes")
         }
         ReplyMode::Structured | ReplyMode::Extended => {
             if n == 0 {
@@ -442,21 +437,62 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
                 Some(Err(e)) => return read_err(&e),
                 None => {}
             }
-            let p = offset_data_header_len(s.mode);
-            let (mut buf, start) = sh.pool.get(p, n);
-            let d = start + p;
-            if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
-                sh.pool.put(buf);
-                return read_err(&e);
-            }
-            // Everything is read before the chunk goes out, so it may carry
-            // DONE itself (spec: no error can follow).
-            put_header(&mut buf[start..d], |h| {
-                encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n as u64)
-            });
-            Encoded::bytes(buf, start, d + n)
+            copied_read(sh, s, req, to, |b| t.read_at(b, req.offset).map(|()| true))
+                .unwrap_or_else(|e| Some(read_err(&e)))
+                .expect("a blocking read always completes")
         }
     }
+}
+
+/// A small read answered from the page cache where it is asked for (the
+/// connection's reader), or None when part of it is not cached: then
+/// [`execute`] runs it where it may wait for the device. Only reads below
+/// the sparse and splice sizes, which [`read`] also copies whole.
+pub(super) fn read_cached(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Option<Encoded> {
+    if req.command != Command::Read
+        || req.length == 0
+        || req.length >= SPARSE_READ_MIN.min(SPLICE_MIN)
+    {
+        return None;
+    }
+    let t = &*s.export.target;
+    // An error is left for the blocking read to meet and report.
+    copied_read(sh, s, req, to, |b| t.read_cached(b, req.offset)).unwrap_or(None)
+}
+
+/// A read copied into a pooled buffer behind its reply header; `fill`
+/// returns false when it did not fill the buffer (a cached read that
+/// would wait): None then.
+fn copied_read(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    fill: impl FnOnce(&mut [u8]) -> Result<bool, rawdisk_storage::Error>,
+) -> Result<Option<Encoded>, rawdisk_storage::Error> {
+    let n = req.length as usize;
+    let p = match s.mode {
+        ReplyMode::Simple => SIMPLE_REPLY_LEN,
+        ReplyMode::Structured | ReplyMode::Extended => offset_data_header_len(s.mode),
+    };
+    let (mut buf, start) = sh.pool.get(p, n);
+    let d = start + p;
+    match fill(&mut buf[d..d + n]) {
+        Ok(true) => {}
+        r => {
+            sh.pool.put(buf);
+            return r.map(|_| None);
+        }
+    }
+    put_header(&mut buf[start..d], |h| match s.mode {
+        ReplyMode::Simple => encode_simple_reply(h, to.cookie, 0),
+        // Everything is read before the chunk goes out, so it may carry
+        // DONE itself (spec: no error can follow).
+        ReplyMode::Structured | ReplyMode::Extended => {
+            encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n as u64)
+        }
+    });
+    Ok(Some(Encoded::bytes(buf, start, d + n)))
 }
 
 /// A read whose data goes to the socket through pipes (Target::read_to_pipe)

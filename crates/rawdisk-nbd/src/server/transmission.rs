@@ -33,7 +33,8 @@ use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
-    execute, mark_changes, small_error, small_ok, storage_error, validate, whole, Encoded,
+    execute, mark_changes, read_cached, small_error, small_ok, storage_error, validate, whole,
+    Encoded,
 };
 use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
@@ -233,27 +234,56 @@ impl Batch {
     }
 
     /// Hands the held requests to one blocking thread, which runs them in
-    /// order and queues each reply as soon as it is done. Small page-cache
-    /// writes run here instead: copying a few KiB into the cache costs less than
-    /// waking a pool thread and putting it back to sleep, which was most of
-    /// the server's time at 4 KiB (docs/benchmarks.md, Write path).
+    /// order and queues each reply as soon as it is done. Through the page
+    /// cache, small writes and the reads it holds run here instead, up to the
+    /// first read that would wait for the device: copying a few KiB costs
+    /// less than waking a pool thread and putting it back to sleep, which
+    /// was most of the server's time at 4 KiB (docs/benchmarks.md, Write
+    /// path). The rest keeps its order on the pool.
     fn dispatch(&mut self) {
         if self.jobs.is_empty() {
             return;
         }
         let jobs = std::mem::replace(&mut self.jobs, Vec::with_capacity(BATCH_MAX));
-        let here = self.s.export.target.cache_mode() == CacheMode::Writeback
-            && jobs.iter().all(|j| {
-                j.req.command == Command::Write
+        let mut rest = jobs.into_iter();
+        let mut left = Vec::new();
+        if self.s.export.target.cache_mode() == CacheMode::Writeback {
+            let mut ran = false;
+            for mut j in rest.by_ref() {
+                let reply = if j.req.command == Command::Write
                     && j.req.length <= BATCH_MAX_LEN
                     && j.req.flags & CMD_FLAG_FUA == 0
-            });
-        if here {
-            run_jobs(&self.sh, &self.s, &self.tx, jobs);
+                {
+                    Some(execute(&self.sh, &self.s, &j.req, j.to, j.data.take()))
+                } else {
+                    read_cached(&self.sh, &self.s, &j.req, j.to)
+                };
+                let Some(reply) = reply else {
+                    left.push(j);
+                    break;
+                };
+                ran = true;
+                self.reply(reply, j.permits);
+            }
+            if ran {
+                self.s.export.note_caps();
+            }
+        }
+        left.extend(rest);
+        if left.is_empty() {
             return;
         }
         let (sh, s, tx) = (self.sh.clone(), self.s.clone(), self.tx.clone());
-        tokio::task::spawn_blocking(move || run_jobs(&sh, &s, &tx, jobs));
+        tokio::task::spawn_blocking(move || {
+            for j in left {
+                let reply = execute(&sh, &s, &j.req, j.to, j.data);
+                let _ = tx.send(Out {
+                    reply,
+                    _permits: j.permits.produced(),
+                });
+            }
+            s.export.note_caps();
+        });
     }
 
     /// Queues a reply decided without running anything.
@@ -268,18 +298,6 @@ impl Batch {
     fn close(mut self) {
         self.dispatch();
     }
-}
-
-/// Runs held requests in order, each reply queued as soon as it is done.
-fn run_jobs(sh: &Shared, s: &Session, tx: &mpsc::UnboundedSender<Out>, jobs: Vec<Job>) {
-    for j in jobs {
-        let reply = execute(sh, s, &j.req, j.to, j.data);
-        let _ = tx.send(Out {
-            reply,
-            _permits: j.permits.produced(),
-        });
-    }
-    s.export.note_caps();
 }
 
 /// Fills `dst` (a payload) from what `rd` has buffered, or else waits for

@@ -211,6 +211,9 @@ pub struct Target {
     /// pwritev2(RWF_DSYNC) for FUA: Tri as u8 (not a shared [`Method`]: it
     /// depends on the kernel, not the storage).
     dsync: AtomicU8,
+    /// preadv2(RWF_NOWAIT) for [`Target::read_cached`]: Tri as u8 (file
+    /// systems without nowait buffered reads answer EOPNOTSUPP).
+    nowait: AtomicU8,
     /// Key of the block device under a file (its st_dev), or the device itself.
     sysfs_dev: Option<(u32, u32)>,
     /// The file size last seen, for O_DIRECT writes near the end.
@@ -423,6 +426,7 @@ impl Target {
             punch_alloc_timed,
             memory_only,
             dsync: AtomicU8::new(0),
+            nowait: AtomicU8::new(0),
             sysfs_dev,
             write_map: OnceLock::new(),
             id,

@@ -20,6 +20,43 @@ impl Target {
         self.pread_all(buf, offset)
     }
 
+    /// Fills `buf` only from the page cache, never waiting for the device:
+    /// Ok(false) when part of it is not cached (or the target cannot tell:
+    /// O_DIRECT, or no RWF_NOWAIT, learned once), and the caller reads it
+    /// where blocking is allowed. `buf` may be partly filled then.
+    pub fn read_cached(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
+        check_offset("read", offset, buf.len())?;
+        if self.direct.is_some() {
+            return Ok(false);
+        }
+        // tmpfs and ramfs hold the data in memory (tmpfs has no RWF_NOWAIT
+        // for reads as of Linux 6.18); only swap could make this wait.
+        if self.memory_only {
+            return self.pread_all(buf, offset).map(|()| true);
+        }
+        if self.nowait.load(Ordering::Relaxed) == 2 {
+            return Ok(false);
+        }
+        let mut done = 0usize;
+        while done < buf.len() {
+            let off = offset + done as u64;
+            match self.sys.pread_nowait(self.fd(), &mut buf[done..], off) {
+                // End of file: the blocking read reports it.
+                Ok(0) => return Ok(false),
+                Ok(n) => done += n,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
+                Err(e) if is_unsupported(&e, Einval::Invalid) => {
+                    tracing::debug!(path = %self.path.display(), "no preadv2(RWF_NOWAIT): {e}");
+                    self.nowait.store(2, Ordering::Relaxed);
+                    return Ok(false);
+                }
+                Err(e) => return Err(Error::new("read", offset, buf.len() as u64, e)),
+            }
+        }
+        Ok(true)
+    }
+
     /// pread until `buf` is full; EOF first is an error naming the range.
     pub(super) fn pread_all(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let n = self.pread_upto(buf, offset)?;

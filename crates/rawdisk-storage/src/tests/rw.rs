@@ -212,3 +212,37 @@ fn start_writeback_is_advisory_and_skipped_under_o_direct() {
     d.start_writeback(0, 64 << 10);
     assert_eq!(f.calls(CallKind::StartWriteback), 2);
 }
+
+#[test]
+fn cached_reads_never_wait_and_learn_a_missing_rwf_nowait() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    let data = pattern(0, 64 << 10);
+    t.write_at(&data, 0, false).unwrap();
+    let mut b = vec![0u8; 4096];
+    // Just written, so in the page cache: read without waiting.
+    assert!(t.read_cached(&mut b, 8192).unwrap());
+    assert_eq!(b, data[8192..12288]);
+    // Part of it would wait for the device (EAGAIN): the caller's
+    // blocking read does it.
+    f.fail_once(CallKind::PreadNowait, 2, libc::EAGAIN);
+    assert!(!t.read_cached(&mut b, 0).unwrap());
+    // A real error is the read's.
+    f.fail_once(CallKind::PreadNowait, 3, libc::EIO);
+    assert_eq!(
+        t.read_cached(&mut b, 0).unwrap_err().errno(),
+        Some(libc::EIO)
+    );
+    // End of file: left to the blocking read, which reports it.
+    assert!(!t.read_cached(&mut b, 62 << 10).unwrap());
+    assert_eq!(f.calls(CallKind::PreadNowait), 5);
+    // No RWF_NOWAIT (EOPNOTSUPP): learned once, never asked again.
+    f.fail_from(CallKind::PreadNowait, 6, libc::EOPNOTSUPP);
+    assert!(!t.read_cached(&mut b, 0).unwrap());
+    assert!(!t.read_cached(&mut b, 0).unwrap());
+    assert_eq!(f.calls(CallKind::PreadNowait), 6);
+    // Under O_DIRECT nothing is cached to read.
+    let (d, fd) = open_fault(&tmp, direct_opts());
+    assert!(!d.read_cached(&mut b, 0).unwrap());
+    assert_eq!(fd.calls(CallKind::PreadNowait), 0);
+}
