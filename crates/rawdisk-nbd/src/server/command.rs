@@ -399,49 +399,40 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
     let n = req.length as usize;
     let df = req.flags & CMD_FLAG_DF != 0;
     let read_err = |e: &rawdisk_storage::Error| storage_error(sh, s, req, to, "read", e);
-    match s.mode {
-        ReplyMode::Simple => {
-            match splice_read(sh, s, req) {
-                Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
-                Some(Err(e)) => return read_err(&e),
-                None => {}
-            }
-            copied_read(sh, s, req, to, |b| t.read_at(b, req.offset).map(|()| true))
-                .unwrap_or_else(|e| Some(read_err(&e)))
-                .expect("a blocking read always completes")
+    if s.mode != ReplyMode::Simple {
+        if n == 0 {
+            let mut b = Vec::new();
+            encode_chunk_none(&mut b, s.mode, to);
+            return whole(b);
         }
-        ReplyMode::Structured | ReplyMode::Extended => {
-            if n == 0 {
-                let mut b = Vec::new();
-                encode_chunk_none(&mut b, s.mode, to);
-                return whole(b);
-            }
-            if !df && req.length >= SPARSE_READ_MIN && s.export.may_have_holes(s.size) {
-                let t0 = Instant::now();
-                if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
-                    if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
-                        return sparse_read(sh, s, req, to, &ext);
-                    }
-                }
-                // SEEK_HOLE walks the whole data run on tmpfs (page cache
-                // lookups up to the next hole, not just this read's range):
-                // inside a long run, stop asking for a while.
-                if t0.elapsed() > SPARSE_LOOKUP_SLOW {
-                    s.export
-                        .sparse_skip
-                        .store(SPARSE_SKIP_READS, Ordering::Relaxed);
+        if !df && req.length >= SPARSE_READ_MIN && s.export.may_have_holes(s.size) {
+            let t0 = Instant::now();
+            if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
+                if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
+                    return sparse_read(sh, s, req, to, &ext);
                 }
             }
-            match splice_read(sh, s, req) {
-                Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
-                Some(Err(e)) => return read_err(&e),
-                None => {}
+            // SEEK_HOLE walks the whole data run on tmpfs (page cache
+            // lookups up to the next hole, not just this read's range):
+            // inside a long run, stop asking for a while.
+            if t0.elapsed() > SPARSE_LOOKUP_SLOW {
+                s.export
+                    .sparse_skip
+                    .store(SPARSE_SKIP_READS, Ordering::Relaxed);
             }
-            copied_read(sh, s, req, to, |b| t.read_at(b, req.offset).map(|()| true))
-                .unwrap_or_else(|e| Some(read_err(&e)))
-                .expect("a blocking read always completes")
         }
     }
+    match splice_read(sh, s, req) {
+        Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
+        Some(Err(e)) => return read_err(&e),
+        None => {}
+    }
+    let (mut buf, start, d) = data_buffer(sh, s, n);
+    if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
+        sh.pool.put(buf);
+        return read_err(&e);
+    }
+    data_reply(s, req, to, buf, start, d)
 }
 
 /// A small read answered from the page cache where it is asked for (the
@@ -455,44 +446,47 @@ pub(super) fn read_cached(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) 
     {
         return None;
     }
+    let n = req.length as usize;
+    let (mut buf, start, d) = data_buffer(sh, s, n);
     let t = &*s.export.target;
-    // An error is left for the blocking read to meet and report.
-    copied_read(sh, s, req, to, |b| t.read_cached(b, req.offset)).unwrap_or(None)
+    if let Ok(true) = t.read_cached(&mut buf[d..d + n], req.offset) {
+        return Some(data_reply(s, req, to, buf, start, d));
+    }
+    // Not cached, or an error the blocking read will meet and report.
+    sh.pool.put(buf);
+    None
 }
 
-/// A read copied into a pooled buffer behind its reply header; `fill`
-/// returns false when it did not fill the buffer (a cached read that
-/// would wait): None then.
-fn copied_read(
-    sh: &Shared,
-    s: &Session,
-    req: &Request,
-    to: ReplyTo,
-    fill: impl FnOnce(&mut [u8]) -> Result<bool, rawdisk_storage::Error>,
-) -> Result<Option<Encoded>, rawdisk_storage::Error> {
-    let n = req.length as usize;
+/// A pooled buffer for a read of `n` bytes behind its reply header: the
+/// buffer, where the header starts and where the data starts.
+fn data_buffer(sh: &Shared, s: &Session, n: usize) -> (Vec<u8>, usize, usize) {
     let p = match s.mode {
         ReplyMode::Simple => SIMPLE_REPLY_LEN,
         ReplyMode::Structured | ReplyMode::Extended => offset_data_header_len(s.mode),
     };
-    let (mut buf, start) = sh.pool.get(p, n);
-    let d = start + p;
-    match fill(&mut buf[d..d + n]) {
-        Ok(true) => {}
-        r => {
-            sh.pool.put(buf);
-            return r.map(|_| None);
-        }
-    }
+    let (buf, start) = sh.pool.get(p, n);
+    (buf, start, start + p)
+}
+
+/// The reply of a read whose data [`data_buffer`] holds at `d`.
+fn data_reply(
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    mut buf: Vec<u8>,
+    start: usize,
+    d: usize,
+) -> Encoded {
+    let n = req.length;
     put_header(&mut buf[start..d], |h| match s.mode {
         ReplyMode::Simple => encode_simple_reply(h, to.cookie, 0),
         // Everything is read before the chunk goes out, so it may carry
         // DONE itself (spec: no error can follow).
         ReplyMode::Structured | ReplyMode::Extended => {
-            encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n as u64)
+            encode_offset_data_header(h, s.mode, to, REPLY_FLAG_DONE, req.offset, n)
         }
     });
-    Ok(Some(Encoded::bytes(buf, start, d + n)))
+    Encoded::bytes(buf, start, d + n as usize)
 }
 
 /// A read whose data goes to the socket through pipes (Target::read_to_pipe)

@@ -250,10 +250,7 @@ impl Batch {
         if self.s.export.target.cache_mode() == CacheMode::Writeback {
             let mut ran = false;
             for mut j in rest.by_ref() {
-                let reply = if j.req.command == Command::Write
-                    && j.req.length <= BATCH_MAX_LEN
-                    && j.req.flags & CMD_FLAG_FUA == 0
-                {
+                let reply = if j.req.command == Command::Write && is_small(&j.req) {
                     Some(execute(&self.sh, &self.s, &j.req, j.to, j.data.take()))
                 } else {
                     read_cached(&self.sh, &self.s, &j.req, j.to)
@@ -298,6 +295,15 @@ impl Batch {
     fn close(mut self) {
         self.dispatch();
     }
+}
+
+/// A read or write short enough to be gathered with others into one job
+/// (and, through the page cache, to run on the reader); not FUA, which
+/// waits for the device.
+fn is_small(req: &Request) -> bool {
+    matches!(req.command, Command::Read | Command::Write)
+        && req.length <= BATCH_MAX_LEN
+        && req.flags & CMD_FLAG_FUA == 0
 }
 
 /// Fills `dst` (a payload) from what `rd` has buffered, or else waits for
@@ -727,9 +733,7 @@ where
         // blocking thread: while more requests are already buffered, gather
         // them and hand them over together. Anything else goes alone, so big
         // or slow requests still run in parallel.
-        let small = matches!(req.command, Command::Read | Command::Write)
-            && req.length <= BATCH_MAX_LEN
-            && req.flags & CMD_FLAG_FUA == 0;
+        let small = is_small(&req);
         // A read or write with nothing else in flight or buffered (queue
         // depth 1) runs here: the pool and writer task would add two thread
         // wake-ups of latency (docs/benchmarks.md, Latency). Not a
