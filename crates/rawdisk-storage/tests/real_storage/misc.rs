@@ -83,6 +83,31 @@ pub fn read_write_geometry(kind: StorageKind) {
 }
 per_kind!(read_write_geometry);
 
+/// A read that must not wait for the device (`read_cached`, the server's
+/// reader): data just written is in the page cache and comes back exact on
+/// every file system; memory-only storage answers without RWF_NOWAIT. A
+/// block device may answer "not cached" (then `buf` is not used), never
+/// wrong bytes.
+pub fn cached_read(kind: StorageKind) {
+    const SIZE: u64 = 8 * MIB;
+    let s = Scratch::new(kind, SIZE);
+    let p = open_probe(s.path());
+    let data = pattern_vec(90, MIB + 1000, 60 * KIB as usize);
+    p.target.write_at(&data, MIB + 1000, false).unwrap();
+    let mut back = vec![0u8; data.len()];
+    let cached = p.target.read_cached(&mut back, MIB + 1000).unwrap();
+    let memory_only = matches!(kind, StorageKind::Tmpfs | StorageKind::Ramfs);
+    if memory_only || !kind.is_block() {
+        assert!(cached, "{kind}: just-written data not read from the cache");
+    }
+    if cached {
+        assert_same(&format!("{kind} cached read"), MIB + 1000, &back, &data);
+    }
+    let asked = p.fault.calls(CallKind::PreadNowait);
+    assert_eq!(asked == 0, memory_only, "{kind}: RWF_NOWAIT calls {asked}");
+}
+per_kind!(cached_read);
+
 /// O_DIRECT (CacheMode::None), where the storage has it (not ramfs): aligned
 /// I/O round-trips, zero of an unaligned range still works.
 pub fn direct_io(kind: StorageKind) {
