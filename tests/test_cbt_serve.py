@@ -61,6 +61,13 @@ def checkpoints(path, *extra):
     return {c["name"]: c["consistent"] for c in items}
 
 
+def stop_and_check(srv, path, model):
+    """The export and, after a clean stop, the file hold exactly `model`."""
+    assert_export_is(srv.uri, model)
+    assert srv.terminate() == 0
+    assert_target_is(path, model)
+
+
 def track(serve, path, *extra):
     return serve(path, extra=["--track-changes", *extra])
 
@@ -207,9 +214,7 @@ def test_changes_through_several_connections_match_the_model(workdir, serve):
     # Deleting the newer one folds it into the older: nothing is lost.
     rawdisk("checkpoint", "delete", "--name", "b", path)
     assert changed(srv.uri, "a") == first | second
-    assert_export_is(srv.uri, model)
-    assert srv.terminate() == 0
-    assert_target_is(path, model)
+    stop_and_check(srv, path, model)
     assert checkpoints(path) == {"a": True}
 
 
@@ -248,9 +253,7 @@ def test_fua_writes_and_flags(workdir, serve):
         model[SIZE - 1] = 0
     want = chunks(3 * MiB + 5, 100 * KiB) | chunks(8 * MiB, GRAIN) | chunks(SIZE - 1, 1)
     assert changed(srv.uri, "a") == want
-    assert_export_is(srv.uri, model)
-    assert srv.terminate() == 0
-    assert_target_is(path, model)
+    stop_and_check(srv, path, model)
 
 
 def persisted_chunks(path, name):
@@ -294,9 +297,7 @@ def test_fua_and_flush_persist_before_the_reply(workdir, serve):
         h.zero(GRAIN, 14 * MiB, nbd.CMD_FLAG_FUA)
         model[14 * MiB:14 * MiB + GRAIN] = bytes(GRAIN)
         assert persisted_chunks(path, "a") == want | chunks(14 * MiB, GRAIN)
-    assert_export_is(srv.uri, model)
-    assert srv.terminate() == 0
-    assert_target_is(path, model)
+    stop_and_check(srv, path, model)
 
 
 # -- restarts, crashes, outside changes ------------------------------------------------
@@ -314,9 +315,7 @@ def test_clean_stop_keeps_the_sets(workdir, serve):
     assert changed(srv.uri, "a") == first | second
     assert changed(srv.uri, "b") == second
     assert "inconsistent" not in srv.stderr()
-    assert_export_is(srv.uri, model)
-    assert srv.terminate() == 0
-    assert_target_is(path, model)
+    stop_and_check(srv, path, model)
 
 
 def test_run_exit_closes_cleanly(workdir, serve):
@@ -332,9 +331,7 @@ def test_run_exit_closes_cleanly(workdir, serve):
     srv = track(serve, path)
     assert "inconsistent" not in srv.stderr()
     assert changed(srv.uri, "a") == {5}
-    assert_export_is(srv.uri, model)
-    assert srv.terminate() == 0
-    assert_target_is(path, model)
+    stop_and_check(srv, path, model)
 
 
 @pytest.mark.parametrize("when", ["before-flush", "after-flush"])
@@ -613,6 +610,4 @@ def test_hostile_queries_and_a_deleted_checkpoint(workdir, serve):
     assert got[0] == "error" and got[1] == 22 and '"b"' in got[2], got
     c.disconnect()
     srv.assert_alive()
-    assert_export_is(srv.uri, model)
-    assert srv.terminate() == 0
-    assert_target_is(path, model)
+    stop_and_check(srv, path, model)
