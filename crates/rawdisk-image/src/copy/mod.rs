@@ -62,9 +62,8 @@ pub struct CopyOptions {
     /// at most one per CPU (nbdcopy's rule: more only add server threads
     /// writing the same file; docs/benchmarks.md, Copy).
     pub connections: usize,
-    /// Bytes per read/write request; 0: 2 MiB (fewer requests, syscalls
-    /// and file system lock round trips; through NBD the server's cost per
-    /// request is what bounds a copy, see `request_size`).
+    /// Bytes per read/write request; 0: 512 KiB when a side is NBD, 2 MiB
+    /// between local targets (see `request_size`).
     pub request_size: u64,
     /// Granularity of the zero scan of data (0 disables it).
     pub sparse_size: u64,
@@ -601,9 +600,13 @@ fn request_size(src: &Endpoint, dst: &Dst<'_>, opts: &CopyOptions) -> u64 {
     let align = src.min_block().max(dst.min_block());
     let max_io = src.max_io().min(dst.max_io());
     let wanted = match opts.request_size {
-        // Not nbdcopy's 256 KiB: a copy through NBD is bound by the
-        // server's cost per request, so fewer, bigger requests win
-        // (docs/benchmarks.md, Copy). The server's maximum still caps it.
+        // Through NBD the bytes in flight count, not the requests: 16 x 512
+        // KiB keeps the client's buffers, the socket's and the server's
+        // within the CPU cache, where 16 x 2 MiB spilled (docs/benchmarks.md,
+        // Copy). The server's maximum still caps it.
+        0 if src.is_nbd() || dst.is_nbd() => 512 << 10,
+        // Locally fewer, bigger requests: fewer syscalls and file system
+        // lock round trips (one worker per CPU keeps the bytes in flight low).
         0 => 2 << 20,
         n => n,
     };

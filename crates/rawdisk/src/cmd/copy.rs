@@ -58,7 +58,7 @@ pub struct Args {
     #[arg(short = 'C', long, value_parser = clap::value_parser!(u32).range(1..=64))]
     connections: Option<u32>,
     /// Bytes per read and write request, at most the NBD server's maximum
-    /// [default: 2M].
+    /// [default: 512K when a side is NBD, 2M between local files and devices].
     #[arg(long, allow_hyphen_values = true, value_parser = size_arg)]
     request_size: Option<u64>,
     /// Zero blocks of this size in the data become zero requests (0: off).
