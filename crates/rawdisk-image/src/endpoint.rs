@@ -551,10 +551,12 @@ fn nbd_err(name: &str, e: client::Error) -> Error {
     }
 }
 
-/// Connects, asking for fewer connections each time the server refuses one
-/// (a connection cap such as `serve --max-connections` closes the extras):
-/// halving down to one, after a pause that lets the server see the failed
-/// attempt's connections close and free their slots.
+/// Connects; the extra connections join while the first one works, and
+/// those a server refuses (a connection cap such as `serve
+/// --max-connections` closes them) are left out. When the first one is
+/// refused, asks for fewer connections each time: halving down to one,
+/// after a pause that lets the server see the failed attempt's connections
+/// close and free their slots.
 ///
 /// A server that dropped a connection and then cannot be reached at all has
 /// died under the handshake: that drop is the error returned, not the
@@ -568,7 +570,7 @@ fn connect_capped(uri: &NbdUri, mut opts: ConnectOptions) -> client::Result<Clie
     let mut dropped = None;
     let (mut halved, mut again) = (false, 0);
     loop {
-        match runtime().block_on(Client::connect(uri, &opts)) {
+        match runtime().block_on(Client::connect_early(uri, &opts)) {
             Err(client::Error::Handshake { .. })
                 if halved && opts.connections == 1 && again < 3 =>
             {

@@ -249,6 +249,75 @@ fn many_requests_in_flight_and_multi_conn() {
     }
 }
 
+/// `connect_early` returns after the first handshake; the extra connections
+/// join while it works, and those a connection cap refuses are left out
+/// (`connect` fails on them instead, for the caller to ask for fewer).
+#[test]
+fn extra_connections_join_late_and_a_cap_leaves_them_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 4 << 20;
+    let img = dir.path().join("img.raw");
+    std::fs::write(&img, vec![0u8; size]).unwrap();
+    let opts = ConnectOptions {
+        connections: 4,
+        ..Default::default()
+    };
+    for (cap, want) in [(None, 4), (Some("limit=2"), 2)] {
+        let srv = match cap {
+            Some(p) => NbdServer::nbdkit(&img, &["--filter=limit"], &[p]),
+            None => NbdServer::nbdkit(&img, &[], &[]),
+        };
+        rt().block_on(async {
+            let c = Arc::new(Client::connect_early(&uri(&srv), &opts).await.unwrap());
+            assert_eq!(c.info().connections, 1, "{cap:?}");
+            let mut set = tokio::task::JoinSet::new();
+            for i in 0..64u64 {
+                let c = c.clone();
+                set.spawn(async move {
+                    let off = i * 65536;
+                    c.write(off, &pattern(off, 65536), false).await.unwrap();
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                r.unwrap();
+            }
+            let t = Instant::now();
+            while c.connections() < want && t.elapsed() < Duration::from_secs(10) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // Joined connections carry requests: reads and writes on all.
+            for i in 0..64u64 {
+                let off = i * 65536;
+                same(
+                    &c.read(off, 65536).await.unwrap(),
+                    &pattern(off, 65536),
+                    "read",
+                );
+            }
+            c.flush().await.unwrap();
+            c.disconnect().await.unwrap();
+            assert_eq!(c.connections(), want, "{cap:?}");
+            if cap.is_some() {
+                // The server needs a moment to free the slots.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let e = Client::connect(&uri(&srv), &opts).await.unwrap_err();
+                assert!(
+                    matches!(
+                        e,
+                        Error::Handshake { .. } | Error::Dropped { .. } | Error::Connect { .. }
+                    ),
+                    "{e:?}"
+                );
+            }
+        });
+        let got = std::fs::read(&img).unwrap();
+        for i in 0..64u64 {
+            let off = i * 65536;
+            same(&got[off as usize..][..65536], &pattern(off, 65536), "file");
+        }
+    }
+}
+
 #[test]
 fn server_errors_reach_the_caller() {
     let dir = tempfile::tempdir().unwrap();

@@ -368,9 +368,27 @@ impl BlockStatus {
 /// An open export, over one or several connections. Every method takes
 /// `&self`: share it (`Arc`) between tasks to keep many requests in flight.
 pub struct Client {
-    conns: Vec<Arc<Conn>>,
+    /// The connection that negotiated `info`, then the extra ones
+    /// (multi-conn) in the order their handshakes finished.
+    conns: Arc<Conns>,
+    /// Opens the extra connections; [`Client::connect_early`] returns
+    /// before it is done.
+    opener: std::sync::Mutex<Option<tokio::task::JoinHandle<Option<Error>>>>,
     info: ExportInfo,
     target: String,
+}
+
+/// The first connection and slots the extra ones fill as they open: a
+/// request picks among the open ones without taking a lock.
+struct Conns {
+    first: Arc<Conn>,
+    extra: Vec<std::sync::OnceLock<Arc<Conn>>>,
+}
+
+impl Conns {
+    fn iter(&self) -> impl Iterator<Item = &Arc<Conn>> {
+        std::iter::once(&self.first).chain(self.extra.iter().map_while(|s| s.get()))
+    }
 }
 
 impl fmt::Debug for Client {
@@ -384,78 +402,83 @@ impl fmt::Debug for Client {
 
 impl Client {
     /// Connect and negotiate. With multi-conn and `opts.connections > 1`,
-    /// opens the extra connections too.
+    /// opens the extra connections too, and fails if one of them fails.
     pub async fn connect(uri: &NbdUri, opts: &ConnectOptions) -> Result<Client> {
+        let mut c = Self::open(uri, opts, false).await?;
+        let opener = c.opener.get_mut().unwrap().take();
+        if let Some(h) = opener {
+            if let Some(e) = h.await.unwrap_or_else(|e| {
+                Some(Error::Connect {
+                    target: c.target.clone(),
+                    message: e.to_string(),
+                })
+            }) {
+                return Err(e);
+            }
+        }
+        c.info.connections = c.connections();
+        tracing::debug!(target = %c.target, info = ?c.info, "NBD export open");
+        Ok(c)
+    }
+
+    /// As [`Client::connect`], but returns once the first connection is
+    /// negotiated: the extra ones join as their handshakes finish (a server
+    /// whose open is slow costs one handshake, not one after another), and
+    /// one that fails or is refused (a connection cap) is left out with a
+    /// log line. `info().connections` is 1; [`Client::connections`] counts.
+    pub async fn connect_early(uri: &NbdUri, opts: &ConnectOptions) -> Result<Client> {
+        Self::open(uri, opts, true).await
+    }
+
+    /// The first connection; the extra ones opening in the background
+    /// (`early`: a failed one is logged, not an error).
+    async fn open(uri: &NbdUri, opts: &ConnectOptions, early: bool) -> Result<Client> {
         let target = uri.to_string();
         // Credentials are read once and shared by every connection.
         let tls = client_tls(uri, &target)?.map(Arc::new);
-        let first =
+        let (first, mut info) =
             tokio::time::timeout(opts.timeout, Conn::open(uri, opts, &target, tls.as_deref()))
                 .await
                 .map_err(|_| Error::Connect {
                     target: target.clone(),
                     message: format!("timed out after {:?}", opts.timeout),
                 })??;
-        let mut info = first.1;
-        let mut opened = Opened(vec![first.0]);
-        if info.can_multi_conn() && opts.connections > 1 {
-            let mut set = tokio::task::JoinSet::new();
-            for _ in 1..opts.connections {
-                let (uri, opts, target) = (uri.clone(), opts.clone(), target.clone());
-                let tls = tls.clone();
-                set.spawn(async move {
-                    let open = Conn::open(&uri, &opts, &target, tls.as_deref());
-                    tokio::time::timeout(opts.timeout, open).await
-                });
-            }
-            // Every extra connection is waited for (each is bounded by the
-            // timeout), so on failure `opened` holds all that did open and
-            // closes them: none keeps a server slot the retry needs.
-            let mut failed = None;
-            while let Some(r) = set.join_next().await {
-                let r = r
-                    .map_err(|e| Error::Connect {
-                        target: target.clone(),
-                        message: e.to_string(),
-                    })
-                    .and_then(|r| {
-                        r.map_err(|_| Error::Connect {
-                            target: target.clone(),
-                            message: "timed out opening an extra connection".into(),
-                        })
-                    })
-                    .and_then(|r| r);
-                match r {
-                    Ok((conn, other)) => {
-                        opened.0.push(conn);
-                        // Multi-conn promises the same export on every
-                        // connection; anything else would make them disagree.
-                        if other.size != info.size
-                            || other.extended_headers != info.extended_headers
-                        {
-                            failed.get_or_insert(Error::Handshake {
-                                target: target.clone(),
-                                message: "extra connection negotiated a different export".into(),
-                            });
-                        }
-                    }
-                    Err(e) => {
-                        failed.get_or_insert(e);
-                    }
+        let extra = if info.can_multi_conn() {
+            opts.connections.saturating_sub(1)
+        } else {
+            0
+        };
+        let conns = Arc::new(Conns {
+            first,
+            extra: (0..extra).map(|_| std::sync::OnceLock::new()).collect(),
+        });
+        info.connections = 1;
+        let opener = (extra > 0).then(|| {
+            let (uri, opts, target, conns) =
+                (uri.clone(), opts.clone(), target.clone(), conns.clone());
+            let want = info.clone();
+            tokio::spawn(async move {
+                let failed = open_extra(&uri, &opts, &target, tls, &conns, &want).await;
+                if let Some(e) = failed.as_ref().filter(|_| early) {
+                    tracing::info!(
+                        "{target}: {e}; going on with {} connection(s)",
+                        conns.iter().count()
+                    );
                 }
-            }
-            if let Some(e) = failed {
-                return Err(e);
-            }
-        }
-        let conns = std::mem::take(&mut opened.0);
-        info.connections = conns.len();
-        tracing::debug!(target = %target, ?info, "NBD export open");
+                failed
+            })
+        });
         Ok(Client {
             conns,
+            opener: std::sync::Mutex::new(opener),
             info,
             target,
         })
+    }
+
+    /// Connections open now (extra ones may still be joining).
+    pub fn connections(&self) -> usize {
+        self.conns.iter().count()
     }
 
     pub fn info(&self) -> &ExportInfo {
@@ -477,7 +500,7 @@ impl Client {
         self.conns
             .iter()
             .min_by_key(|c| c.inflight.load(Ordering::Relaxed))
-            .expect("at least one connection")
+            .unwrap_or(&self.conns.first)
     }
 
     fn check(&self, cmd: Command, offset: u64, len: u64) -> Result<()> {
@@ -693,10 +716,16 @@ impl Client {
     /// server to close them. Errors of requests still in flight are returned
     /// by those requests, not lost.
     pub async fn disconnect(&self) -> Result<()> {
-        for c in &self.conns {
+        // Extra connections still opening finish first (each within the
+        // connect timeout), so none is left behind half negotiated.
+        let opener = self.opener.lock().unwrap().take();
+        if let Some(h) = opener {
+            let _ = h.await;
+        }
+        for c in self.conns.iter() {
             c.begin_disconnect().await;
         }
-        for c in &self.conns {
+        for c in self.conns.iter() {
             c.finish_disconnect().await;
         }
         Ok(())
@@ -726,22 +755,74 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
-        abort_readers(&self.conns);
+        if let Some(h) = self.opener.get_mut().unwrap().take() {
+            h.abort();
+        }
+        abort_readers(self.conns.iter());
     }
 }
 
-/// The connections `connect` has opened so far: closed if it fails part-way.
-struct Opened(Vec<Arc<Conn>>);
-
-impl Drop for Opened {
-    fn drop(&mut self) {
-        abort_readers(&self.0);
+/// Opens the extra connections of `conns` concurrently, each into the next
+/// free slot once negotiated. Returns the first failure: one that fails or
+/// negotiates another export is closed and left out.
+async fn open_extra(
+    uri: &NbdUri,
+    opts: &ConnectOptions,
+    target: &str,
+    tls: Option<Arc<ClientTls>>,
+    conns: &Conns,
+    want: &ExportInfo,
+) -> Option<Error> {
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..conns.extra.len() {
+        let (uri, opts, target, tls) = (uri.clone(), opts.clone(), target.to_string(), tls.clone());
+        set.spawn(async move {
+            let open = Conn::open(&uri, &opts, &target, tls.as_deref());
+            match tokio::time::timeout(opts.timeout, open).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::Connect {
+                    target,
+                    message: "timed out opening an extra connection".into(),
+                }),
+            }
+        });
     }
+    let (mut failed, mut next) = (None, 0);
+    while let Some(r) = set.join_next().await {
+        let r = r
+            .map_err(|e| Error::Connect {
+                target: target.to_string(),
+                message: e.to_string(),
+            })
+            .and_then(|r| r);
+        let e = match r {
+            // Multi-conn promises the same export on every connection;
+            // anything else would make them disagree.
+            Ok((conn, other))
+                if other.size != want.size || other.extended_headers != want.extended_headers =>
+            {
+                abort_readers(std::iter::once(&conn));
+                Error::Handshake {
+                    target: target.to_string(),
+                    message: "extra connection negotiated a different export".into(),
+                }
+            }
+            Ok((conn, _)) => {
+                let _ = conns.extra[next].set(conn);
+                next += 1;
+                continue;
+            }
+            Err(e) => e,
+        };
+        tracing::debug!("{target}: extra connection: {e}");
+        failed.get_or_insert(e);
+    }
+    failed
 }
 
 /// Each reader task holds its connection (and the socket's read half), so a
 /// connection closes only once its reader is stopped.
-fn abort_readers(conns: &[Arc<Conn>]) {
+fn abort_readers<'a>(conns: impl Iterator<Item = &'a Arc<Conn>>) {
     for c in conns {
         if let Some(h) = c.reader.lock().unwrap().take() {
             h.abort();
