@@ -214,6 +214,58 @@ fn sparse_destination_unless_allocated() {
     assert!(allocated_bytes(&noscan) >= data + 256 * 1024);
 }
 
+/// The source is mapped in growing windows (64 MiB, then 256 MiB, ...): a
+/// data run across the first boundary and a hole across the second are
+/// copied whole, into a dirty destination, locally and through NBD.
+#[test]
+fn extents_across_the_look_ahead_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 332 * MIB;
+    let src = dir.path().join("src.img");
+    let f = std::fs::File::create(&src).unwrap();
+    f.set_len(size).unwrap();
+    let data = [(63 * MIB, 2 * MIB), (330 * MIB, MIB)];
+    let mut buf = vec![0u8; 2 * MIB as usize];
+    for &(off, len) in &data {
+        pattern(off, off, &mut buf[..len as usize]);
+        f.write_all_at(&buf[..len as usize], off).unwrap();
+    }
+    std::fs::File::create(dir.path().join("exp.img")).unwrap();
+    let srv = server("nbdkit", &dir.path().join("exp.img"));
+    for dst in [dir.path().join("dst.img"), dir.path().join("exp.img")] {
+        let junk = vec![0xa5u8; MIB as usize];
+        let d = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&dst)
+            .unwrap();
+        for i in 0..size / MIB {
+            d.write_all_at(&junk, i * MIB).unwrap();
+        }
+        let to = if dst.ends_with("exp.img") {
+            srv.uri()
+        } else {
+            dst.to_str().unwrap().to_string()
+        };
+        let st = copy::copy(src.to_str().unwrap(), &to, &opts()).unwrap();
+        assert_eq!(st.bytes_written, 3 * MIB, "{to}: {st:?}");
+        assert_eq!(st.bytes_zeroed, size - 3 * MIB, "{to}: {st:?}");
+        let mut got = vec![0u8; MIB as usize];
+        let mut want = vec![0u8; MIB as usize];
+        for i in 0..size / MIB {
+            let off = i * MIB;
+            d.read_exact_at(&mut got, off).unwrap();
+            want.fill(0);
+            if let Some(&(o, _)) = data.iter().find(|(o, l)| (*o..o + l).contains(&off)) {
+                pattern(o, off, &mut want);
+            }
+            same(&got, &want, &format!("{to} at {off}"));
+        }
+    }
+}
+
 #[test]
 fn dirty_destination_is_overwritten_and_resized() {
     let dir = tempfile::tempdir().unwrap();
