@@ -57,6 +57,11 @@ const INLINE_MAX_LEN: u64 = 4 << 20;
 /// receiving one payload while the pool writes another is worth more
 /// (docs/benchmarks.md, Write path).
 const OWN_WRITE_MAX: u64 = 256 << 10;
+/// The same over TLS, where the reader has just decrypted the payload on
+/// this CPU: handing a 1 MiB write to a blocking thread cost more than it
+/// overlapped (TLS 1 MiB writes +13 %, server CPU per GiB -14 %;
+/// docs/benchmarks.md, TLS).
+const OWN_WRITE_MAX_TLS: u64 = 1 << 20;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
 const PEEK_AHEAD: usize = 4 << 10;
@@ -145,6 +150,12 @@ where
     let writer = writer(wr.clone(), rx, sh.clone(), sink.clone(), counters.clone());
     let writer = tokio::spawn(writer.in_current_span());
     let ext = s.mode.extended();
+    // No raw socket to splice to: the stream is TLS.
+    let own_write_max = if sink.is_some() {
+        OWN_WRITE_MAX
+    } else {
+        OWN_WRITE_MAX_TLS
+    };
     let mut reader = Reader {
         slots: Arc::new(Semaphore::new(sh.cfg.max_requests_per_conn)),
         max_slots: sh.cfg.max_requests_per_conn,
@@ -166,6 +177,7 @@ where
         ext,
         hlen: request_header_len(ext),
         read_ahead: READ_AHEAD,
+        own_write_max,
     };
     let mut result = reader.run().await;
     // In-flight requests hold clones of tx: the writer ends after their
@@ -378,6 +390,8 @@ struct Reader<R, W> {
     /// but after a big payload none, since read-ahead would be payload bytes
     /// copied twice (socket -> buffer -> payload buffer).
     read_ahead: usize,
+    /// Largest page-cache write run here while others are in flight.
+    own_write_max: u64,
 }
 
 impl<R, W> Reader<R, W>
@@ -752,7 +766,7 @@ where
             && req.command == Command::Write
             && req.flags & CMD_FLAG_FUA == 0
             && req.length > BATCH_MAX_LEN
-            && req.length <= OWN_WRITE_MAX;
+            && req.length <= self.own_write_max;
         // Whether the client sent more is only known by looking (any byte
         // buffered, even part of a header, is a next request): else queued
         // big writes, each header arriving after the previous payload, would
