@@ -76,11 +76,9 @@ start() { # server file
   done
   die "$1 did not start"
 }
-stop() { # -> peak RSS in KiB
-  local hwm
-  hwm=$(awk '/VmHWM/{print $2}' "/proc/$SRV_PID/status")
+stop() { # sets RSS: the server's peak RSS in KiB (not in a subshell: it waits)
+  RSS=$(awk '/VmHWM/{print $2}' "/proc/$SRV_PID/status")
   kill "$SRV_PID"; wait "$SRV_PID" 2>/dev/null || true; SRV_PID=
-  echo "$hwm"
 }
 
 OUT=$WORK/../rawdisk-tls-tcp.$$.tsv
@@ -98,7 +96,7 @@ for rep in $(seq "$BENCH_REPS"); do
       HOME=$WORK/home fio --name=j --ioengine=nbd --uri="$URI" --rw="$rw" --bs="$bs" \
         --iodepth="$qd" --size="$TP_SIZE" --runtime="$TP_RUNTIME" --time_based \
         --output-format=json --output="$WORK/fio.json" >/dev/null 2>&1
-      rss=$(stop)
+      stop; rss=$RSS
       mib=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(round(d["jobs"][0][sys.argv[2]]["bw_bytes"]/2**20))' "$WORK/fio.json" "$rw")
       printf '%s\t%s\t%s\t%s\t%s\n' "fio $rw $bs qd$qd (MiB/s)" "$s" "$rep" "$mib" "$rss" >> "$OUT"
       echo "rep $rep fio $rw $bs qd$qd $s: $mib MiB/s, peak RSS $((rss / 1024)) MiB" >&2
@@ -116,7 +114,7 @@ for rep in $(seq "$BENCH_REPS"); do
         --target-image-opts "$SRC_IMG" \
         "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port=$PORT,tls-creds=tls0"
       t1=$(date +%s%N)
-      rss=$(stop)
+      stop; rss=$RSS
       cmp -s "$SRC_IMG" "$WORK/dst.img" || die "convert into $s: the export differs from the source"
       sec=$(python3 -c "print(round(($t1 - $t0) / 1e9, 3))")
       printf '%s\t%s\t%s\t%s\t%s\n' "convert dirty -W (s)" "$s" "$rep" "$sec" "$rss" >> "$OUT"
