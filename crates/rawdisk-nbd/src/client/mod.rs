@@ -383,6 +383,8 @@ pub struct Client {
 struct Conns {
     first: Arc<Conn>,
     extra: Vec<std::sync::OnceLock<Arc<Conn>>>,
+    /// The client is gone: a connection that opens now is closed at once.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Conns {
@@ -451,6 +453,7 @@ impl Client {
         let conns = Arc::new(Conns {
             first,
             extra: (0..extra).map(|_| std::sync::OnceLock::new()).collect(),
+            closed: Default::default(),
         });
         info.connections = 1;
         let opener = (extra > 0).then(|| {
@@ -755,6 +758,7 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
+        self.conns.closed.store(true, Ordering::SeqCst);
         if let Some(h) = self.opener.get_mut().unwrap().take() {
             h.abort();
         }
@@ -808,8 +812,13 @@ async fn open_extra(
                 }
             }
             Ok((conn, _)) => {
-                let _ = conns.extra[next].set(conn);
+                let _ = conns.extra[next].set(conn.clone());
                 next += 1;
+                // Dropped meanwhile (the abort above may come too late):
+                // whichever of the two runs second closes it.
+                if conns.closed.load(Ordering::SeqCst) {
+                    abort_readers(std::iter::once(&conn));
+                }
                 continue;
             }
             Err(e) => e,
