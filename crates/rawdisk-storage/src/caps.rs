@@ -163,6 +163,21 @@ impl Tri {
     }
 }
 
+/// A [`Tri`] learned per target outside the shared method table (what
+/// depends on the kernel, not the storage: RWF_DSYNC, RWF_NOWAIT).
+#[derive(Debug, Default)]
+pub(crate) struct TriCell(AtomicU8);
+
+impl TriCell {
+    pub(crate) fn get(&self) -> Tri {
+        Tri::from_u8(self.0.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set(&self, t: Tri) {
+        self.0.store(t.to_u8(), Ordering::Relaxed);
+    }
+}
+
 /// Calls made and bytes handled by one method (successful calls only count bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MethodStats {

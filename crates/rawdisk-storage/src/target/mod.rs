@@ -25,10 +25,10 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::caps::{Capabilities, Method, Tri};
+use crate::caps::{Capabilities, Method, Tri, TriCell};
 use crate::errno::{errno, retry};
 use crate::error::{Error, Result};
 use crate::registry::{self, Key};
@@ -208,12 +208,11 @@ pub struct Target {
     /// The data lives only in the page cache (tmpfs, ramfs): nothing to
     /// write back, so [`Target::start_writeback`] makes no call.
     memory_only: bool,
-    /// pwritev2(RWF_DSYNC) for FUA: Tri as u8 (not a shared [`Method`]: it
-    /// depends on the kernel, not the storage).
-    dsync: AtomicU8,
-    /// preadv2(RWF_NOWAIT) for [`Target::read_cached`]: Tri as u8 (file
-    /// systems without nowait buffered reads answer EOPNOTSUPP).
-    nowait: AtomicU8,
+    /// pwritev2(RWF_DSYNC) for FUA.
+    dsync: TriCell,
+    /// preadv2(RWF_NOWAIT) for [`Target::read_cached`] (file systems
+    /// without nowait buffered reads answer EOPNOTSUPP).
+    nowait: TriCell,
     /// Key of the block device under a file (its st_dev), or the device itself.
     sysfs_dev: Option<(u32, u32)>,
     /// The file size last seen, for O_DIRECT writes near the end.
@@ -425,8 +424,8 @@ impl Target {
             max_call: opts.max_zero_call.unwrap_or(MAX_ZERO_CALL).max(1),
             punch_alloc_timed,
             memory_only,
-            dsync: AtomicU8::new(0),
-            nowait: AtomicU8::new(0),
+            dsync: TriCell::default(),
+            nowait: TriCell::default(),
             sysfs_dev,
             write_map: OnceLock::new(),
             id,

@@ -4,7 +4,6 @@
 
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::Ordering;
 
 use super::{Kind, Target};
 use crate::caps::{Method, Tri};
@@ -34,7 +33,7 @@ impl Target {
         if self.memory_only {
             return self.pread_all(buf, offset).map(|()| true);
         }
-        if self.nowait.load(Ordering::Relaxed) == 2 {
+        if !self.nowait.get().may_work() {
             return Ok(false);
         }
         let mut done = 0usize;
@@ -48,7 +47,7 @@ impl Target {
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
                 Err(e) if is_unsupported(&e, Einval::Invalid) => {
                     tracing::debug!(path = %self.path.display(), "no preadv2(RWF_NOWAIT): {e}");
-                    self.nowait.store(2, Ordering::Relaxed);
+                    self.nowait.set(Tri::Fails);
                     return Ok(false);
                 }
                 Err(e) => return Err(Error::new("read", offset, buf.len() as u64, e)),
@@ -141,7 +140,7 @@ impl Target {
     /// pwrite until all of `buf` is written; with `fua` each piece is written
     /// with RWF_DSYNC (or followed by fdatasync on kernels without it).
     pub(super) fn pwrite_all(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        let use_dsync = fua && self.dsync.load(Ordering::Relaxed) != 2;
+        let use_dsync = fua && self.dsync.get().may_work();
         let mut done = 0usize;
         let mut dsync_failed = false;
         while done < buf.len() {
@@ -154,7 +153,7 @@ impl Target {
                             path = %self.path.display(),
                             "pwritev2(RWF_DSYNC) unsupported ({e}); FUA writes use fdatasync"
                         );
-                        self.dsync.store(2, Ordering::Relaxed);
+                        self.dsync.set(Tri::Fails);
                         dsync_failed = true;
                         continue;
                     }
@@ -181,7 +180,7 @@ impl Target {
             retry(|| self.datasync_raw())
                 .map_err(|e| Error::new("write (FUA sync)", offset, buf.len() as u64, e))?;
         } else if use_dsync {
-            self.dsync.store(1, Ordering::Relaxed);
+            self.dsync.set(Tri::Works);
         }
         Ok(())
     }
