@@ -220,31 +220,11 @@ fn many_requests_in_flight_and_multi_conn() {
             } else {
                 assert_eq!(c.info().connections, 1, "{name}");
             }
-            let mut set = tokio::task::JoinSet::new();
-            for i in 0..128u64 {
-                let c = c.clone();
-                set.spawn(async move {
-                    let off = i * 65536;
-                    c.write(off, &pattern(off, 65536), false).await.unwrap();
-                    let back = c.read(off, 65536).await.unwrap();
-                    assert!(back == pattern(off, 65536), "read back at {off}");
-                });
-            }
-            while let Some(r) = set.join_next().await {
-                r.unwrap();
-            }
+            write_blocks(&c, 128, true).await;
             c.flush().await.unwrap();
             c.disconnect().await.unwrap();
         });
-        let got = std::fs::read(&img).unwrap();
-        for i in 0..128u64 {
-            let off = (i * 65536) as usize;
-            assert_eq!(
-                &got[off..off + 65536],
-                &pattern(off as u64, 65536)[..],
-                "{name}"
-            );
-        }
+        file_holds_blocks(&img, 128, name);
         std::fs::write(&img, vec![0u8; size]).unwrap();
     }
 }
@@ -270,17 +250,7 @@ fn extra_connections_join_late_and_a_cap_leaves_them_out() {
         rt().block_on(async {
             let c = Arc::new(Client::connect_early(&uri(&srv), &opts).await.unwrap());
             assert_eq!(c.info().connections, 1, "{cap:?}");
-            let mut set = tokio::task::JoinSet::new();
-            for i in 0..64u64 {
-                let c = c.clone();
-                set.spawn(async move {
-                    let off = i * 65536;
-                    c.write(off, &pattern(off, 65536), false).await.unwrap();
-                });
-            }
-            while let Some(r) = set.join_next().await {
-                r.unwrap();
-            }
+            write_blocks(&c, 64, false).await;
             let t = Instant::now();
             while c.connections() < want && t.elapsed() < Duration::from_secs(10) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -310,11 +280,37 @@ fn extra_connections_join_late_and_a_cap_leaves_them_out() {
                 );
             }
         });
-        let got = std::fs::read(&img).unwrap();
-        for i in 0..64u64 {
+        file_holds_blocks(&img, 64, &format!("{cap:?}"));
+    }
+}
+
+/// Writes `blocks` 64 KiB blocks of [`pattern`] at once, each its own
+/// request (and reads each back after its write when `read_back`).
+async fn write_blocks(c: &Arc<Client>, blocks: u64, read_back: bool) {
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..blocks {
+        let c = c.clone();
+        set.spawn(async move {
             let off = i * 65536;
-            same(&got[off as usize..][..65536], &pattern(off, 65536), "file");
-        }
+            c.write(off, &pattern(off, 65536), false).await.unwrap();
+            if read_back {
+                let back = c.read(off, 65536).await.unwrap();
+                assert!(back == pattern(off, 65536), "read back at {off}");
+            }
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+}
+
+/// The file holds what [`write_blocks`] wrote.
+#[track_caller]
+fn file_holds_blocks(img: &Path, blocks: u64, what: &str) {
+    let got = std::fs::read(img).unwrap();
+    for i in 0..blocks {
+        let off = i * 65536;
+        same(&got[off as usize..][..65536], &pattern(off, 65536), what);
     }
 }
 
