@@ -553,49 +553,26 @@ fn nbd_err(name: &str, e: client::Error) -> Error {
 
 /// Connects; the extra connections join while the first one works, and
 /// those a server refuses (a connection cap such as `serve
-/// --max-connections` closes them) are left out. When the first one is
-/// refused, asks for fewer connections each time: halving down to one,
-/// after a pause that lets the server see the failed attempt's connections
-/// close and free their slots.
+/// --max-connections` closes them) are left out.
 ///
-/// A server that dropped a connection and then cannot be reached at all has
-/// died under the handshake: that drop is the error returned, not the
-/// failure to reach it.
-///
-/// Down at one connection after halving, a refusal may still be the slot of
-/// the previous attempt's connection, not yet freed on a busy server: that
-/// attempt is repeated a few times, with longer pauses. (A drop is left to
-/// the caller: copy retries it in the open, with a log line.)
-fn connect_capped(uri: &NbdUri, mut opts: ConnectOptions) -> client::Result<Client> {
-    let mut dropped = None;
-    let (mut halved, mut again) = (false, 0);
-    loop {
+/// A refused first connection (a cap answers NBD_REP_ERR_POLICY in the
+/// handshake) may be the slot of a previous client not yet freed on a busy
+/// server: a client asking for several connections (a copy) tries it again
+/// a few times with longer pauses. A drop is left to the caller (copy
+/// retries it in the open, with a log line), and so is a server nothing
+/// listens on.
+fn connect_capped(uri: &NbdUri, opts: ConnectOptions) -> client::Result<Client> {
+    let tries = if opts.connections > 1 { 3 } else { 0 };
+    for again in 1..=tries {
         match runtime().block_on(Client::connect_early(uri, &opts)) {
-            Err(client::Error::Handshake { .. })
-                if halved && opts.connections == 1 && again < 3 =>
-            {
-                again += 1;
+            Err(e @ client::Error::Handshake { .. }) => {
+                tracing::info!("{uri}: {e}; trying again");
                 std::thread::sleep(Duration::from_millis(200 * again));
-            }
-            Err(
-                e @ (client::Error::Connect { .. }
-                | client::Error::Handshake { .. }
-                | client::Error::Dropped { .. }),
-            ) if opts.connections > 1 => {
-                opts.connections /= 2;
-                halved = true;
-                tracing::info!("{uri}: {e}; trying {} connection(s)", opts.connections);
-                if matches!(e, client::Error::Dropped { .. }) {
-                    dropped.get_or_insert(e);
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(client::Error::Connect { .. }) if dropped.is_some() => {
-                return Err(dropped.expect("checked"))
             }
             r => return r,
         }
     }
+    runtime().block_on(Client::connect_early(uri, &opts))
 }
 
 fn libc_eperm() -> i32 {
