@@ -440,15 +440,16 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
 /// [`execute`] runs it where it may wait for the device. Only reads below
 /// the sparse and splice sizes, which [`read`] also copies whole.
 pub(super) fn read_cached(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Option<Encoded> {
+    let t = &*s.export.target;
     if req.command != Command::Read
         || req.length == 0
         || req.length >= SPARSE_READ_MIN.min(SPLICE_MIN)
+        || !t.may_read_cached()
     {
         return None;
     }
     let n = req.length as usize;
     let (mut buf, start, d) = data_buffer(sh, s, n);
-    let t = &*s.export.target;
     if let Ok(true) = t.read_cached(&mut buf[d..d + n], req.offset) {
         return Some(data_reply(s, req, to, buf, start, d));
     }

@@ -25,16 +25,13 @@ impl Target {
     /// where blocking is allowed. `buf` may be partly filled then.
     pub fn read_cached(&self, buf: &mut [u8], offset: u64) -> Result<bool> {
         check_offset("read", offset, buf.len())?;
-        if self.direct.is_some() {
+        if !self.may_read_cached() {
             return Ok(false);
         }
         // tmpfs and ramfs hold the data in memory (tmpfs has no RWF_NOWAIT
         // for reads as of Linux 6.18); only swap could make this wait.
         if self.memory_only {
             return self.pread_all(buf, offset).map(|()| true);
-        }
-        if !self.nowait.get().may_work() {
-            return Ok(false);
         }
         let mut done = 0usize;
         while done < buf.len() {
@@ -54,6 +51,13 @@ impl Target {
             }
         }
         Ok(true)
+    }
+
+    /// Whether [`Target::read_cached`] can answer at all: not under
+    /// O_DIRECT, and not where RWF_NOWAIT is known to fail. Callers check
+    /// it before taking a buffer for every small read.
+    pub fn may_read_cached(&self) -> bool {
+        self.direct.is_none() && (self.memory_only || self.nowait.get().may_work())
     }
 
     /// pread until `buf` is full; EOF first is an error naming the range.

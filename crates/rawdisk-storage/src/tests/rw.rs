@@ -221,6 +221,7 @@ fn cached_reads_never_wait_and_learn_a_missing_rwf_nowait() {
     t.write_at(&data, 0, false).unwrap();
     let mut b = vec![0u8; 4096];
     // Just written, so in the page cache: read without waiting.
+    assert!(t.may_read_cached());
     assert!(t.read_cached(&mut b, 8192).unwrap());
     assert_eq!(b, data[8192..12288]);
     // Part of it would wait for the device (EAGAIN): the caller's
@@ -241,8 +242,10 @@ fn cached_reads_never_wait_and_learn_a_missing_rwf_nowait() {
     assert!(!t.read_cached(&mut b, 0).unwrap());
     assert!(!t.read_cached(&mut b, 0).unwrap());
     assert_eq!(f.calls(CallKind::PreadNowait), 6);
+    assert!(!t.may_read_cached());
     // Under O_DIRECT nothing is cached to read.
     let (d, fd) = open_fault(&tmp, direct_opts());
+    assert!(!d.may_read_cached());
     assert!(!d.read_cached(&mut b, 0).unwrap());
     assert_eq!(fd.calls(CallKind::PreadNowait), 0);
 }
