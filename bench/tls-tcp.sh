@@ -81,7 +81,7 @@ stop() { # sets RSS: the server's peak RSS in KiB (not in a subshell: it waits)
   kill "$SRV_PID"; wait "$SRV_PID" 2>/dev/null || true; SRV_PID=
 }
 
-OUT=$WORK/../rawdisk-tls-tcp.$$.tsv
+OUT=$WORK.$$.tsv  # kept after the work directory is removed
 printf 'workload\tserver\trep\tvalue\trss_kb\n' > "$OUT"
 read -ra SRVS <<< "$SERVERS"
 rotate() { local r=$1; local n=${#SRVS[@]}; for i in $(seq 0 $((n - 1))); do echo "${SRVS[$(((i + r) % n))]}"; done; }
@@ -91,7 +91,7 @@ for rep in $(seq "$BENCH_REPS"); do
   for job in $TP_JOBS; do
     IFS=: read -r rw bs qd <<< "$job"
     for s in $(rotate "$rep"); do
-      [[ -f $F ]] || head -c "$TP_SIZE" /dev/urandom > "$F" 2>/dev/null || dd if=/dev/urandom of="$F" bs=1M count=$(( $(numfmt --from=iec "$TP_SIZE") >> 20 )) status=none
+      [[ -f $F ]] || head -c "$TP_SIZE" /dev/urandom > "$F"
       start "$s" "$F"
       HOME=$WORK/home fio --name=j --ioengine=nbd --uri="$URI" --rw="$rw" --bs="$bs" \
         --iodepth="$qd" --size="$TP_SIZE" --runtime="$TP_RUNTIME" --time_based \
