@@ -304,7 +304,7 @@ impl<'a> Planner<'a> {
         if self.queue.is_empty() {
             // Look ahead far enough that the lock is rarely taken for I/O,
             // but start small: mapping a whole sparse image first kept every
-            // worker waiting (10 ms for 2 GiB of 82 extents on tmpfs).
+            // worker waiting (docs/benchmarks.md, Copy).
             let ahead = self.ahead;
             self.ahead = (ahead * 4).min(8 << 30);
             if let Some(only) = &mut self.only {

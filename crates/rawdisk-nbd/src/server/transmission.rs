@@ -59,8 +59,7 @@ const INLINE_MAX_LEN: u64 = 4 << 20;
 const OWN_WRITE_MAX: u64 = 256 << 10;
 /// The same over TLS, where the reader has just decrypted the payload on
 /// this CPU: handing a 1 MiB write to a blocking thread cost more than it
-/// overlapped (TLS 1 MiB writes +13 %, server CPU per GiB -14 %;
-/// docs/benchmarks.md, TLS).
+/// overlapped (docs/benchmarks.md, TLS).
 const OWN_WRITE_MAX_TLS: u64 = 1 << 20;
 /// How much a look for a queued request may read after a big payload: a
 /// header and a little of its payload, which then costs one extra copy.
