@@ -2,6 +2,7 @@
 //! fuzzed), and the server and client built on it.
 
 pub mod client;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod proto;
