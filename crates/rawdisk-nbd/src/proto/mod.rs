@@ -314,6 +314,17 @@ pub fn errno_to_nbd(errno: i32) -> u32 {
     }
 }
 
+/// Every error value the spec names ("Error values"), in the spec's order.
+pub const ERROR_VALUES: [u32; ERRORS.len()] = {
+    let mut v = [0; ERRORS.len()];
+    let mut i = 0;
+    while i < ERRORS.len() {
+        v[i] = ERRORS[i].0;
+        i += 1;
+    }
+    v
+};
+
 /// The error values the spec names ("Error values"): number, name, the host
 /// errno a client reports, and what it means.
 const ERRORS: [(u32, &str, i32, &str); 8] = [

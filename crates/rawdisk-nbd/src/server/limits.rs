@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
-use crate::proto::{error_name, Command};
+use crate::proto::{error_name, Command, ERROR_VALUES};
 
 /// Commands counted one by one; anything else is counted as "other".
 const COUNTED: [Command; 8] = [
@@ -27,9 +27,17 @@ const COUNTED: [Command; 8] = [
     Command::Disc,
 ];
 
-/// NBD errors counted one by one (spec: Error values); the last slot holds
-/// any other value.
-const ERRORS: [u32; 9] = [1, 5, 12, 22, 28, 75, 95, 108, 0];
+/// NBD errors counted one by one: the codec's list of the spec's error
+/// values, then one slot, reported as 0, for any other value.
+const ERRORS: [u32; ERROR_VALUES.len() + 1] = {
+    let mut v = [0; ERROR_VALUES.len() + 1];
+    let mut i = 0;
+    while i < ERROR_VALUES.len() {
+        v[i] = ERROR_VALUES[i];
+        i += 1;
+    }
+    v
+};
 
 /// One connection's counts, kept by its own tasks (the reader counts
 /// requests, whoever writes a reply its error), so requests touch nothing
