@@ -18,7 +18,8 @@ import pytest
 
 import servers
 from helpers import assert_target_is, make_image, random_bytes
-from wire import OPT_GO, OPT_LIST, REP_ACK, REP_ERR, REP_SERVER, RawClient
+from wire import (CMD_FLUSH, CMD_READ, CMD_WRITE, OPT_GO, OPT_LIST, REP_ACK, REP_ERR, REP_SERVER,
+                  RawClient)
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk serve --dir")
 
@@ -136,6 +137,111 @@ def test_hostile_and_unknown_names_are_refused(workdir, serve, name):
     parses = len(name) <= 4096 and b"\xff" not in name and b"\x00" not in name
     assert ("refused NBD_OPT_GO" in srv.stderr()) == parses, srv.stderr()
     assert_target_is(os.path.join(d, "a.img"), model)
+
+
+def test_symlink_inside_is_served_and_outside_refused(workdir, serve):
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    path, model = make_image(d, "real.img", MiB, seed=7)
+    out_path, out_model = make_image(workdir, "outside.img", MiB, seed=8)
+    os.symlink("real.img", os.path.join(d, "link.img"))
+    os.symlink(out_path, os.path.join(d, "out.img"))
+    srv = serve_dir(serve, d)
+    assert listed(srv) == {"real.img": MiB, "link.img": MiB}
+    h = nbd.NBD()
+    h.connect_uri(uri_for(srv, "link.img"))
+    assert h.pread(MiB, 0) == model
+    h.pwrite(b"\xa5" * 4096, 8192)
+    h.flush()
+    h.shutdown()
+    model[8192:12288] = b"\xa5" * 4096
+    c = raw(srv)
+    rtype, payload = go_reply(c, b"out.img")
+    assert rtype == REP_ERR_UNKNOWN, (rtype, payload)
+    assert b"leads outside the exported directory" in payload
+    c.sock.close()
+    srv.terminate()
+    assert_target_is(path, model)
+    assert_target_is(out_path, out_model)
+
+
+def test_swapped_symlink_never_opens_outside(workdir, serve):
+    """A writer of the directory flips `x` between a file inside and a
+    symlink to a file outside while clients open `x` and read, write and
+    flush: the name is checked and then opened, and nothing opened may be
+    the outside file. Bounded by time, not by a count."""
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    size = 64 * 1024
+    inside = os.path.join(d, "inside.img")
+    with open(inside, "wb") as f:
+        f.write(b"I" * size)
+    out_model = b"OUTSIDE!" * (size // 8)
+    outside = os.path.join(workdir, "outside.img")
+    with open(outside, "wb") as f:
+        f.write(out_model)
+    x = os.path.join(d, "x")
+    os.link(inside, x)
+    srv = serve_dir(serve, d)
+    stop = threading.Event()
+    swaps = [0]
+    opened = [0]
+    leaks = []
+    errors = []
+
+    def swapper():
+        # Odd k: a symlink out; even k: a hard link of the file inside
+        # (starting with the symlink, as x is that file now).
+        k = 1
+        try:
+            while not stop.is_set():
+                tmp = os.path.join(d, "tmp%d" % (k % 2))
+                if k % 2:
+                    os.symlink(outside, tmp)
+                else:
+                    os.link(inside, tmp)
+                os.rename(tmp, x)
+                k += 1
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(repr(e))
+        swaps[0] = k - 1
+
+    def client():
+        while not stop.is_set():
+            try:
+                c = raw(srv)
+                rtype, _ = go_reply(c, b"x")
+                if rtype != REP_ACK:
+                    c.close()
+                    continue
+                opened[0] += 1
+                c.send_request(CMD_READ, 0, 4096)
+                _, err, data = c.read_simple_reply(4096)
+                if err == 0 and data != b"I" * 4096:
+                    leaks.append(data[:16])
+                c.request(CMD_WRITE, 4096, 8, payload=b"I" * 8)
+                c.request(CMD_FLUSH)
+                c.disconnect()
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(repr(e))
+                return
+
+    threads = [threading.Thread(target=swapper)]
+    threads += [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    stop.wait(4)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors[:5]
+    # The race was run: the name flipped and clients opened it many times.
+    assert swaps[0] > 100 and opened[0] > 50, (swaps, opened)
+    assert not leaks, "%d reads returned the outside file: %r" % (len(leaks), leaks[:3])
+    with open(outside, "rb") as f:
+        assert f.read() == out_model, "the outside file was written"
+    srv.terminate()
+    assert_target_is(inside, b"I" * size)
 
 
 def test_list_over_the_wire(workdir, serve):

@@ -54,6 +54,11 @@ pub enum CallKind {
     Fadvise,
     /// open(2) of the target.
     Open,
+    /// openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS) of a target inside
+    /// a directory.
+    OpenBeneath,
+    /// openat(2) of a target relative to a directory, resolved freely.
+    OpenAt,
     Fstat,
     /// fstatfs(2) for the file system's magic number.
     FsMagic,
@@ -230,6 +235,15 @@ macro_rules! syscalls {
                 [BlockGeometry, 0, 0, then edit_geometry];
             /// open(2) of the target, O_CLOEXEC.
             fn open(path: &Path, how: OpenHow) -> OwnedFd [Open, 0, 0];
+            /// openat2(2) of `name` relative to the directory `dir` with
+            /// RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS: every step of the
+            /// lookup, symlinks included, stays inside `dir` (EXDEV
+            /// otherwise); O_CLOEXEC. ENOSYS before Linux 5.6.
+            fn open_beneath(dir: BorrowedFd<'_>, name: &Path, how: OpenHow) -> OwnedFd
+                [OpenBeneath, 0, 0];
+            /// openat(2) of `name` relative to the directory `dir`, O_CLOEXEC,
+            /// resolved without restriction.
+            fn open_at(dir: BorrowedFd<'_>, name: &Path, how: OpenHow) -> OwnedFd [OpenAt, 0, 0];
             /// fstat(2).
             fn fstat(fd: BorrowedFd<'_>) -> FileStat [Fstat, 0, 0];
             /// The file system's magic number (fstatfs f_type).
@@ -643,28 +657,40 @@ impl Sys for RealSys {
     }
 
     fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
-        use rustix::fs::{Mode, OFlags};
-        let mut flags = OFlags::CLOEXEC;
-        flags |= if how.read_only {
-            OFlags::RDONLY
+        use rustix::fs::Mode;
+        Ok(rustix::fs::open(
+            path,
+            open_flags(how),
+            Mode::from_raw_mode(0o644),
+        )?)
+    }
+
+    fn open_beneath(&self, dir: BorrowedFd<'_>, name: &Path, how: OpenHow) -> io::Result<OwnedFd> {
+        use rustix::fs::{Mode, ResolveFlags};
+        let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS;
+        // openat2 refuses (EINVAL) a mode without O_CREAT.
+        let mode = if how.create || how.create_new {
+            Mode::from_raw_mode(0o644)
         } else {
-            OFlags::RDWR
+            Mode::empty()
         };
-        if how.direct {
-            flags |= OFlags::DIRECT;
-        }
-        if how.create_new {
-            flags |= OFlags::CREATE | OFlags::EXCL;
-        } else if how.create {
-            flags |= OFlags::CREATE;
-        }
-        if how.truncate {
-            flags |= OFlags::TRUNC;
-        }
-        if how.exclusive {
-            flags |= OFlags::EXCL;
-        }
-        Ok(rustix::fs::open(path, flags, Mode::from_raw_mode(0o644))?)
+        Ok(rustix::fs::openat2(
+            dir,
+            name,
+            open_flags(how),
+            mode,
+            resolve,
+        )?)
+    }
+
+    fn open_at(&self, dir: BorrowedFd<'_>, name: &Path, how: OpenHow) -> io::Result<OwnedFd> {
+        use rustix::fs::Mode;
+        Ok(rustix::fs::openat(
+            dir,
+            name,
+            open_flags(how),
+            Mode::from_raw_mode(0o644),
+        )?)
     }
 
     fn fs_magic(&self, fd: BorrowedFd<'_>) -> io::Result<u64> {
@@ -897,6 +923,32 @@ impl Sys for RealSys {
             len,
         )?)
     }
+}
+
+/// The open(2) flags of `how`, always O_CLOEXEC.
+fn open_flags(how: OpenHow) -> rustix::fs::OFlags {
+    use rustix::fs::OFlags;
+    let mut flags = OFlags::CLOEXEC;
+    flags |= if how.read_only {
+        OFlags::RDONLY
+    } else {
+        OFlags::RDWR
+    };
+    if how.direct {
+        flags |= OFlags::DIRECT;
+    }
+    if how.create_new {
+        flags |= OFlags::CREATE | OFlags::EXCL;
+    } else if how.create {
+        flags |= OFlags::CREATE;
+    }
+    if how.truncate {
+        flags |= OFlags::TRUNC;
+    }
+    if how.exclusive {
+        flags |= OFlags::EXCL;
+    }
+    flags
 }
 
 impl RealSys {

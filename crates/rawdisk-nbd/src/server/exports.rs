@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,6 +83,9 @@ impl Export {
 /// A directory's exports.
 pub(super) struct Dir {
     dir: PathBuf,
+    /// O_PATH fd of the directory: exports are opened beneath it, so what
+    /// is checked is what is opened.
+    fd: OwnedFd,
     opts: OpenOptions,
     /// The export an empty name means, if any (`--default-export`).
     default: Option<String>,
@@ -117,8 +121,15 @@ impl Exports {
         if !dir.is_dir() {
             return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
         }
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::open(
+            &dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
         Ok(Dir {
             dir,
+            fd,
             opts,
             default,
             open: Mutex::new(HashMap::new()),
@@ -266,16 +277,25 @@ impl Dir {
             }
             (n, _) => n,
         };
-        let (path, meta) = self.resolve(name)?;
-        let id = (meta.dev(), meta.ino());
+        // A cheap check by path for a clear refusal; the open below does not
+        // trust it (the name may be swapped in between).
+        let (_, meta) = self.resolve(name)?;
+        let checked = (meta.dev(), meta.ino());
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         open.retain(|_, w| w.strong_count() > 0);
         if let Some(e) = open.get(name).and_then(Weak::upgrade) {
-            if e.id == id {
+            if e.id == checked {
                 return Ok(e);
             }
         }
-        let (target, read_only) = self.open_target(&path)?;
+        // Named by the directory and the name, never by where a symlink led.
+        let path = self.dir.join(name);
+        let (target, read_only) = self.open_target(name, &path, checked)?;
+        // The identity of what was opened, not of what the path names now.
+        let id = target.file_id().map_err(|e| {
+            warn!("cannot export {}: {e}", path.display());
+            format!("cannot open {:?}: {e}", shorten(name))
+        })?;
         let tracker = self.tracker(name, &path, id, target.size())?;
         let e = Arc::new(Export::new(
             name.to_string(),
@@ -309,6 +329,11 @@ impl Dir {
             return Ok(None);
         };
         let mut trackers = self.trackers.lock().unwrap_or_else(|p| p.into_inner());
+        // The tracker opens by path: it must name the file that was opened.
+        match std::fs::metadata(path) {
+            Ok(m) if (m.dev(), m.ino()) == id => {}
+            _ => return Err(format!("{name:?} changed while it was opened; try again")),
+        }
         if let Some((tid, t)) = trackers.get(name) {
             if *tid == id {
                 return Ok(Some(t.clone()));
@@ -334,12 +359,20 @@ impl Dir {
 
     /// Opens read-write unless the server is read-only; a file the server
     /// may only read is exported read-only, as nbdkit's file plugin does.
-    fn open_target(&self, path: &Path) -> Result<(Target, bool), Unknown> {
+    fn open_target(
+        &self,
+        name: &str,
+        path: &Path,
+        checked: (u64, u64),
+    ) -> Result<(Target, bool), Unknown> {
         let cant = |e: &rawdisk_storage::Error| {
             warn!("cannot export {}: {e}", path.display());
-            format!("cannot open {:?}: {}", file_name(path), e)
+            if e.errno() == Some(libc::EXDEV) {
+                return format!("{:?} leads outside the exported directory", shorten(name));
+            }
+            format!("cannot open {:?}: {}", shorten(name), e)
         };
-        match Target::open(path, &self.opts) {
+        match self.open_beneath(name, path, checked, &self.opts) {
             Ok(t) => Ok((t, self.opts.read_only)),
             Err(e)
                 if !self.opts.read_only
@@ -353,19 +386,44 @@ impl Dir {
                     ..self.opts.clone()
                 };
                 debug!("{}: {e}; exporting it read-only", path.display());
-                Target::open(path, &ro)
+                self.open_beneath(name, path, checked, &ro)
                     .map(|t| (t, true))
                     .map_err(|e| cant(&e))
             }
             Err(e) => Err(cant(&e)),
         }
     }
-}
 
-fn file_name(p: &Path) -> String {
-    p.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    /// Opens `name` so that it cannot resolve outside the directory:
+    /// openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS) under the directory's
+    /// fd. Where the kernel has no openat2 (ENOSYS) the name is opened under
+    /// the fd and kept only if its fstat (st_dev, st_ino) is the inode the
+    /// path check found inside (`checked`); anything else is EXDEV.
+    fn open_beneath(
+        &self,
+        name: &str,
+        path: &Path,
+        checked: (u64, u64),
+        opts: &OpenOptions,
+    ) -> rawdisk_storage::Result<Target> {
+        let dir = self.fd.as_fd();
+        match Target::open_beneath(dir, Path::new(name), path, opts) {
+            Err(e) if e.errno() == Some(libc::ENOSYS) => {
+                let t = Target::open_at(dir, Path::new(name), path, opts)?;
+                if t.file_id()? != checked {
+                    return Err(rawdisk_storage::Error::new(
+                        "open",
+                        0,
+                        0,
+                        io::Error::from_raw_os_error(libc::EXDEV),
+                    )
+                    .with_path(path));
+                }
+                Ok(t)
+            }
+            r => r,
+        }
+    }
 }
 
 /// A hostile name is quoted in replies and logs only in part.

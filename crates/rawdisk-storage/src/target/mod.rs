@@ -247,25 +247,51 @@ impl Target {
     }
 
     pub fn open_with_sys(path: &Path, opts: &OpenOptions, sys: Arc<dyn Sys>) -> Result<Target> {
+        let how = open_how(opts);
+        let fd = sys.open(path, how).map_err(|e| open_failed(path, how, e))?;
+        Self::from_fd(fd, path, opts, sys)
+    }
+
+    /// Opens `name` inside the directory `dir` (an fd, O_PATH will do) so
+    /// that no step of the lookup, symlinks included, leaves it: openat2
+    /// with RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS, EXDEV for a path that
+    /// would, ENOSYS on kernels without openat2. `path` names the target in
+    /// messages. What is opened is classified as [`Target::open`] does.
+    pub fn open_beneath(
+        dir: BorrowedFd<'_>,
+        name: &Path,
+        path: &Path,
+        opts: &OpenOptions,
+    ) -> Result<Target> {
+        let sys: Arc<dyn Sys> = Arc::new(RealSys);
+        let how = open_how(opts);
+        let fd = sys
+            .open_beneath(dir, name, how)
+            .map_err(|e| open_failed(path, how, e))?;
+        Self::from_fd(fd, path, opts, sys)
+    }
+
+    /// Opens `name` relative to the directory `dir` without restricting the
+    /// lookup: for callers that check the opened target's identity
+    /// ([`Target::file_id`]) themselves where openat2 is missing.
+    pub fn open_at(
+        dir: BorrowedFd<'_>,
+        name: &Path,
+        path: &Path,
+        opts: &OpenOptions,
+    ) -> Result<Target> {
+        let sys: Arc<dyn Sys> = Arc::new(RealSys);
+        let how = open_how(opts);
+        let fd = sys
+            .open_at(dir, name, how)
+            .map_err(|e| open_failed(path, how, e))?;
+        Self::from_fd(fd, path, opts, sys)
+    }
+
+    /// The target behind `fd`, freshly opened as `opts` says: its type,
+    /// geometry and capabilities come from the fd, never from `path`.
+    fn from_fd(fd: OwnedFd, path: &Path, opts: &OpenOptions, sys: Arc<dyn Sys>) -> Result<Target> {
         let direct = opts.cache == CacheMode::None;
-        let how = OpenHow {
-            read_only: opts.read_only,
-            direct,
-            create: opts.create,
-            create_new: opts.create_new,
-            truncate: opts.truncate,
-            exclusive: opts.exclusive,
-        };
-        let fd = match sys.open(path, how) {
-            Ok(fd) => fd,
-            // ramfs (no direct_IO address-space op) and tmpfs before 6.6
-            // refuse O_DIRECT at open with EINVAL. Say so instead of failing
-            // obscurely, and never fall back silently to the page cache.
-            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
-                return Err(no_direct(path, &format!("the kernel refused it: {e}")));
-            }
-            Err(e) => return Err(open_err(path, "open", e)),
-        };
         let st = sys
             .fstat(fd.as_fd())
             .map_err(|e| open_err(path, "fstat", e))?;
@@ -480,6 +506,15 @@ impl Target {
         &self.caps
     }
 
+    /// st_dev and st_ino of what is open (the device node's for a block
+    /// device), from the fd: its identity, whatever its path now names.
+    pub fn file_id(&self) -> Result<(u64, u64)> {
+        self.sys
+            .fstat(self.fd())
+            .map(|s| (s.dev, s.ino))
+            .map_err(|e| open_err(&self.path, "fstat", e))
+    }
+
     /// Bytes allocated to the file (st_blocks * 512). For a block device this
     /// is the device node's, i.e. 0: use [`Target::block_queue_limits`].
     pub fn allocated_bytes(&self) -> Result<u64> {
@@ -610,6 +645,27 @@ fn no_direct(path: &Path, why: &str) -> Error {
         ),
     )
     .with_path(path)
+}
+
+fn open_how(opts: &OpenOptions) -> OpenHow {
+    OpenHow {
+        read_only: opts.read_only,
+        direct: opts.cache == CacheMode::None,
+        create: opts.create,
+        create_new: opts.create_new,
+        truncate: opts.truncate,
+        exclusive: opts.exclusive,
+    }
+}
+
+fn open_failed(path: &Path, how: OpenHow, e: io::Error) -> Error {
+    // ramfs (no direct_IO address-space op) and tmpfs before 6.6 refuse
+    // O_DIRECT at open with EINVAL. Say so instead of failing obscurely,
+    // and never fall back silently to the page cache.
+    if how.direct && e.raw_os_error() == Some(libc::EINVAL) {
+        return no_direct(path, &format!("the kernel refused it: {e}"));
+    }
+    open_err(path, "open", e)
 }
 
 fn open_err(path: &Path, what: &'static str, e: io::Error) -> Error {
