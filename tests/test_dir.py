@@ -6,6 +6,7 @@ added and deleted while served, the default export, socket activation."""
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import struct
@@ -242,6 +243,28 @@ def test_swapped_symlink_never_opens_outside(workdir, serve):
         assert f.read() == out_model, "the outside file was written"
     srv.terminate()
     assert_target_is(inside, b"I" * size)
+
+
+def test_listers_read_ten_thousand_exports(workdir, serve):
+    """nbdinfo --list and qemu-nbd -L ask about every listed export on one
+    connection (an INFO and meta context queries each): the bound on
+    options before transmission must let them, within the handshake
+    timeout."""
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    sizes = {}
+    for i in range(10000):
+        name = "disk%05d.img" % i
+        sizes[name] = 4096 * (1 + i % 3)
+        with open(os.path.join(d, name), "wb") as f:
+            f.truncate(sizes[name])
+    srv = serve_dir(serve, d)
+    assert listed(srv) == sizes
+    out = subprocess.run(["qemu-nbd", "-L", "-k", srv.sock], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("exports available: 10000\n"), out[:200]
+    got = re.findall(r"^ export: '(.*)'\n  size:  (\d+)$", out, re.M)
+    assert got == sorted((n, str(sz)) for n, sz in sizes.items()), (len(got), out[-500:])
 
 
 def test_list_over_the_wire(workdir, serve):

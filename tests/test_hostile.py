@@ -244,6 +244,30 @@ def test_flood_of_options(export):
     assert_healthy(srv, path, model)
 
 
+def test_flood_after_a_list_is_still_cut_off(export):
+    """NBD_OPT_LIST raises the option bound only by what a lister needs for
+    the names it was told (one here): listing again and again does not
+    open the way to an endless stream of options."""
+    path, model, srv = export
+    c = raw(srv).start()
+    answered = 0
+    try:
+        for _ in range(10):
+            c.send_option(wire.OPT_LIST)
+            while c.read_option_reply()[1] != wire.REP_ACK:
+                pass
+            answered += 1
+        c.sock.sendall(b"".join(struct.pack(">QII", wire.IHAVEOPT, 0x7000, 0) for _ in range(1000)))
+        for _ in range(1000):
+            assert c.read_option_reply()[:2] == (0x7000, wire.REP_ERR_UNSUP)
+            answered += 1
+    except (wire.Closed, *wire.PEER_CLOSED):
+        pass
+    c.sock.close()
+    assert 16 <= answered <= 64 + 4, answered
+    assert_healthy(srv, path, model)
+
+
 def test_export_name_option_old_style_entry(export):
     """NBD_OPT_EXPORT_NAME (what old clients use instead of GO): the server
     answers with size and flags directly (no zero padding: NO_ZEROES)."""

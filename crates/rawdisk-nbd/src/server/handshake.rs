@@ -223,6 +223,10 @@ where
 /// connection is closed.
 const PIPELINED_MAX: usize = 1 << 20;
 
+/// Options a listing client may send per name NBD_OPT_LIST told it, over
+/// `max_options`: NBD_OPT_INFO or GO, and a meta context query.
+const OPTIONS_PER_LISTED: usize = 4;
+
 /// The option haggling phase.
 async fn options<R, W>(
     sh: &Shared,
@@ -245,8 +249,14 @@ where
     // Per export, fixed at the first INFO/GO so INFO and GO agree (spec).
     let mut base_flags: Vec<(String, u16)> = Vec::new();
     let mut data = Vec::new();
+    // Options allowed before transmission: a listing client (nbdinfo
+    // --list, qemu-nbd -L) asks about every name NBD_OPT_LIST told it on
+    // the same connection, so the bound grows with the longest list sent.
+    let mut allowed = cfg.max_options;
+    let mut received = 0usize;
 
-    for _ in 0..cfg.max_options {
+    while received < allowed {
+        received += 1;
         stop.bytes(rd, OPTION_HEADER_LEN).await?;
         let mut hb = [0u8; OPTION_HEADER_LEN];
         hb.copy_from_slice(rd.take(OPTION_HEADER_LEN));
@@ -348,7 +358,12 @@ where
                 return Ok(Outcome::Aborted);
             }
             ClientOption::List => {
-                for (name, description) in sh.exports.list(&cfg.description) {
+                let list = sh.exports.list(&cfg.description);
+                allowed = allowed.max(
+                    cfg.max_options
+                        .saturating_add(list.len().saturating_mul(OPTIONS_PER_LISTED)),
+                );
+                for (name, description) in list {
                     OptionReply::Server { name, description }.encode(h.option, &mut out);
                 }
                 OptionReply::Ack.encode(h.option, &mut out);
@@ -486,8 +501,7 @@ where
         }
     }
     Err(protocol_error(format!(
-        "more than {} options without entering transmission",
-        cfg.max_options
+        "more than {allowed} options without entering transmission"
     )))
 }
 
