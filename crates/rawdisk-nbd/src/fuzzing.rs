@@ -146,6 +146,7 @@ pub fn server(data: &[u8]) {
         max_bytes_per_conn: 1 << 20,
         max_bytes_total: 2 << 20,
         max_payload: SERVER_MAX_PAYLOAD,
+        max_payload_unnegotiated: SERVER_MAX_PAYLOAD,
         ..ServerConfig::default()
     };
     let server = Arc::new(Server::new(scratch_target(), cfg));

@@ -589,7 +589,12 @@ fn session(
         },
         enforce_min_block,
         min_block: export.min_block,
-        max_payload: sh.cfg.max_payload,
+        // Held to what NBD_INFO_BLOCK_SIZE said only if the client asked.
+        max_payload: if enforce_min_block {
+            sh.cfg.max_payload
+        } else {
+            sh.cfg.max_payload_unnegotiated
+        },
         export,
         splice: false,
     }

@@ -94,8 +94,13 @@ pub struct ServerConfig {
     pub max_options: usize,
     /// Largest option data accepted (spec: a server may refuse big options).
     pub max_option_len: u32,
-    /// Maximum payload advertised in NBD_INFO_BLOCK_SIZE and enforced.
+    /// Maximum payload advertised in NBD_INFO_BLOCK_SIZE and enforced on
+    /// clients that asked for it.
     pub max_payload: u32,
+    /// Maximum payload of a client that did not ask for NBD_INFO_BLOCK_SIZE
+    /// (at least `max_payload`): many such clients assume more than the
+    /// spec's 32 MiB default, and the byte budgets still bound memory.
+    pub max_payload_unnegotiated: u32,
     /// After shutdown is requested, connections get this long to finish
     /// their in-flight requests before they are dropped.
     pub shutdown_grace: Duration,
@@ -132,6 +137,7 @@ impl Default for ServerConfig {
             max_options: 64,
             max_option_len: 64 << 10,
             max_payload: 32 << 20,
+            max_payload_unnegotiated: 64 << 20,
             shutdown_grace: Duration::from_secs(10),
             write_behind: WriteBehind::Auto,
             map_writes: false,
@@ -223,7 +229,8 @@ impl Server {
 
     fn with_exports(exports: Exports, mut cfg: ServerConfig) -> Server {
         // The limits must admit the largest request, or it would wait forever.
-        let biggest = cfg.max_payload as usize + 2 * DATA_ALIGN;
+        cfg.max_payload_unnegotiated = cfg.max_payload_unnegotiated.max(cfg.max_payload);
+        let biggest = cfg.max_payload_unnegotiated as usize + 2 * DATA_ALIGN;
         cfg.max_bytes_total = cfg.max_bytes_total.max(biggest);
         cfg.max_unsent_total = cfg.max_unsent_total.max(biggest);
         cfg.max_connections = cfg.max_connections.max(1);
