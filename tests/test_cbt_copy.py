@@ -296,3 +296,42 @@ def test_chain_of_a_block_device_onto_an_nbd_backup(workdir, serve, dev):
     incremental(dev, backup, "c2", read_target(dev), touched, rnd,
                 extra=["--state-dir", sd], dst_spec=dst.uri)
     dst.assert_alive()
+
+
+def checkpoint_list(target):
+    return ok(rawdisk("checkpoint", "list", target)).stdout.decode()
+
+
+@pytest.mark.parametrize("when", ["served", "stopped", "untouched"])
+def test_another_file_at_the_path_makes_a_full_copy(chain_dir, serve, when):
+    """Tracking follows the inode it served, not the path: a file moved over
+    the target while it is served (then SIGTERM), or while nobody serves it
+    (same size, mtime put back), makes c0 inconsistent and the next
+    incremental copy a full one; an untouched target stays consistent and
+    copies only what was written."""
+    src, backup = full_backup(chain_dir, 2010)
+    srv = serve(src, extra=["--track-changes"])
+    with connected(srv.uri) as h:
+        h.pwrite(b"\x11" * 4096, 5 * MiB)
+        h.flush()
+    new, _ = make_image(chain_dir, "new.img", SIZE, seed=2011, sparse=True)
+    if when == "served":
+        os.rename(new, src)
+    assert srv.terminate() == 0
+    if when == "stopped":
+        st = os.stat(src)
+        os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.rename(new, src)
+        assert os.stat(src).st_mtime_ns == st.st_mtime_ns
+    listing = checkpoint_list(src)
+    res = ok(rawdisk("copy", "--changed-since", "c0", src, backup))
+    if when == "untouched":
+        assert "inconsistent" not in listing, listing
+        assert "full copy" not in res.stderr.decode(), res.stderr
+        assert copied_bytes(res.stdout.decode()) == (GRAN, SIZE)
+    else:
+        assert "inconsistent" in listing and "another file" in listing, listing
+        assert "full copy" in res.stderr.decode(), res.stderr
+        assert copied_bytes(res.stdout.decode()) == (SIZE, SIZE)
+    assert_same_bytes(read_target(backup), read_target(src), "backup after the copy")
+    assert rawdisk("compare", src, backup).returncode == 0

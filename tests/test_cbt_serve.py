@@ -9,6 +9,7 @@ file; context listing and hostile queries over a raw socket.
 
 Every test that writes also checks every byte of the export and the file."""
 
+import errno
 import json
 import os
 import random
@@ -22,6 +23,7 @@ import nbd
 import pytest
 
 import servers
+import storage
 import wire
 from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, make_image,
                      random_bytes, read_target)
@@ -383,6 +385,48 @@ def test_outside_change_while_stopped(workdir, serve, how):
     assert_all_changed(srv.uri, ["a"], size=size)
     assert srv.terminate() == 0
     assert checkpoints(path) == {"a": False}
+
+
+def fill(directory):
+    """Fill the file system of `directory` to the last block; returns the filler."""
+    filler = os.path.join(directory, "filler")
+    block = b"\xee" * (4 * KiB)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+def test_a_full_state_file_system_answers_enospc(workdir, serve):
+    """A FLUSH (or FUA write) whose persist cannot write the state file
+    because its file system is full fails with ENOSPC, not EIO; once there
+    is room again the next FLUSH persists the change."""
+    if not storage.is_root():
+        pytest.skip("needs root")
+    path, model = make_image(workdir, "disk.img", SIZE, seed=40)
+    with storage.tmpfs(1) as sd:
+        checkpoint(path, "a", "--state-dir", sd)
+        srv = track(serve, path, "--state-dir", sd)
+        filler = fill(sd)
+        with connected(srv.uri) as h:
+            h.pwrite(b"\x21" * 4096, 3 * MiB)
+            model[3 * MiB:3 * MiB + 4096] = b"\x21" * 4096
+            with pytest.raises(nbd.Error) as e:
+                h.flush()
+            assert e.value.errno == "ENOSPC", e.value
+            with pytest.raises(nbd.Error) as e:
+                h.pwrite(b"\x22" * 4096, 9 * MiB, nbd.CMD_FLAG_FUA)
+            model[9 * MiB:9 * MiB + 4096] = b"\x22" * 4096
+            assert e.value.errno == "ENOSPC", e.value
+            os.unlink(filler)
+            h.flush()
+        assert "NBD_ENOSPC" in srv.stderr(), srv.stderr()
+        assert changed(srv.uri, "a") == chunks(3 * MiB, 4096) | chunks(9 * MiB, 4096)
+        stop_and_check(srv, path, model)
+        assert checkpoints(path, "--state-dir", sd) == {"a": True}
 
 
 def test_a_second_tracking_server_is_refused(workdir, serve):

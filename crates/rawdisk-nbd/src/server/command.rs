@@ -739,11 +739,23 @@ impl Drop for MarkWhenDone<'_> {
 fn persist(sh: &Shared, s: &Session, req: &Request, to: ReplyTo, op: &str) -> Option<Encoded> {
     let t = s.export.tracker.as_ref()?;
     let err = t.persist().err()?;
+    // A full file system under the state file is ENOSPC, so a client that
+    // pauses on ENOSPC (a hypervisor's policy) pauses; the rest is EIO.
+    let code = match err.errno() {
+        Some(libc::ENOSPC | libc::EDQUOT) => NBD_ENOSPC,
+        _ => NBD_EIO,
+    };
     if sh.storage_errors.allow() {
         warn!(
-            "{op} of {} bytes at offset {} answered NBD_EIO: {err}",
-            req.length, req.offset
+            "{op} of {} bytes at offset {} answered {}: {err}",
+            req.length,
+            req.offset,
+            if code == NBD_ENOSPC {
+                "NBD_ENOSPC"
+            } else {
+                "NBD_EIO"
+            }
         );
     }
-    Some(error_reply(s, to, NBD_EIO, &err.to_string(), None))
+    Some(error_reply(s, to, code, &err.to_string(), None))
 }

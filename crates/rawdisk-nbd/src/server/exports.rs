@@ -296,7 +296,7 @@ impl Dir {
             warn!("cannot export {}: {e}", path.display());
             format!("cannot open {:?}: {e}", shorten(name))
         })?;
-        let tracker = self.tracker(name, &path, id, target.size())?;
+        let tracker = self.tracker(name, &path, id, &target)?;
         let e = Arc::new(Export::new(
             name.to_string(),
             Arc::new(target),
@@ -323,7 +323,7 @@ impl Dir {
         name: &str,
         path: &Path,
         id: (u64, u64),
-        size: u64,
+        target: &Target,
     ) -> Result<Option<Arc<Tracker>>, Unknown> {
         let Some(opts) = &self.track else {
             return Ok(None);
@@ -343,7 +343,7 @@ impl Dir {
             }
             trackers.remove(name);
         }
-        match Tracker::open(path, size, opts) {
+        match Tracker::for_target(target, opts) {
             Ok(t) => {
                 let t = Arc::new(t);
                 trackers.insert(name.to_string(), (id, t.clone()));

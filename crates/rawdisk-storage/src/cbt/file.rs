@@ -8,7 +8,7 @@
 //! "mutation" lock held while reading-and-writing the header, byte 1 the
 //! "served" lock a tracking server holds for its whole life.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -34,9 +34,14 @@ pub(crate) struct TargetStat {
 }
 
 pub(crate) fn stat_target(sys: &dyn Sys, target: &Path) -> Result<TargetStat, CbtError> {
-    const OP: &str = "stat target";
-    let err = |e| CbtError::io(OP, target, e);
-    let fd = retry(|| {
+    let fd = open_target(sys, target)?;
+    stat_fd(sys, fd.as_fd(), target)
+}
+
+/// The target opened read-only, to stat it (and, for a tracker, to stat the
+/// very inode it serves at close).
+pub(crate) fn open_target(sys: &dyn Sys, target: &Path) -> Result<OwnedFd, CbtError> {
+    retry(|| {
         sys.open(
             target,
             OpenHow {
@@ -45,14 +50,26 @@ pub(crate) fn stat_target(sys: &dyn Sys, target: &Path) -> Result<TargetStat, Cb
             },
         )
     })
-    .map_err(err)?;
-    let st = retry(|| sys.fstat(fd.as_fd())).map_err(err)?;
+    .map_err(|e| CbtError::io("stat target", target, e))
+}
+
+/// The stamp of the open target `fd` (named `target` in errors): what is
+/// served, whatever the path names by now.
+pub(crate) fn stat_fd(
+    sys: &dyn Sys,
+    fd: BorrowedFd<'_>,
+    target: &Path,
+) -> Result<TargetStat, CbtError> {
+    const OP: &str = "stat target";
+    let err = |e| CbtError::io(OP, target, e);
+    let st = retry(|| sys.fstat(fd)).map_err(err)?;
     if st.is_block {
-        let g = retry(|| sys.block_geometry(fd.as_fd())).map_err(err)?;
+        let g = retry(|| sys.block_geometry(fd)).map_err(err)?;
         return Ok(TargetStat {
             is_block: true,
             stamp: Stamp {
                 size: g.size,
+                id: Some((st.rdev, 0)),
                 ..Stamp::default()
             },
         });
@@ -70,6 +87,7 @@ pub(crate) fn stat_target(sys: &dyn Sys, target: &Path) -> Result<TargetStat, Cb
             size: st.size,
             mtime: st.mtime,
             ctime: st.ctime,
+            id: Some((st.dev, st.ino)),
         },
     })
 }
@@ -358,13 +376,19 @@ pub(crate) fn repair(h: Option<Header>, granularity: u64, stamp: Stamp) -> Heade
 }
 
 /// The checks of an opener that finds nobody serving: a set open flag is a
-/// crash; a target whose size or times moved since they were recorded was
-/// changed from outside. Either makes every checkpoint inconsistent. Then
+/// crash; a target of another identity (device, inode) is another file; a
+/// target whose size or times moved since they were recorded was changed
+/// from outside. An identity not recorded (older state files) is recorded
+/// now; the other checks still apply. Either makes every checkpoint inconsistent. Then
 /// the current stamp is recorded and the open flag cleared (in `h`; the
 /// caller writes it if it writes at all). Returns what was found.
 pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason> {
     let found = if h.open {
         Some(Reason::Crash)
+    } else if h.stamp.id.is_some() && now.stamp.id != h.stamp.id {
+        // Compared strictly, device included: a device number that moved
+        // (a remount) costs a full backup, a missed replacement a wrong one.
+        Some(Reason::Replaced)
     } else if now.stamp.size != h.stamp.size {
         Some(Reason::SizeChanged)
     } else if !now.is_block

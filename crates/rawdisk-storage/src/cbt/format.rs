@@ -2,7 +2,8 @@
 //!
 //! - bytes 0..4096: the header page: magic, version, granularity, the size
 //!   the bitmaps cover, slot size, generation, open flag, checkpoint count,
-//!   the target's mtime/ctime recorded at the last clean close, the
+//!   the target's mtime/ctime and identity (device, inode) recorded at the
+//!   last clean close, the
 //!   checkpoint table (32 entries of 96 bytes from byte 128), and at byte
 //!   4092 a CRC32 of bytes 0..4092;
 //! - from byte 4096: bitmap slot `s` at `4096 + s * slot_bytes`, one bit per
@@ -21,6 +22,10 @@ pub(crate) const PAGE: usize = 4096;
 const TABLE: usize = 128;
 const ENTRY: usize = 96;
 const CRC_AT: usize = PAGE - 4;
+/// The identity: dev, ino, then a word that is 1 when they are recorded.
+/// Bytes once reserved (zero), so files of version 1 without it still load,
+/// as "identity unknown".
+const ID_AT: usize = 80;
 const _: () = assert!(TABLE + MAX_CHECKPOINTS * ENTRY <= CRC_AT);
 
 /// Why a checkpoint is inconsistent; the byte stored in its table entry.
@@ -34,6 +39,9 @@ pub(crate) enum Reason {
     Modified = 3,
     /// The header's CRC did not match.
     Corrupt = 4,
+    /// The file at the target's path is another inode (or on another
+    /// device) than the one recorded.
+    Replaced = 5,
 }
 
 impl Reason {
@@ -43,6 +51,7 @@ impl Reason {
             2 => Reason::SizeChanged,
             3 => Reason::Modified,
             4 => Reason::Corrupt,
+            5 => Reason::Replaced,
             _ => return None,
         })
     }
@@ -54,6 +63,10 @@ impl Reason {
             Reason::SizeChanged => "the target's size changed while it was not tracked",
             Reason::Modified => "the target was modified while it was not tracked",
             Reason::Corrupt => "the state file's header was corrupt",
+            Reason::Replaced => {
+                "the target is another file than the one tracked (its device or inode \
+                 number differs: replaced, or moved to another file system)"
+            }
         }
     }
 }
@@ -65,6 +78,9 @@ pub(crate) struct Stamp {
     pub size: u64,
     pub mtime: (i64, u32),
     pub ctime: (i64, u32),
+    /// (st_dev, st_ino) of a file, (st_rdev, 0) of a block device; None in
+    /// a state file written before identities were recorded.
+    pub id: Option<(u64, u64)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,6 +163,11 @@ impl Header {
         put32(&mut p, 64, self.stamp.mtime.1);
         put32(&mut p, 68, self.stamp.ctime.1);
         put64(&mut p, 72, self.stamp.ctime.0 as u64);
+        if let Some((dev, ino)) = self.stamp.id {
+            put64(&mut p, ID_AT, dev);
+            put64(&mut p, ID_AT + 8, ino);
+            put32(&mut p, ID_AT + 16, 1);
+        }
         for (i, e) in self.checkpoints.iter().enumerate() {
             let at = TABLE + i * ENTRY;
             p[at..at + e.name.len()].copy_from_slice(e.name.as_bytes());
@@ -215,6 +236,7 @@ impl Header {
                 size: get64(p, 24),
                 mtime: (get64(p, 56) as i64, get32(p, 64)),
                 ctime: (get64(p, 72) as i64, get32(p, 68)),
+                id: (get32(p, ID_AT + 16) == 1).then(|| (get64(p, ID_AT), get64(p, ID_AT + 8))),
             },
             generation: get64(p, 40),
             open: get32(p, 48) != 0,
@@ -291,6 +313,7 @@ mod tests {
                 size: 1 << 40,
                 mtime: (1_700_000_000, 5),
                 ctime: (-3, 999_999_999),
+                id: Some((0xfd01, 1 << 40)),
             },
             generation: 7,
             open: true,
@@ -329,6 +352,18 @@ mod tests {
         q[0] = b'X';
         assert_eq!(Header::decode(&q), Err(Bad::NotState));
         assert_eq!(Header::decode(&[0; PAGE]), Err(Bad::Blank));
+    }
+
+    #[test]
+    fn a_header_without_identity_loads_as_unknown() {
+        let mut h = sample();
+        h.stamp.id = None;
+        let p = h.encode();
+        assert!(p[ID_AT..ID_AT + 20].iter().all(|&b| b == 0));
+        assert_eq!(Header::decode(&p), Ok(h));
+        let mut h = sample();
+        h.checkpoints[0].reason = Some(Reason::Replaced);
+        assert_eq!(Header::decode(&h.encode()), Ok(h));
     }
 
     #[test]

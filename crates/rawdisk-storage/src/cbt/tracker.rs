@@ -11,13 +11,14 @@
 //! in between.
 
 use std::collections::BTreeSet;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::bitmap::{self, AtomicBits, Bits};
 use super::file::{
-    check_unserved, infos, new_header, repair, stat_target, state_path_for, Disk, Read,
+    check_unserved, infos, new_header, open_target, repair, stat_fd, state_path_for, Disk, Read,
     MUTATION_BYTE, SERVED_BYTE,
 };
 use super::format::{Header, Reason};
@@ -38,6 +39,10 @@ struct Mem {
 pub struct Tracker {
     disk: Disk,
     target: PathBuf,
+    /// The served target's own descriptor: close records the identity and
+    /// times of the inode that was served, not of whatever the path names
+    /// by then (a file moved over it).
+    served: OwnedFd,
     granularity: u64,
     chunks: u64,
     u: AtomicBits,
@@ -51,10 +56,11 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// `size`: the target's size now. Takes the "served" lock, sets the open
-    /// flag durably, detects crash / outside change (and warns), creates the
-    /// state file if absent. `granularity: Some(g)` differing from an
-    /// existing file's is an error naming both.
+    /// Track the file or device at `target` as it is opened now; `size`:
+    /// the target's size now. Takes the "served" lock, sets the open flag
+    /// durably, detects crash / replacement / outside change (and warns),
+    /// creates the state file if absent. `granularity: Some(g)` differing
+    /// from an existing file's is an error naming both.
     pub fn open(target: &Path, size: u64, opts: &TrackOptions) -> Result<Tracker, CbtError> {
         Self::open_with_sys(target, size, opts, Arc::new(crate::sys::RealSys))
     }
@@ -66,8 +72,30 @@ impl Tracker {
         opts: &TrackOptions,
         sys: Arc<dyn Sys>,
     ) -> Result<Tracker, CbtError> {
+        let served = open_target(&*sys, target)?;
+        Self::open_fd(target, served, size, opts, sys)
+    }
+
+    /// Track the opened target `t` (what a server serves): its identity is
+    /// taken from its descriptor, so a file moved over its path meanwhile
+    /// is seen as another file.
+    pub fn for_target(t: &crate::Target, opts: &TrackOptions) -> Result<Tracker, CbtError> {
+        let served = t
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| CbtError::io("track changes of", t.path(), e))?;
+        Self::open_fd(t.path(), served, t.size(), opts, t.sys.clone())
+    }
+
+    fn open_fd(
+        target: &Path,
+        served: OwnedFd,
+        size: u64,
+        opts: &TrackOptions,
+        sys: Arc<dyn Sys>,
+    ) -> Result<Tracker, CbtError> {
         const OP: &str = "track changes with";
-        let mut st = stat_target(&*sys, target)?;
+        let mut st = stat_fd(&*sys, served.as_fd(), target)?;
         st.stamp.size = size;
         let path = state_path_for(target, opts.state_dir.as_deref(), st.is_block)?;
         if let Some(g) = opts.granularity {
@@ -105,6 +133,7 @@ impl Tracker {
         Ok(Tracker {
             disk,
             target: target.to_path_buf(),
+            served,
             granularity,
             chunks,
             u: AtomicBits::new(chunks),
@@ -367,7 +396,8 @@ impl Tracker {
         ))
     }
 
-    /// Clean shutdown: persist, record the target's size/mtime/ctime, clear
+    /// Clean shutdown: persist, record the served target's identity,
+    /// size/mtime/ctime (from its descriptor), clear
     /// the open flag, fdatasync, release the served lock. Idempotent; Drop
     /// does it best-effort with a log line on failure. After a failure the
     /// open flag stays set: the next start treats it as a crash.
@@ -379,11 +409,12 @@ impl Tracker {
         let r = self.persist_locked().and_then(|()| {
             self.with_mutation(|| {
                 self.refresh_locked()?;
-                let st = stat_target(&*self.disk.sys, &self.target)?;
+                let st = stat_fd(&*self.disk.sys, self.served.as_fd(), &self.target)?;
                 let mut h = self.mem().header.clone();
                 h.open = false;
                 h.stamp.mtime = st.stamp.mtime;
                 h.stamp.ctime = st.stamp.ctime;
+                h.stamp.id = st.stamp.id;
                 if st.stamp.size != h.stamp.size {
                     // Resized behind the server's back: the bitmaps no
                     // longer describe it, and the slot layout follows the

@@ -185,7 +185,7 @@ const RAMFS_MAGIC: u64 = 0x8584_58f6;
 /// One open file or block device. Cheap to share (`Arc`), every method takes
 /// `&self` and is safe from many threads.
 pub struct Target {
-    sys: Arc<dyn Sys>,
+    pub(crate) sys: Arc<dyn Sys>,
     fd: OwnedFd,
     path: PathBuf,
     kind: Kind,
@@ -460,7 +460,7 @@ impl Target {
         })
     }
 
-    fn fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
 

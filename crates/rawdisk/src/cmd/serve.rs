@@ -158,6 +158,8 @@ pub struct Args {
     /// durable before each FLUSH is acknowledged; each checkpoint of
     /// `rawdisk checkpoint` is then offered as the metadata context
     /// rawdisk:changed:NAME (docs/cbt.md). With --dir, one per export.
+    /// Only writes through this server are seen: another process writing
+    /// the same file while it is served is not.
     #[arg(long)]
     track_changes: bool,
     /// Bytes per bit of a new state file's bitmaps: a power of two from 4K
@@ -346,7 +348,7 @@ fn open_target(
 /// `--track-changes` of a single target: fails when another server tracks
 /// it or its state file cannot be made.
 fn open_tracker(path: &Path, target: &Target, opts: &TrackOptions) -> anyhow::Result<Arc<Tracker>> {
-    let t = Tracker::open(path, target.size(), opts)
+    let t = Tracker::for_target(target, opts)
         .map_err(|e| anyhow::anyhow!("cannot serve '{}': {e}", path.display()))?;
     tracing::info!(
         "tracking changes in '{}' ({} bytes per bit)",
