@@ -31,8 +31,6 @@ use crate::scan::{self, ExtentCursor};
 const SECTOR: u64 = 512;
 /// Bytes per read request (less where an NBD server allows less).
 const CHUNK: u64 = 2 << 20;
-/// Runs both sides report as zeros are counted in pieces this large.
-const ZERO_PIECE: u64 = 1 << 30;
 
 #[derive(Debug, Clone, Default)]
 pub struct CompareOptions {
@@ -153,9 +151,8 @@ impl Planner<'_> {
             let (zb, eb) = self.b.run_at(pos).map_err(|e| (Side::B, e))?;
             let end = ea.min(eb).min(self.common);
             match (za, zb) {
-                (true, true) => Work::Skip {
-                    len: (end - pos).min(ZERO_PIECE),
-                },
+                // Whole: a hole's cost must not grow with its size.
+                (true, true) => Work::Skip { len: end - pos },
                 (true, false) => Work::Zero {
                     side: Side::B,
                     offset: pos,
@@ -178,9 +175,7 @@ impl Planner<'_> {
             };
             let (z, e) = cur.run_at(pos).map_err(|e| (self.tail, e))?;
             if z {
-                Work::Skip {
-                    len: (e - pos).min(ZERO_PIECE),
-                }
+                Work::Skip { len: e - pos }
             } else {
                 Work::Zero {
                     side: self.tail,

@@ -45,11 +45,12 @@ impl std::error::Error for Error {}
 
 /// The text of a failed open, worded the same in every command: a directory
 /// opened for writing fails with EISDIR, for reading the engine refuses it as
-/// "not a regular file or block device"; both are said the second way.
+/// "it is a directory, not a regular file or block device"; both are said
+/// the second way.
 pub fn open_error_message(path: &Path, e: &rawdisk_storage::Error) -> String {
     if e.errno() == Some(libc::EISDIR) {
         format!(
-            "open {}: not a regular file or block device",
+            "open {}: it is a directory, not a regular file or block device",
             path.display()
         )
     } else {

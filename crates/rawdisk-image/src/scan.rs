@@ -7,8 +7,11 @@ use std::collections::VecDeque;
 
 use crate::endpoint::{self, Endpoint, MapExtent};
 
-/// Extents are fetched this far ahead, so the planner's lock is rarely held
-/// across an extents call.
+/// Extents of an NBD endpoint are fetched this far ahead, so the planner's
+/// lock is rarely held across an extents call. A local file is asked about
+/// the whole rest: its answer is bounded by a number of runs, not bytes, so
+/// a huge sparse file costs a few SEEK_DATA/SEEK_HOLE calls, not one per
+/// window.
 const LOOKAHEAD: u64 = 8 << 30;
 
 /// The runs of one endpoint in `[0, end)`, fetched lazily, asked for at
@@ -40,7 +43,10 @@ impl<'a> ExtentCursor<'a> {
             }
         }
         if self.queue.is_empty() {
-            let want = (self.end - off).min(LOOKAHEAD);
+            let want = match self.ep {
+                Endpoint::Local { .. } => self.end - off,
+                Endpoint::Nbd { .. } => (self.end - off).min(LOOKAHEAD),
+            };
             let runs = self.ep.extents(off, want)?;
             queue_runs(&mut self.queue, off, self.end, runs);
         }

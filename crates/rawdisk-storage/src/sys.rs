@@ -151,6 +151,8 @@ pub struct OpenHow {
 /// The fields of fstat(2) the engine uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FileStat {
+    /// What the file is, as an error names it ("FIFO", "socket", ...).
+    pub type_name: &'static str,
     pub is_block: bool,
     pub is_regular: bool,
     pub dev: u64,
@@ -658,7 +660,7 @@ impl Sys for RealSys {
 
     fn open(&self, path: &Path, how: OpenHow) -> io::Result<OwnedFd> {
         use rustix::fs::Mode;
-        Ok(rustix::fs::open(
+        blocking(rustix::fs::open(
             path,
             open_flags(how),
             Mode::from_raw_mode(0o644),
@@ -674,7 +676,7 @@ impl Sys for RealSys {
         } else {
             Mode::empty()
         };
-        Ok(rustix::fs::openat2(
+        blocking(rustix::fs::openat2(
             dir,
             name,
             open_flags(how),
@@ -685,7 +687,7 @@ impl Sys for RealSys {
 
     fn open_at(&self, dir: BorrowedFd<'_>, name: &Path, how: OpenHow) -> io::Result<OwnedFd> {
         use rustix::fs::Mode;
-        Ok(rustix::fs::openat(
+        blocking(rustix::fs::openat(
             dir,
             name,
             open_flags(how),
@@ -700,7 +702,18 @@ impl Sys for RealSys {
     fn fstat(&self, fd: BorrowedFd<'_>) -> io::Result<FileStat> {
         let st = rustix::fs::fstat(fd)?;
         let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        use rustix::fs::FileType as T;
         Ok(FileStat {
+            type_name: match ft {
+                T::RegularFile => "regular file",
+                T::BlockDevice => "block device",
+                T::Directory => "directory",
+                T::Fifo => "FIFO",
+                T::Socket => "socket",
+                T::CharacterDevice => "character device",
+                T::Symlink => "symbolic link",
+                _ => "file of unknown type",
+            },
             is_block: ft == rustix::fs::FileType::BlockDevice,
             is_regular: ft == rustix::fs::FileType::RegularFile,
             dev: st.st_dev,
@@ -948,7 +961,16 @@ fn open_flags(how: OpenHow) -> rustix::fs::OFlags {
     if how.exclusive {
         flags |= OFlags::EXCL;
     }
-    flags
+    // Non-blocking, so a FIFO (or a device that waits for a peer) opens at
+    // once and its type can be refused; `blocking` clears it before any I/O.
+    flags | OFlags::NONBLOCK
+}
+
+/// Clears the O_NONBLOCK every open sets (see `open_flags`).
+fn blocking(fd: OwnedFd) -> io::Result<OwnedFd> {
+    use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
+    fcntl_setfl(&fd, fcntl_getfl(&fd)? - OFlags::NONBLOCK)?;
+    Ok(fd)
 }
 
 impl RealSys {

@@ -75,10 +75,10 @@ pub(crate) fn stat_fd(
         });
     }
     if !st.is_regular {
-        return Err(CbtError::msg(
+        return Err(CbtError::io(
             OP,
             target,
-            "not a regular file or block device",
+            crate::target::not_an_image(st.type_name),
         ));
     }
     Ok(TargetStat {
@@ -90,6 +90,13 @@ pub(crate) fn stat_fd(
             id: Some((st.dev, st.ino)),
         },
     })
+}
+
+/// Fails unless `target` is a regular file or a block device (a FIFO is
+/// refused without waiting for a writer): for commands that find no state
+/// file and would otherwise say nothing.
+pub fn check_target(target: &Path) -> Result<(), CbtError> {
+    stat_target(&crate::sys::RealSys, target).map(|_| ())
 }
 
 pub(crate) fn state_path_for(

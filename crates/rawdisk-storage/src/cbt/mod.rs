@@ -39,7 +39,7 @@ mod tracker;
 use std::path::{Path, PathBuf};
 
 pub use error::CbtError;
-pub use file::StateFile;
+pub use file::{check_target, StateFile};
 pub use tracker::Tracker;
 
 /// What a state file's name is the target's file name followed by.

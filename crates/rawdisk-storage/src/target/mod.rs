@@ -300,14 +300,7 @@ impl Target {
         } else if st.is_regular {
             Kind::File
         } else {
-            return Err(open_err(
-                path,
-                "open",
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "not a regular file or block device",
-                ),
-            ));
+            return Err(open_err(path, "open", not_an_image(st.type_name)));
         };
 
         let mut geom = Geometry {
@@ -666,6 +659,14 @@ fn open_failed(path: &Path, how: OpenHow, e: io::Error) -> Error {
         return no_direct(path, &format!("the kernel refused it: {e}"));
     }
     open_err(path, "open", e)
+}
+
+/// The cause for a path that is neither a regular file nor a block device.
+pub(crate) fn not_an_image(type_name: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("it is a {type_name}, not a regular file or block device"),
+    )
 }
 
 fn open_err(path: &Path, what: &'static str, e: io::Error) -> Error {

@@ -115,6 +115,18 @@ fn open(c: &Common, create: bool) -> anyhow::Result<StateFile> {
 /// checkpoints rather than failing.
 fn state_exists(c: &Common) -> anyhow::Result<bool> {
     super::local_only(&c.target, "checkpoint")?;
+    // Nothing to list is an answer only for a target that can be tracked,
+    // in a state directory that exists.
+    cbt::check_target(&c.target)?;
+    if let Some(d) = &c.state_dir {
+        if !d.is_dir() {
+            anyhow::bail!(
+                "list checkpoints of {}: state directory {} does not exist or is not a directory",
+                c.target.display(),
+                d.display()
+            );
+        }
+    }
     let p = cbt::state_path(&c.target, c.state_dir.as_deref())?;
     Ok(Path::new(&p).exists())
 }

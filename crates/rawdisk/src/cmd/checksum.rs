@@ -34,6 +34,10 @@ impl From<DigestArg> for DigestAlg {
 /// digest = H(H(block 1) || ... || H(block N) || size as 64-bit little
 /// endian), blocks of --block-size bytes (the last one shorter). Holes and
 /// zero extents are not read; blocks are hashed on all cores.
+///
+/// The format needs one digest per block, holes included, so the time grows
+/// with the size, not the data: about half a second per TiB of holes on two
+/// cores at 64K blocks (weeks for a sparse file of 8 EiB); -p shows it.
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
     rawdisk checksum disk.img\n  \

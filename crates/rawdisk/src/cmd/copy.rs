@@ -35,7 +35,8 @@ use crate::size::size_arg;
     rawdisk copy --changed-since c1 nbd+unix:///?socket=/run/vm.sock backup.img")]
 pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
-    /// nbd+unix:///export?socket=PATH).
+    /// nbd+unix:///export?socket=PATH). Not a stream: a FIFO, socket or
+    /// character device is refused (its size is not known).
     source: String,
     /// File (created or resized to the source size), block device, NBD URI,
     /// `null:` (read the source, write nothing) or `-` (standard output).
