@@ -33,7 +33,7 @@
 pub(crate) mod bitmap;
 mod error;
 mod file;
-mod format;
+pub(crate) mod format;
 mod tracker;
 
 use std::path::{Path, PathBuf};

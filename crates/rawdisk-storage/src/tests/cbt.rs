@@ -452,6 +452,62 @@ fn resize_while_served_makes_every_checkpoint_inconsistent() {
     tr.close().unwrap();
 }
 
+/// A file moved over the target while it is served: the close records the
+/// inode it served, so the next opener sees another file at the path and
+/// makes every checkpoint inconsistent. The same target closed untouched
+/// stays consistent, and a state file without an identity (older rawdisk)
+/// takes the one it finds.
+#[test]
+fn a_file_moved_over_the_served_one_is_another_file() {
+    for replace in [false, true] {
+        let t = tmp_file(64 * G);
+        let mut sf = state(&t);
+        sf.create_checkpoint(Some("a")).unwrap();
+        let tr = track(&t);
+        tr.mark(2 * G, 1);
+        tr.persist().unwrap();
+        if replace {
+            let new = t.path.with_file_name("new");
+            std::fs::File::create(&new)
+                .unwrap()
+                .set_len(64 * G)
+                .unwrap();
+            std::fs::rename(&new, &t.path).unwrap();
+        }
+        tr.close().unwrap();
+        drop(tr);
+        let r = reasons(&sf);
+        if replace {
+            assert!(!r[0].1, "{r:?}");
+            assert!(r[0].2.as_deref().unwrap().contains("another file"), "{r:?}");
+            assert_eq!(sf.changed_ranges("a").unwrap(), vec![(0, 64 * G)]);
+        } else {
+            assert!(r[0].1, "{r:?}");
+            assert_eq!(sf.changed_ranges("a").unwrap(), vec![(2 * G, G)]);
+        }
+    }
+    // Identity unknown (the reserved bytes zero, CRC fixed): recorded now,
+    // nothing made inconsistent.
+    let t = tmp_file(64 * G);
+    let mut sf = state(&t);
+    sf.create_checkpoint(Some("a")).unwrap();
+    let mut name = t.path.file_name().unwrap().to_os_string();
+    name.push(STATE_SUFFIX);
+    let sp = t.path.with_file_name(name);
+    let mut page = rawdisk_testkit::read_range(&sp, 0, 4096);
+    page[80..100].fill(0);
+    let crc = crate::cbt::format::crc32(&page[..4092]);
+    page[4092..].copy_from_slice(&crc.to_le_bytes());
+    rawdisk_testkit::write_at(&sp, 0, &page);
+    assert!(reasons(&sf)[0].1);
+    let tr = track(&t);
+    tr.close().unwrap();
+    drop(tr);
+    let page = rawdisk_testkit::read_range(&sp, 0, 4096);
+    assert_eq!(&page[96..100], &1u32.to_le_bytes());
+    assert!(reasons(&sf)[0].1);
+}
+
 /// A header whose CRC does not match: every checkpoint inconsistent
 /// ("corrupt"), names kept; new checkpoints work.
 #[test]
