@@ -105,6 +105,8 @@ pub struct ChecksumOptions {
     pub read_size: u64,
     /// NBD connections when the server allows multi-conn.
     pub connections: usize,
+    /// `-f raw`: checksum an image that looks like another format as raw.
+    pub raw: bool,
 }
 
 impl Default for ChecksumOptions {
@@ -115,6 +117,7 @@ impl Default for ChecksumOptions {
             threads: 0,
             read_size: 0,
             connections: 4,
+            raw: false,
         }
     }
 }
@@ -177,6 +180,7 @@ pub fn checksum(
         &EndpointOptions {
             writable: false,
             connections: opts.connections,
+            raw: opts.raw,
             ..Default::default()
         },
     )

@@ -43,6 +43,10 @@ pub struct CompareOptions {
     /// Compare only the first N bytes and ignore what lies past them: `copy
     /// --verify`, whose destination may be longer than its source.
     pub only_first: Option<u64>,
+    /// `-f raw` / `-F raw`: read the first / second image as raw even if it
+    /// looks like another image format.
+    pub raw_a: bool,
+    pub raw_b: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -206,13 +210,14 @@ pub fn compare(
     opts: &CompareOptions,
     progress: &dyn Progress,
 ) -> Result<CompareReport, endpoint::Error> {
-    let eo = EndpointOptions {
+    let eo = |raw| EndpointOptions {
         writable: false,
         connections: opts.connections.max(1),
+        raw,
         ..Default::default()
     };
-    let ea = Endpoint::open_with(a, &eo)?;
-    let eb = Endpoint::open_with(b, &eo)?;
+    let ea = Endpoint::open_with(a, &eo(opts.raw_a))?;
+    let eb = Endpoint::open_with(b, &eo(opts.raw_b))?;
     let r = compare_endpoints(&ea, &eb, opts, progress)?;
     ea.close()?;
     eb.close()?;

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use rawdisk_nbd::client::{self, Client, ConnectOptions, ExportInfo};
 use rawdisk_nbd::uri::{looks_like_nbd_uri, NbdUri};
+use rawdisk_storage::format::{self, Format};
 use rawdisk_storage::{CacheMode, ExtentKind, Kind, OpenOptions, Target, ZeroFlags};
 
 /// A failed operation on an endpoint: which endpoint, and the operation's own
@@ -90,6 +91,10 @@ pub struct EndpointOptions {
     /// NBD: metadata contexts to select besides base:allocation, for
     /// [`Endpoint::context_status`]; the connection fails without them.
     pub extra_contexts: Vec<String>,
+    /// The user said the image is raw (`-f raw`): read-only opens take its
+    /// bytes as raw whatever they look like. Otherwise an input that looks
+    /// like another image format is refused ([`Endpoint::open_with`]).
+    pub raw: bool,
 }
 
 impl Default for EndpointOptions {
@@ -101,6 +106,7 @@ impl Default for EndpointOptions {
             connect_timeout: None,
             request_timeout: None,
             extra_contexts: Vec::new(),
+            raw: false,
         }
     }
 }
@@ -143,16 +149,63 @@ impl Endpoint {
         )
     }
 
+    /// An input (opened read-only) that looks like another image format is
+    /// refused unless `opts.raw`; a destination (writable) is not looked at,
+    /// it is overwritten.
     pub fn open_with(spec: &str, opts: &EndpointOptions) -> Result<Endpoint> {
-        if is_nbd(spec) {
+        let ep = if is_nbd(spec) {
             let uri = NbdUri::parse(spec).map_err(|e| Error {
                 endpoint: spec.to_string(),
                 message: e.to_string(),
                 errno: None,
             })?;
-            return Endpoint::connect(uri, opts);
+            Endpoint::connect(uri, opts)?
+        } else {
+            Endpoint::open_local(Path::new(spec), opts, false)?
+        };
+        if !opts.writable && !opts.raw {
+            ep.refuse_other_format()?;
         }
-        Endpoint::open_local(Path::new(spec), opts, false)
+        Ok(ep)
+    }
+
+    /// What the endpoint looks like, from its first and last bytes (None:
+    /// raw, or nothing recognised).
+    pub fn looks_like(&self) -> Result<Option<Format>> {
+        let size = self.size();
+        // A server with a minimum block size refuses the unaligned tail.
+        let a = self.min_block();
+        format::probe(size, |b, at| {
+            let start = at / a * a;
+            let end = (at + b.len() as u64)
+                .div_ceil(a)
+                .saturating_mul(a)
+                .min(size);
+            if (start, end) == (at, at + b.len() as u64) {
+                return self.read_at(b, at);
+            }
+            let mut v = vec![0u8; (end - start) as usize];
+            self.read_at(&mut v, start)?;
+            let from = (at - start) as usize;
+            b.copy_from_slice(&v[from..from + b.len()]);
+            Ok(())
+        })
+    }
+
+    /// Fails with the one line of [`format::refusal`] when the endpoint
+    /// looks like another image format.
+    pub fn refuse_other_format(&self) -> Result<()> {
+        match self.looks_like()? {
+            None => Ok(()),
+            Some(f) => {
+                let _ = self.close();
+                Err(Error {
+                    endpoint: self.name(),
+                    message: format::refusal(&self.name(), f),
+                    errno: None,
+                })
+            }
+        }
     }
 
     /// Opens a local target; `create` creates a missing regular file.

@@ -19,6 +19,10 @@ pub struct Info {
     pub filename: String,
     /// Always "raw": rawdisk reads no image format.
     pub format: &'static str,
+    /// The image format the first and last bytes show (qcow2, vmdk...),
+    /// when they show one: rawdisk reads it as raw only when told.
+    #[serde(rename = "looks-like", skip_serializing_if = "Option::is_none")]
+    pub looks_like: Option<&'static str>,
     #[serde(rename = "virtual-size")]
     pub virtual_size: u64,
     /// Bytes allocated (st_blocks × 512); absent where it cannot be known.
@@ -69,6 +73,9 @@ pub struct LoopBacking {
 /// Info about a file or block device (opened read-only; nothing is written).
 pub fn info_path(path: &Path) -> Result<Info> {
     let t = crate::open_read_only(path)?;
+    let looks_like = rawdisk_storage::format::probe_target(&t)
+        .map_err(|e| Error::with(format!("cannot read '{}'", path.display()), e))?
+        .map(|f| f.name());
     let g = t.geometry();
     let md = std::fs::metadata(path)
         .map_err(|e| Error::with(format!("stat '{}'", path.display()), e))?;
@@ -90,6 +97,7 @@ pub fn info_path(path: &Path) -> Result<Info> {
     Ok(Info {
         filename: path.display().to_string(),
         format: "raw",
+        looks_like,
         virtual_size: t.size(),
         actual_size: actual,
         kind,
@@ -115,8 +123,12 @@ impl Info {
 
     /// qemu-img's first four lines, then the rest aligned.
     pub fn to_human(&self) -> String {
+        let looks = self
+            .looks_like
+            .map(|f| format!("looks-like: {f}\n"))
+            .unwrap_or_default();
         let mut s = format!(
-            "image: {}\nfile format: {}\nvirtual size: {} ({} bytes)\ndisk size: {}\n",
+            "image: {}\nfile format: {}\n{looks}virtual size: {} ({} bytes)\ndisk size: {}\n",
             self.filename,
             self.format,
             human_size(self.virtual_size),
@@ -286,11 +298,20 @@ impl NbdExport {
     }
 }
 
-/// Info about an NBD export: size and what the handshake negotiated. Nothing
-/// is read or written.
+/// Info about an NBD export: size and what the handshake negotiated, and
+/// what its first and last bytes look like (the only reads; nothing is
+/// written).
 pub fn info_nbd(uri: &str) -> Result<Info> {
-    let ep = crate::endpoint::Endpoint::open(uri, false)
+    let opts = crate::endpoint::EndpointOptions {
+        raw: true,
+        ..Default::default()
+    };
+    let ep = crate::endpoint::Endpoint::open_with(uri, &opts)
         .map_err(|e| Error::with(format!("cannot connect to '{uri}'"), e))?;
+    let looks_like = ep
+        .looks_like()
+        .map_err(|e| Error::with(format!("cannot read '{uri}'"), e))?
+        .map(|f| f.name());
     let i = ep
         .nbd_info()
         .ok_or_else(|| Error::msg(format!("'{uri}' is not an NBD export")))?
@@ -321,6 +342,7 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
     Ok(Info {
         filename: uri.to_string(),
         format: "raw",
+        looks_like,
         virtual_size: size,
         actual_size: None,
         kind: "nbd",

@@ -28,6 +28,20 @@ pub mod sysinfo;
 
 pub use error::{Error, Result};
 
+/// Fails with the one line of [`rawdisk_storage::format::refusal`] when the
+/// target looks like another image format.
+pub(crate) fn refuse_other_format(
+    t: &rawdisk_storage::Target,
+    path: &std::path::Path,
+) -> Result<()> {
+    let shown = path.display().to_string();
+    match rawdisk_storage::format::probe_target(t) {
+        Ok(None) => Ok(()),
+        Ok(Some(f)) => Err(Error::msg(rawdisk_storage::format::refusal(&shown, f))),
+        Err(e) => Err(Error::with(format!("cannot read '{shown}'"), e)),
+    }
+}
+
 /// Opens a file or block device read-only, for the commands that only look
 /// (probe, map, info); the error names the path.
 pub(crate) fn open_read_only(path: &std::path::Path) -> Result<rawdisk_storage::Target> {

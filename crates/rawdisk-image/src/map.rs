@@ -89,9 +89,13 @@ pub fn push_merged(out: &mut Vec<MapEntry>, e: MapEntry) {
 /// fragmented file while keeping the number of calls small.
 const RUNS_PER_CALL: usize = 4096;
 
-/// The map of a file or block device.
-pub fn map_path(path: &Path) -> Result<Vec<MapEntry>> {
+/// The map of a file or block device; one that looks like another image
+/// format is refused unless `raw` (its map would not be the disk's).
+pub fn map_path(path: &Path, raw: bool) -> Result<Vec<MapEntry>> {
     let t = crate::open_read_only(path)?;
+    if !raw {
+        crate::refuse_other_format(&t, path)?;
+    }
     map_target(&t).map_err(|e| Error::with(format!("map '{}'", path.display()), e))
 }
 
@@ -177,19 +181,27 @@ pub fn to_human(entries: &[MapEntry], file: &str) -> String {
 }
 
 /// The map of a local path, or of an NBD export when `target` is an NBD URI.
-pub fn map_target_or_uri(target: &str) -> Result<Vec<MapEntry>> {
+pub fn map_target_or_uri(target: &str, raw: bool) -> Result<Vec<MapEntry>> {
     if crate::endpoint::is_nbd(target) {
-        return map_nbd(target);
+        return map_nbd(target, raw);
     }
-    map_path(Path::new(target))
+    map_path(Path::new(target), raw)
 }
 
 /// The map of an NBD export from NBD_CMD_BLOCK_STATUS (base:allocation):
 /// NBD_STATE_HOLE clear is `data`, NBD_STATE_ZERO is `zero`, as qemu-img
 /// maps them. A server without block status maps as all data.
-pub fn map_nbd(uri: &str) -> Result<Vec<MapEntry>> {
-    let ep = crate::endpoint::Endpoint::open(uri, false)
+pub fn map_nbd(uri: &str, raw: bool) -> Result<Vec<MapEntry>> {
+    let opts = crate::endpoint::EndpointOptions {
+        raw: true,
+        ..Default::default()
+    };
+    let ep = crate::endpoint::Endpoint::open_with(uri, &opts)
         .map_err(|e| Error::with(format!("cannot connect to '{uri}'"), e))?;
+    if !raw {
+        ep.refuse_other_format()
+            .map_err(|e| Error::msg(e.to_string()))?;
+    }
     let size = ep.size();
     let mut out = Vec::new();
     let mut off = 0u64;

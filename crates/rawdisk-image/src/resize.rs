@@ -10,9 +10,9 @@
 //!   report says how much of it was allocated) and only `off`, as qemu-img.
 //! - Block devices cannot be resized here: asking for their current size
 //!   succeeds, anything else fails naming the device's size.
-//! - A file whose first bytes carry another image format's magic (qcow2,
-//!   VMDK, VDI, VHDX, QED, LUKS) is refused unless `force`: resizing such a
-//!   file as raw corrupts it.
+//! - A file that looks like another image format (`rawdisk_storage::format`:
+//!   qcow2, VMDK, VHD...) is refused unless `force`: resizing such a file as
+//!   raw corrupts it.
 //!
 //! A running `rawdisk serve` may have the file open: existing connections
 //! keep the size they were given at the handshake, new connections see the
@@ -322,29 +322,16 @@ fn allocated_in(t: &Target, from: u64, to: u64) -> Result<u64> {
     Ok(data)
 }
 
-/// Magic numbers at offset 0 of the image formats qemu-img probes; resizing
-/// any of them as raw truncates or pads the container and breaks it.
-const MAGICS: [(&[u8], &str); 6] = [
-    (b"QFI\xfb", "qcow2"),
-    (b"KDMV", "vmdk"),
-    (b"vhdxfile", "vhdx"),
-    (b"QED\0", "qed"),
-    (b"LUKS\xba\xbe", "luks"),
-    (b"<<< ", "vdi"),
-];
-
+/// Resizing another format's container as raw truncates or pads it and
+/// breaks it.
 fn refuse_other_format(t: &Target, path: &Path) -> Result<()> {
-    let n = t.size().min(16) as usize;
-    let mut head = [0u8; 16];
-    t.read_at(&mut head[..n], 0)
+    let f = rawdisk_storage::format::probe_target(t)
         .map_err(|e| Error::with(format!("cannot read '{}'", path.display()), e))?;
-    for (magic, name) in MAGICS {
-        if head[..n].starts_with(magic) {
-            return Err(Error::msg(format!(
-                "'{}' looks like a {name} image, not raw: resizing it as raw would corrupt it (use qemu-img resize, or --force to resize it as raw anyway)",
-                path.display()
-            )));
-        }
+    if let Some(name) = f {
+        return Err(Error::msg(format!(
+            "'{}' looks like a {name} image, not raw: resizing it as raw would corrupt it (use qemu-img resize, or --force to resize it as raw anyway)",
+            path.display()
+        )));
     }
     Ok(())
 }

@@ -45,6 +45,7 @@ mod errno;
 pub mod error;
 #[cfg(any(test, feature = "fault-injection"))]
 pub mod fault;
+pub mod format;
 mod registry;
 pub mod sys;
 mod target;

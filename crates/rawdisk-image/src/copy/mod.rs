@@ -88,6 +88,8 @@ pub struct CopyOptions {
     /// requests wait counts as dropped (zero: wait forever); also bounds
     /// each connect and handshake.
     pub request_timeout: Duration,
+    /// `-f raw`: copy a source that looks like another image format as raw.
+    pub raw: bool,
 }
 
 impl CopyOptions {
@@ -104,6 +106,7 @@ impl CopyOptions {
             connect_timeout: t,
             request_timeout: t,
             extra_contexts: Vec::new(),
+            raw: self.raw,
         }
     }
 }
@@ -125,6 +128,7 @@ impl Default for CopyOptions {
             cancel: None,
             retry_timeout: Duration::from_secs(60),
             request_timeout: Duration::from_secs(60),
+            raw: false,
         }
     }
 }

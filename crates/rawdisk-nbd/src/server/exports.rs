@@ -96,6 +96,8 @@ pub(super) struct Dir {
     /// Trackers by export name with the (st_dev, st_ino) they track. They
     /// outlive the connections: only the server's exit closes them cleanly.
     trackers: Mutex<Trackers>,
+    /// Export files that look like another image format as raw (`-f raw`).
+    pub(super) raw: bool,
 }
 
 /// Tracker of each export name, with the (st_dev, st_ino) it tracks.
@@ -135,6 +137,7 @@ impl Exports {
             open: Mutex::new(HashMap::new()),
             track,
             trackers: Mutex::new(HashMap::new()),
+            raw: false,
         })
     }
 
@@ -296,6 +299,9 @@ impl Dir {
             warn!("cannot export {}: {e}", path.display());
             format!("cannot open {:?}: {e}", shorten(name))
         })?;
+        if !self.raw {
+            refuse_other_format(name, &target)?;
+        }
         let tracker = self.tracker(name, &path, id, &target)?;
         let e = Arc::new(Export::new(
             name.to_string(),
@@ -424,6 +430,25 @@ impl Dir {
             r => r,
         }
     }
+}
+
+/// A client would take a qcow2 or VMDK file's bytes for its disk: only
+/// `serve -f raw` exports such a file.
+fn refuse_other_format(name: &str, target: &Target) -> Result<(), Unknown> {
+    match rawdisk_storage::format::probe_target(target) {
+        Ok(None) => Ok(()),
+        Ok(Some(f)) => Err(format!(
+            "{:?} looks like a {f} image, not raw: the server exports it only when started with -f raw",
+            shorten(name)
+        )),
+        Err(e) => Err(format!("cannot read {:?}: {e}", shorten(name))),
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// A hostile name is quoted in replies and logs only in part.

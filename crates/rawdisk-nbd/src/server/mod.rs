@@ -118,6 +118,9 @@ pub struct ServerConfig {
     /// Changed-block tracking of `--dir` exports (`--track-changes`); a
     /// single export gets its tracker from [`Server::new_tracked`].
     pub track_changes: Option<TrackOptions>,
+    /// `--dir`: export files that look like another image format (qcow2,
+    /// VMDK...) as raw (`serve -f raw`); without it NBD_OPT_GO refuses them.
+    pub raw: bool,
 }
 
 impl Default for ServerConfig {
@@ -143,6 +146,7 @@ impl Default for ServerConfig {
             map_writes: false,
             tls: None,
             track_changes: None,
+            raw: false,
         }
     }
 }
@@ -223,7 +227,8 @@ impl Server {
             read_only: opts.read_only || cfg.read_only,
             ..opts
         };
-        let dir = Exports::dir(dir, opts, default_export, cfg.track_changes.clone())?;
+        let mut dir = Exports::dir(dir, opts, default_export, cfg.track_changes.clone())?;
+        dir.raw = cfg.raw;
         Ok(Server::with_exports(Exports::Dir(Box::new(dir)), cfg))
     }
 

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use rawdisk_image::checksum::{self, ChecksumOptions, DigestAlg};
 use rawdisk_image::progress::Bar;
 
-use super::OutputArg;
+use super::{FormatOpt, OutputArg};
 use crate::size::size_arg;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -54,6 +54,8 @@ pub struct Args {
     progress: bool,
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
+    #[command(flatten)]
+    format: FormatOpt,
     /// File, block device, or NBD URI (nbd://host/export, nbd+unix:///export?socket=PATH).
     target: String,
 }
@@ -68,6 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let opts = ChecksumOptions {
         digest: a.digest.into(),
         block_size: a.block_size,
+        raw: a.format.raw(),
         ..Default::default()
     };
     let bar = if a.progress {

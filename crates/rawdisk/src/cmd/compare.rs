@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use rawdisk_image::compare::{self, CompareOptions};
 use rawdisk_image::progress::Bar;
 
-use super::OutputArg;
+use super::{FormatArg, FormatOpt, OutputArg};
 
 /// Compare two images (exit 0 identical, 1 different, 2 error).
 ///
@@ -38,6 +38,12 @@ pub struct Args {
     /// differing byte and what was read (the exit status is the same).
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
+    /// The first image's format.
+    #[command(flatten)]
+    format: FormatOpt,
+    /// The second image's format: only raw (as -f, for the second image).
+    #[arg(short = 'F', long = "second-format", value_enum, value_name = "FORMAT")]
+    second_format: Option<FormatArg>,
     /// First image: file, block device or NBD URI.
     a: String,
     /// Second image: file, block device or NBD URI.
@@ -52,6 +58,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         strict: a.strict,
         threads: 0,
         connections: 4,
+        raw_a: a.format.raw(),
+        raw_b: a.second_format.is_some(),
         ..Default::default()
     };
     let bar = if a.progress && !a.quiet {

@@ -13,7 +13,7 @@
 //! `--changed-since NAME` copies only the ranges changed since a checkpoint
 //! onto the previous backup (an incremental backup; copy/changed.rs).
 
-use super::{CacheArg, FormatArg, PreallocArg};
+use super::{CacheArg, FormatArg, FormatOpt, PreallocArg};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
@@ -44,9 +44,9 @@ pub struct Args {
     /// Progress bar with throughput and ETA (only when stderr is a terminal).
     #[arg(short, long)]
     progress: bool,
-    /// Source format, for qemu-img convert habits: only raw.
-    #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
-    _format: FormatArg,
+    /// Source format (the destination is not looked at: it is overwritten).
+    #[command(flatten)]
+    format: FormatOpt,
     /// Destination format, for qemu-img convert habits: only raw.
     #[arg(short = 'O', long = "output-format", value_enum, default_value = "raw")]
     _output_format: FormatArg,
@@ -186,6 +186,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         cancel: Some(cancel),
         retry_timeout: a.retry_timeout,
         request_timeout: a.request_timeout,
+        raw: a.format.raw(),
     };
     if let Some(name) = &a.changed_since {
         return run_changed(&a, name, &opts, &signal);

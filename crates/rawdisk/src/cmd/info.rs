@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use rawdisk_image::info;
 
-use super::{FormatArg, OutputArg};
+use super::{FormatOpt, OutputArg};
 
 /// Print size, allocation and properties of a target or NBD export.
 ///
@@ -21,9 +21,10 @@ use super::{FormatArg, OutputArg};
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
-    /// Image format, for qemu-img habits: only raw.
-    #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
-    _format: FormatArg,
+    /// Reported either way: info reads any image as raw and says what else
+    /// it looks like (looks-like: qcow2).
+    #[command(flatten)]
+    _format: FormatOpt,
     /// List the exports of the NBD server TARGET names (its export name is
     /// not used), with their sizes and descriptions.
     #[arg(short = 'L', long)]

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use rawdisk_image::map;
 
-use super::{FormatArg, OutputArg};
+use super::{FormatOpt, OutputArg};
 use crate::size::size_arg;
 
 /// Print the allocation map of a target or NBD export, as `qemu-img map`
@@ -21,9 +21,8 @@ use crate::size::size_arg;
 pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
-    /// Image format, for qemu-img habits: only raw.
-    #[arg(short = 'f', long = "format", value_enum, default_value = "raw")]
-    _format: FormatArg,
+    #[command(flatten)]
+    format: FormatOpt,
     /// Map from this byte offset on (qemu-img suffixes).
     #[arg(long, value_name = "OFFSET", allow_hyphen_values = true, value_parser = size_arg)]
     start_offset: Option<u64>,
@@ -35,7 +34,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut entries = map::map_target_or_uri(&args.target)?;
+    let mut entries = map::map_target_or_uri(&args.target, args.format.raw())?;
     if args.start_offset.is_some() || args.max_length.is_some() {
         let start = args.start_offset.unwrap_or(0);
         let end = start.saturating_add(args.max_length.unwrap_or(u64::MAX));

@@ -87,6 +87,25 @@ pub enum FormatArg {
     Raw,
 }
 
+/// `-f raw`, shared by every command that reads an image. Without it an
+/// image that looks like another format is refused (docs/formats.md): its
+/// bytes are not the disk.
+#[derive(clap::Args)]
+pub struct FormatOpt {
+    /// Image format: only raw. Given, an image that looks like another
+    /// format (qcow2, vmdk, vhdx...) is read as raw anyway; without it such
+    /// an image is refused.
+    #[arg(short = 'f', long = "format", value_enum, value_name = "FORMAT")]
+    format: Option<FormatArg>,
+}
+
+impl FormatOpt {
+    /// The user said the image is raw.
+    pub fn raw(&self) -> bool {
+        self.format.is_some()
+    }
+}
+
 /// `--output`, shared by info, map, probe and checkpoint list (qemu-img's `--output=json`).
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum OutputArg {

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use rawdisk_image::progress::Bar;
 use rawdisk_image::resize::{self, ResizeOptions, SizeSpec};
 
-use super::{CacheArg, OutputArg, PreallocArg};
+use super::{CacheArg, FormatOpt, OutputArg, PreallocArg};
 use crate::size::parse_size;
 
 /// Grow or shrink an image file, as `qemu-img resize` does.
@@ -34,6 +34,9 @@ pub struct Args {
     /// as raw anyway.
     #[arg(long)]
     force: bool,
+    /// -f raw: the file is raw, whatever it looks like (as --force).
+    #[command(flatten)]
+    format: FormatOpt,
     /// Page cache or O_DIRECT for the writes of --preallocation full.
     #[arg(long, value_enum, default_value = "writeback")]
     cache: CacheArg,
@@ -66,7 +69,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         size: a.size,
         prealloc: a.preallocation.into(),
         shrink: a.shrink,
-        force: a.force,
+        force: a.force || a.format.raw(),
         cache: a.cache.into(),
         cancel: Some(super::create::cancel_on_signal()),
     };

@@ -49,6 +49,10 @@ pub struct Args {
     /// Refuse writes (NBD_FLAG_READ_ONLY); opens the target read-only.
     #[arg(short = 'r', long)]
     read_only: bool,
+    /// With --dir, exports that look like another image format are refused
+    /// at NBD_OPT_GO unless this is given.
+    #[command(flatten)]
+    format: super::FormatOpt,
     /// Name of the export; clients asking for another name are refused.
     #[arg(
         short = 'e',
@@ -229,6 +233,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         map_writes: args.map_writes,
         tls,
         track_changes: track.clone(),
+        raw: args.format.raw(),
         ..Default::default()
     };
     let open = OpenOptions {
@@ -244,6 +249,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         (None, Some(path)) => {
             let target = open_target(&args, path, open, &mut cleanup)?;
+            if !args.format.raw() {
+                let shown = path.display().to_string();
+                let f = rawdisk_storage::format::probe_target(&target)
+                    .with_context(|| format!("cannot read '{shown}'"))?;
+                if let Some(f) = f {
+                    bail!("{}", rawdisk_storage::format::refusal(&shown, f));
+                }
+            }
             let what = format!(
                 "'{}' ({} bytes, {:?})",
                 path.display(),
