@@ -252,8 +252,9 @@ fn read_only_file_served_suggests_read_only() {
     assert_eq!(std::fs::read(&img).unwrap(), vec![7u8; 4096]);
 }
 
-/// `-f raw` as qemu-img users type it, in info, map and copy (and -O raw in
-/// copy); any other format is refused with the one accepted.
+/// `-f raw` as qemu-img users type it, on every command that takes an image
+/// (and -O raw in copy, -F raw for compare's second image); any other format
+/// is refused with the one accepted.
 #[test]
 fn format_raw_accepted_others_refused() {
     let d = tempdir();
@@ -266,12 +267,24 @@ fn format_raw_accepted_others_refused() {
     run_rawdisk(&["map", "-f", "raw", src]).ok();
     run_rawdisk(&["copy", "-q", "-f", "raw", "-O", "raw", src, dst_s]).ok();
     assert_eq!(std::fs::read(&dst).unwrap(), vec![9u8; 65536]);
+    run_rawdisk(&["checksum", "-f", "raw", src]).ok();
+    let r = run_rawdisk(&["compare", "-f", "raw", "-F", "raw", src, dst_s]).ok();
+    assert_eq!(r.stdout, "Images are identical.\n");
+    run_rawdisk(&["resize", "-q", "--format", "raw", dst_s, "+4K"]).ok();
+    let mut want = vec![9u8; 65536];
+    want.resize(65536 + 4096, 0);
+    assert_eq!(std::fs::read(&dst).unwrap(), want);
     std::fs::remove_file(&dst).unwrap();
     for args in [
         vec!["info", "-f", "qcow2", src],
         vec!["map", "--format", "vmdk", src],
         vec!["copy", "-f", "qcow2", src, dst_s],
         vec!["copy", "-O", "qcow2", src, dst_s],
+        vec!["checksum", "-f", "qcow2", src],
+        vec!["compare", "-f", "qcow2", src, src],
+        vec!["compare", "-F", "vmdk", src, src],
+        vec!["resize", "-f", "qcow2", src, "+1M"],
+        vec!["serve", "-f", "qcow2", "--socket", dst_s, src],
     ] {
         let r = run_rawdisk(&args).fails_one_line(2);
         assert!(
