@@ -1,5 +1,5 @@
 //! `rawdisk serve [-U|-k|--socket PATH | -b|-i|--bind HOST[:PORT] -p|--port PORT]
-//! [-r|--read-only] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--cache writeback|none] [--write-behind] [--map-writes]
+//! [-r|--read-only] [-f raw] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer]
