@@ -218,7 +218,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         // reconnect: compare through new ones.
         Some(_) if a.verify && stats.reconnects > 0 => {
             let s = copy::open_source(&a.source, &opts)?;
-            let d = copy::open_source(&a.destination, &opts)?;
+            // The destination is what was written, not an input to check.
+            let d = copy::open_source(&a.destination, &as_written(&opts))?;
             let v = copy::verify(&s, &d, &opts)?;
             close_quietly(&s, Some(&d));
             Some(v)
@@ -264,6 +265,15 @@ fn interrupted(signal: &AtomicI32, done: u64, size: u64, destination: &str) -> E
 }
 
 /// `--changed-since NAME`: the changed ranges only, onto the previous backup.
+/// Options to reopen the destination for --verify: it is read as raw
+/// whatever the bytes past the source's size look like.
+fn as_written(opts: &CopyOptions) -> CopyOptions {
+    CopyOptions {
+        raw: true,
+        ..opts.clone()
+    }
+}
+
 fn run_changed(
     a: &Args,
     name: &str,
@@ -292,7 +302,7 @@ fn run_changed(
         // As a whole copy's: after a reconnect, through new connections.
         true if stats.reconnects > 0 => {
             let s = copy::open_source(&a.source, opts)?;
-            let d = copy::open_source(&a.destination, opts)?;
+            let d = copy::open_source(&a.destination, &as_written(opts))?;
             let v = copy::verify_changed(&s, &d, &inc.ranges)?;
             close_quietly(&s, Some(&d));
             Some(v)
