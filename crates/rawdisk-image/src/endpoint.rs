@@ -24,6 +24,9 @@ pub struct Error {
     pub message: String,
     /// The errno (local) or NBD error (remote), when there is one.
     pub errno: Option<i32>,
+    /// The NBD client's error this came from, to match on (copy's retry
+    /// tells a dropped connection from a refusal by it).
+    pub nbd: Option<Box<client::Error>>,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -158,6 +161,7 @@ impl Endpoint {
                 endpoint: spec.to_string(),
                 message: e.to_string(),
                 errno: None,
+                nbd: None,
             })?;
             Endpoint::connect(uri, opts)?
         } else {
@@ -223,6 +227,7 @@ impl Endpoint {
             endpoint: path.display().to_string(),
             errno: e.errno(),
             message: open_error_message(path, &e),
+            nbd: None,
         })?;
         Ok(Endpoint::Local {
             path: path.to_path_buf(),
@@ -246,6 +251,7 @@ impl Endpoint {
                 endpoint: uri.to_string(),
                 message: "the NBD export is read-only".into(),
                 errno: Some(libc_eperm()),
+                nbd: None,
             });
         }
         Ok(Endpoint::Nbd {
@@ -407,6 +413,7 @@ impl Endpoint {
                 endpoint: self.name(),
                 message: format!("metadata context {name}: not an NBD export"),
                 errno: None,
+                nbd: None,
             });
         };
         if offset >= end {
@@ -573,6 +580,7 @@ impl Endpoint {
             endpoint: self.name(),
             errno: e.errno(),
             message: e.to_string(),
+            nbd: None,
         }
     }
 
@@ -588,20 +596,11 @@ impl MapExtent {
 }
 
 fn nbd_err(name: &str, e: client::Error) -> Error {
-    // A broken connection (also one that broke in the handshake) is
-    // ECONNRESET, an errno NBD servers never send, so callers can tell it
-    // from the server's answer (copy reconnects).
-    let broken = matches!(
-        e,
-        client::Error::Connection { .. } | client::Error::Dropped { .. }
-    );
     Error {
         endpoint: name.to_string(),
-        errno: e
-            .errno()
-            .map(|n| n as i32)
-            .or(broken.then_some(libc::ECONNRESET)),
+        errno: e.errno().map(|n| n as i32),
         message: e.to_string(),
+        nbd: Some(Box::new(e)),
     }
 }
 
@@ -609,17 +608,18 @@ fn nbd_err(name: &str, e: client::Error) -> Error {
 /// those a server refuses (a connection cap such as `serve
 /// --max-connections` closes them) are left out.
 ///
-/// A refused first connection (a cap answers NBD_REP_ERR_POLICY in the
-/// handshake) may be the slot of a previous client not yet freed on a busy
-/// server: a client asking for several connections (a copy) tries it again
-/// a few times with longer pauses. A drop is left to the caller (copy
-/// retries it in the open, with a log line), and so is a server nothing
-/// listens on.
+/// A first connection refused as busy (a cap answers NBD_REP_ERR_POLICY
+/// in the handshake) may be the slot of a previous client not yet freed on
+/// a busy server: a client asking for several connections (a copy) tries
+/// it again a few times with longer pauses. Any other refusal (a wrong
+/// export name, TLS required) is final at once. A drop is left to the
+/// caller (copy retries it in the open, with a log line), and so is a
+/// server nothing listens on.
 fn connect_capped(uri: &NbdUri, opts: ConnectOptions) -> client::Result<Client> {
     let tries = if opts.connections > 1 { 3 } else { 0 };
     for again in 1..=tries {
         match runtime().block_on(Client::connect_early(uri, &opts)) {
-            Err(e @ client::Error::Handshake { .. }) => {
+            Err(e) if e.is_busy() => {
                 tracing::info!("{uri}: {e}; trying again");
                 std::thread::sleep(Duration::from_millis(200 * again));
             }

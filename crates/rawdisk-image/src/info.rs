@@ -399,8 +399,8 @@ pub fn list_nbd(uri: &str) -> Result<ExportList> {
             client::Error::Connect { message, .. } => {
                 Error::msg(format!("cannot connect to '{uri}': {message}"))
             }
-            client::Error::Handshake { message, .. } => {
-                Error::msg(format!("cannot list exports of '{uri}': {message}"))
+            client::Error::Handshake { cause, .. } => {
+                Error::msg(format!("cannot list exports of '{uri}': {cause}"))
             }
             e => Error::msg(format!("cannot list exports of '{uri}': {e}")),
         })?;

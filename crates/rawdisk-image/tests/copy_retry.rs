@@ -471,3 +471,47 @@ fn export_that_comes_back_different_stops_the_copy() {
         assert!(t0.elapsed() < Duration::from_secs(10), "{e}");
     }
 }
+
+/// A refusal that waiting cannot mend (a wrong export name, here as the
+/// source and as the destination) ends the copy at once, with the server's
+/// answer said once: nothing is retried, however many connections the copy
+/// asks for. The files on both sides are untouched.
+#[test]
+fn wrong_export_name_fails_at_once() {
+    let dir = scratch();
+    let (src, dst) = (dir.path().join("src.img"), dir.path().join("dst.img"));
+    random_file_of(&src, 12, 4 * MIB);
+    random_file_of(&dst, 13, 4 * MIB);
+    let (src_before, dst_before) = (std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+    let srv = Restartable::new("rawdisk", dir.path(), &src, false, false);
+    let wrong = srv.uri().replacen(":///", ":///wrong", 1);
+    let out = dir.path().join("out.img");
+    for (args, what) in [
+        (vec![wrong.as_str(), out.to_str().unwrap()], "source"),
+        (vec![dst.to_str().unwrap(), wrong.as_str()], "destination"),
+    ] {
+        for connections in ["1", "4"] {
+            let t0 = Instant::now();
+            let r = Command::new(rawdisk_bin())
+                .args(["copy", "-C", connections, "--retry-timeout", "20s"])
+                .args(&args)
+                .output()
+                .unwrap();
+            let took = t0.elapsed();
+            let e = String::from_utf8_lossy(&r.stderr);
+            assert_eq!(r.status.code(), Some(1), "{what} -C {connections}: {e}");
+            assert!(
+                took < Duration::from_millis(500),
+                "{what} -C {connections}: {took:?}: {e}"
+            );
+            assert_eq!(e.lines().count(), 1, "{what} -C {connections}: {e}");
+            assert_eq!(e.matches("no such export").count(), 1, "{e}");
+            assert_eq!(e.matches("wrong").count(), 2, "URI and export once: {e}");
+            assert!(e.contains("the server offers ''"), "{e}");
+            assert!(!out.exists(), "{what}: {}", out.display());
+        }
+    }
+    drop(srv);
+    assert_eq!(std::fs::read(&src).unwrap(), src_before);
+    assert_eq!(std::fs::read(&dst).unwrap(), dst_before);
+}

@@ -171,6 +171,7 @@ fn nbd_ranges(src: &Endpoint, context: &str) -> endpoint::Result<Vec<(u64, u64)>
                 endpoint: src.name(),
                 message: format!("block status of {context} at offset {pos}: no extents"),
                 errno: None,
+                nbd: None,
             });
         }
         for (o, l, flags) in runs {

@@ -30,6 +30,7 @@ impl Stream {
             endpoint: self.name.clone(),
             errno: e.raw_os_error(),
             message: format!("write at offset {offset} length {len}: {e}"),
+            nbd: None,
         }
     }
 
@@ -65,6 +66,7 @@ impl Stream {
             endpoint: self.name.clone(),
             errno: e.raw_os_error(),
             message: format!("flush after {at} bytes: {e}"),
+            nbd: None,
         })
     }
 }

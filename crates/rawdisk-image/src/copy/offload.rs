@@ -85,6 +85,7 @@ impl<'a> Offload<'a> {
                 endpoint: self.dst.name(),
                 errno: e.errno(),
                 message: e.to_string(),
+                nbd: None,
             })
     }
 }

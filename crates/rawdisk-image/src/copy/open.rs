@@ -92,6 +92,7 @@ pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Des
                             endpoint: spec.to_string(),
                             errno: e.raw_os_error(),
                             message: format!("truncate to {size} bytes: {e}"),
+                            nbd: None,
                         })
                     })?;
             }
@@ -100,6 +101,7 @@ pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Des
                     endpoint: spec.to_string(),
                     errno: e.errno(),
                     message: e.to_string(),
+                    nbd: None,
                 })
             })?;
             // A file that held nothing before reads as zeros everywhere, so

@@ -16,13 +16,18 @@
 //! Attempts back off from 100 ms to 2 s, each bounded by the time left (a
 //! stopped server accepts connections but never answers them); the timeout
 //! counts from the first failure, and when it passes the error says what
-//! broke and that the server did not come back. The progress bar shows the
-//! attempt while it lasts. The first connect is retried only when the
-//! server dropped it mid-handshake ([`open`]).
+//! broke and that the server did not come back. Only what waiting can mend
+//! is tried again: nothing listening yet, a drop, a refusal as busy
+//! ([`rawdisk_nbd::client::Error::is_busy`]); a wrong export name, TLS
+//! required or failed, a protocol violation end the copy at once. The
+//! progress bar shows the attempt while it lasts. The first connect is
+//! retried only when the server dropped it mid-handshake ([`open`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
+
+use rawdisk_nbd::client;
 
 use super::Side;
 use crate::endpoint::{self, Endpoint, EndpointOptions};
@@ -151,6 +156,7 @@ impl<'a> Link<'a> {
                     ep.size(),
                     first.size()
                 ),
+                nbd: None,
             };
             *failed = Some(e.clone());
             return Err(e);
@@ -218,7 +224,7 @@ fn reopen(
                 });
                 return Ok(ep);
             }
-            Err(e) if e.errno.is_some() && !is_disconnect(&e) => {
+            Err(e) if !may_mend(&e) => {
                 status(String::new());
                 return Err(e);
             }
@@ -265,11 +271,20 @@ fn gave_up(name: &str, cause: &endpoint::Error, timeout: Duration, why: &str) ->
             "{}; gave up reconnecting after {timeout:?}: {why}",
             cause.message
         ),
+        nbd: None,
     }
 }
 
-/// The connection broke under the request (`Endpoint` maps the client's
-/// connection errors to ECONNRESET; NBD servers never send that errno).
+/// The connection broke, under a request or in the handshake.
 fn is_disconnect(e: &endpoint::Error) -> bool {
-    e.errno == Some(libc::ECONNRESET)
+    e.nbd.as_ref().is_some_and(|c| c.is_dropped())
+}
+
+/// A failed reconnect that waiting can mend: the server is not back yet
+/// (nothing listening, a timeout), dropped the connection again, or turned
+/// it away as busy.
+fn may_mend(e: &endpoint::Error) -> bool {
+    e.nbd.as_ref().is_some_and(|c| {
+        c.is_dropped() || c.is_busy() || matches!(**c, client::Error::Connect { .. })
+    })
 }

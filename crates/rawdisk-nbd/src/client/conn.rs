@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::handshake::{greet, handshake, starttls};
-use super::{BlockStatus, ConnectOptions, Error, ExportInfo, Result};
+use super::{BlockStatus, ConnectOptions, Error, ExportInfo, HandshakeError, Result};
 use crate::proto::*;
 use crate::tls::ClientTls;
 use crate::uri::{NbdUri, Transport};
@@ -110,19 +110,22 @@ pub(super) async fn dial(
     };
     let mut r = BufReader::with_capacity(256 * 1024, r);
     let mut w = w;
-    let hs_err = |message: String| handshake_error(target, message);
+    let hs_err = |cause| handshake_error(target, cause);
     let no_zeroes = greet(&mut r, &mut w).await.map_err(hs_err)?;
     if let Some(tls) = tls {
         starttls(&mut r, &mut w).await.map_err(hs_err)?;
         // Spec: nothing but TLS follows the ACK; a server that sent more
         // in plaintext is not one to trust.
         if !r.buffer().is_empty() {
-            return Err(hs_err(
+            return Err(hs_err(HandshakeError::Protocol(
                 "the server sent plaintext after accepting NBD_OPT_STARTTLS".into(),
-            ));
+            )));
         }
         let stream = tokio::io::join(r.into_inner(), w);
-        let (stream, info) = tls.connect(stream).await.map_err(hs_err)?;
+        let (stream, info) = tls
+            .connect(stream)
+            .await
+            .map_err(|e| hs_err(HandshakeError::Tls(e)))?;
         tracing::debug!("{target}: TLS {info}");
         let (tr, tw) = crate::tls::split(stream);
         r = BufReader::with_capacity(256 * 1024, Box::new(tr));
@@ -131,14 +134,10 @@ pub(super) async fn dial(
     Ok((r, w, sock, no_zeroes))
 }
 
-/// A handshake failure: `Dropped` when the server went away mid-way (worth
-/// a retry), else `Handshake`.
-fn handshake_error(target: &str, message: String) -> Error {
-    let target = target.to_string();
-    if dropped(&message) {
-        Error::Dropped { target, message }
-    } else {
-        Error::Handshake { target, message }
+fn handshake_error(target: &str, cause: HandshakeError) -> Error {
+    Error::Handshake {
+        target: target.to_string(),
+        cause,
     }
 }
 
@@ -150,11 +149,10 @@ impl Conn {
         tls: Option<&ClientTls>,
     ) -> Result<(Arc<Conn>, ExportInfo)> {
         let (mut r, mut w, sock, no_zeroes) = dial(uri, target, tls).await?;
-        let hs_err = |message: String| handshake_error(target, message);
         let (info, context_id, contexts) =
             match handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
                 .await
-                .map_err(|m| hs_err(after_tls(tls.is_some(), m)))?
+                .map_err(|e| handshake_error(target, after_tls(tls.is_some(), e)))?
             {
                 Ok(negotiated) => negotiated,
                 Err(message) => {
@@ -417,38 +415,38 @@ impl Drop for Poison<'_> {
     }
 }
 
-/// The connection broke under the handshake (EOF, reset, broken pipe: the
-/// wording of [`read_exact`] and the handshake's writes), as opposed to the
-/// server refusing something. [`after_tls`] words a break right after the
-/// TLS handshake as a likely refusal, which this does not match.
-fn dropped(message: &str) -> bool {
-    message == "the server closed the connection"
-        || (message.starts_with("reading from the server: ")
-            || message.starts_with("writing to the server: "))
-            && !message.contains("right after the TLS handshake")
-}
-
 /// With TLS 1.3 the server checks the client's certificate after the
 /// client has finished its side of the handshake: a refusal then shows up
-/// as the first option failing, sometimes as a bare EPIPE or EOF.
-fn after_tls(tls: bool, message: String) -> String {
-    let bare = message.starts_with("writing to the server")
-        || message == "the server closed the connection";
-    if tls && bare {
-        format!("{message} right after the TLS handshake (did the server refuse this client's certificate?)")
-    } else {
-        message
+/// as the first option failing, sometimes as a bare EPIPE or EOF. That is a
+/// TLS failure, not a drop worth retrying.
+fn after_tls(tls: bool, e: HandshakeError) -> HandshakeError {
+    match e {
+        HandshakeError::Dropped { kind, message }
+            if tls
+                && (kind == std::io::ErrorKind::UnexpectedEof
+                    || message.starts_with("writing to the server")) =>
+        {
+            HandshakeError::Tls(format!("{message} right after the TLS handshake (did the server refuse this client's certificate?)"))
+        }
+        e => e,
     }
 }
 
-pub(super) async fn read_exact(r: &mut Reader, buf: &mut [u8]) -> std::result::Result<(), String> {
-    r.read_exact(buf).await.map(|_| ()).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            "the server closed the connection".to_string()
-        } else {
-            format!("reading from the server: {e}")
-        }
-    })
+pub(super) async fn read_exact(
+    r: &mut Reader,
+    buf: &mut [u8],
+) -> std::result::Result<(), HandshakeError> {
+    r.read_exact(buf)
+        .await
+        .map(|_| ())
+        .map_err(|e| HandshakeError::Dropped {
+            kind: e.kind(),
+            message: if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "the server closed the connection".to_string()
+            } else {
+                format!("reading from the server: {e}")
+            },
+        })
 }
 
 /// Reads replies until the connection ends; returns why it ended.
@@ -479,7 +477,9 @@ async fn reader_loop(conn: &Conn, r: &mut Reader) -> std::result::Result<(), Str
             EXTENDED_REPLY_MAGIC => EXTENDED_REPLY_HEADER_LEN,
             m => return Err(format!("protocol error: unexpected reply magic {m:#010x}")),
         };
-        read_exact(r, &mut hb[4..hlen]).await?;
+        read_exact(r, &mut hb[4..hlen])
+            .await
+            .map_err(|e| e.to_string())?;
         let (hdr, _) =
             decode_reply_header(&hb[..hlen], mode).map_err(|e| format!("protocol error: {e}"))?;
         let cookie = hdr.cookie();
@@ -499,7 +499,9 @@ async fn reader_loop(conn: &Conn, r: &mut Reader) -> std::result::Result<(), Str
                         return Err("protocol error: simple reply to a read after structured replies were negotiated".into());
                     }
                     let (buf, range) = p.buf.as_mut().expect("read has a buffer");
-                    read_exact(r, &mut buf[range.clone()]).await?;
+                    read_exact(r, &mut buf[range.clone()])
+                        .await
+                        .map_err(|e| e.to_string())?;
                     p.covered = p.len;
                 }
                 true
@@ -584,12 +586,14 @@ async fn handle_chunk(
             return Err(format!("protocol error: OFFSET_DATA chunk of {len} bytes"));
         }
         let mut b = [0u8; 8];
-        read_exact(r, &mut b).await?;
+        read_exact(r, &mut b).await.map_err(|e| e.to_string())?;
         let off = u64::from_be_bytes(b);
         let n = len - 8;
         let (start, end) = chunk_range(p, off, n)?;
         let (buf, range) = p.buf.as_mut().expect("read has a buffer");
-        read_exact(r, &mut buf[range.start + start..range.start + end]).await?;
+        read_exact(r, &mut buf[range.start + start..range.start + end])
+            .await
+            .map_err(|e| e.to_string())?;
         p.covered += n;
         return Ok(());
     }
@@ -599,7 +603,9 @@ async fn handle_chunk(
         return Err(format!("protocol error: chunk type {typ} of {len} bytes"));
     }
     let mut payload = vec![0u8; len as usize];
-    read_exact(r, &mut payload).await?;
+    read_exact(r, &mut payload)
+        .await
+        .map_err(|e| e.to_string())?;
     let chunk = decode_chunk(typ, &payload).map_err(|e| format!("protocol error: {e}"))?;
     let unexpected = || {
         format!(

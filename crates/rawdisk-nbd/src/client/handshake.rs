@@ -7,23 +7,38 @@
 use tokio::io::AsyncWriteExt;
 
 use super::conn::{read_exact, Reader, Writer};
-use super::{ConnectOptions, ExportInfo};
+use super::{ConnectOptions, ExportInfo, HandshakeError};
 use crate::proto::*;
+
+type HsResult<T> = std::result::Result<T, HandshakeError>;
+
+fn protocol(message: impl Into<String>) -> HandshakeError {
+    HandshakeError::Protocol(message.into())
+}
+
+/// A failed write: the connection broke.
+pub(super) fn write_failed(e: std::io::Error) -> HandshakeError {
+    HandshakeError::Dropped {
+        kind: e.kind(),
+        message: format!("writing to the server: {e}"),
+    }
+}
 
 /// Reads the greeting and sends the client flags; returns whether the
 /// server leaves out the zero padding of the NBD_OPT_EXPORT_NAME reply.
-pub(super) async fn greet(r: &mut Reader, w: &mut Writer) -> std::result::Result<bool, String> {
-    let io = |e: std::io::Error| format!("writing to the server: {e}");
+pub(super) async fn greet(r: &mut Reader, w: &mut Writer) -> HsResult<bool> {
     let mut b = [0u8; GREETING_LEN];
     read_exact(r, &mut b).await?;
     let (hflags, _) = decode_greeting(&b).map_err(|e| match e {
         DecodeError::Invalid("not a newstyle server") => {
-            "the server does not speak newstyle NBD (oldstyle servers are not supported)".into()
+            protocol("the server does not speak newstyle NBD (oldstyle servers are not supported)")
         }
-        e => format!("not an NBD server: {e}"),
+        e => protocol(format!("not an NBD server: {e}")),
     })?;
     if hflags & FLAG_FIXED_NEWSTYLE == 0 {
-        return Err("the server does not support fixed newstyle negotiation".into());
+        return Err(protocol(
+            "the server does not support fixed newstyle negotiation",
+        ));
     }
     let no_zeroes = hflags & FLAG_NO_ZEROES != 0;
     let mut out = Vec::new();
@@ -31,14 +46,14 @@ pub(super) async fn greet(r: &mut Reader, w: &mut Writer) -> std::result::Result
         &mut out,
         FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 },
     );
-    w.write_all(&out).await.map_err(io)?;
+    w.write_all(&out).await.map_err(write_failed)?;
     Ok(no_zeroes)
 }
 
 /// NBD_OPT_STARTTLS, as the first option (spec: a client that wants TLS
 /// whatever the server's mode SHOULD send it first). An error reply ends
 /// the connection: a TLS URI means TLS or nothing.
-pub(super) async fn starttls(r: &mut Reader, w: &mut Writer) -> std::result::Result<(), String> {
+pub(super) async fn starttls(r: &mut Reader, w: &mut Writer) -> HsResult<()> {
     send_option(w, &ClientOption::StartTls).await?;
     match option_reply(r, OPT_STARTTLS).await? {
         OptionReply::Ack => Ok(()),
@@ -47,13 +62,19 @@ pub(super) async fn starttls(r: &mut Reader, w: &mut Writer) -> std::result::Res
                 REP_ERR_UNSUP | REP_ERR_POLICY => "the server does not offer TLS".to_string(),
                 r => reply_type_name(r).to_string(),
             };
-            Err(if message.is_empty() {
-                format!("NBD_OPT_STARTTLS refused: {why}")
-            } else {
-                format!("NBD_OPT_STARTTLS refused: {why}: {message}")
+            Err(HandshakeError::Refused {
+                option: OPT_STARTTLS,
+                reply: Some(reply),
+                message: if message.is_empty() {
+                    format!("NBD_OPT_STARTTLS refused: {why}")
+                } else {
+                    format!("NBD_OPT_STARTTLS refused: {why}: {message}")
+                },
             })
         }
-        other => Err(format!("unexpected reply {other:?} to NBD_OPT_STARTTLS")),
+        other => Err(protocol(format!(
+            "unexpected reply {other:?} to NBD_OPT_STARTTLS"
+        ))),
     }
 }
 
@@ -70,7 +91,7 @@ pub(super) async fn handshake(
     export: &str,
     opts: &ConnectOptions,
     no_zeroes: bool,
-) -> std::result::Result<std::result::Result<Negotiated, String>, String> {
+) -> HsResult<std::result::Result<Negotiated, String>> {
     let mut extended = false;
     let mut structured = false;
     if opts.extended_headers {
@@ -124,15 +145,25 @@ pub(super) async fn handshake(
                     tracing::debug!(reply = reply_type_name(reply), %message, "server refused SET_META_CONTEXT");
                     if let Some(name) = extra.first() {
                         if matches!(reply, REP_ERR_TLS_REQD | REP_ERR_UNKNOWN | REP_ERR_SHUTDOWN) {
-                            return Err(rep_error("export", export, reply, &message));
+                            return Err(rep_error(
+                                OPT_SET_META_CONTEXT,
+                                "export",
+                                export,
+                                reply,
+                                &message,
+                            ));
                         }
-                        let why = rep_error("metadata context", name, reply, &message);
+                        let why = rep_text("metadata context", name, reply, &message);
                         return Ok(Err(format!("the server refused {why}")));
                     }
                     context = None;
                     break;
                 }
-                other => return Err(format!("unexpected reply {other:?} to SET_META_CONTEXT")),
+                other => {
+                    return Err(protocol(format!(
+                        "unexpected reply {other:?} to SET_META_CONTEXT"
+                    )))
+                }
             }
         }
     }
@@ -161,9 +192,13 @@ pub(super) async fn handshake(
             let mut b = vec![0u8; 10 + if no_zeroes { 0 } else { EXPORT_NAME_PADDING }];
             read_exact(r, &mut b)
                 .await
-                .map_err(|e| format!("export '{export}' refused: {e}"))?;
+                .map_err(|e| HandshakeError::Refused {
+                    option: OPT_EXPORT_NAME,
+                    reply: None,
+                    message: format!("export '{export}' refused: {e}"),
+                })?;
             let ((size, flags), _) =
-                decode_export_name_reply(&b, no_zeroes).map_err(|e| e.to_string())?;
+                decode_export_name_reply(&b, no_zeroes).map_err(|e| protocol(e.to_string()))?;
             info.size = size;
             info.flags = flags;
             if let Some(name) = extra.first() {
@@ -176,20 +211,26 @@ pub(super) async fn handshake(
             true
         }
         Err((reply, message)) => {
-            let mut e = rep_error("export", export, reply, &message);
             // A wrong name: say which the server has, as nbdinfo --list
-            // would (the option phase goes on after an error reply).
+            // would (the option phase goes on after an error reply). The
+            // list replaces the server's own words, which say the same.
             if reply == REP_ERR_UNKNOWN {
                 if let Ok(list) = list_exports(r, w).await {
                     let names: Vec<String> = list.into_iter().map(|(n, _)| n).collect();
-                    e.push_str(&offered(&names));
+                    let mut e = rep_error(OPT_GO, "export", export, reply, "");
+                    if let HandshakeError::Refused { message, .. } = &mut e {
+                        message.push_str(&offered(&names));
+                    }
+                    return Err(e);
                 }
             }
-            return Err(e);
+            return Err(rep_error(OPT_GO, "export", export, reply, &message));
         }
     };
     if !got_export {
-        return Err("the server accepted the export without sending its size".into());
+        return Err(protocol(
+            "the server accepted the export without sending its size",
+        ));
     }
     if info.flags & FLAG_HAS_FLAGS == 0 {
         info.flags = 0;
@@ -216,7 +257,7 @@ async fn info_replies(
     r: &mut Reader,
     opt: u32,
     info: &mut ExportInfo,
-) -> std::result::Result<std::result::Result<bool, (u32, String)>, String> {
+) -> HsResult<std::result::Result<bool, (u32, String)>> {
     let mut got_export = false;
     loop {
         match option_reply(r, opt).await? {
@@ -239,9 +280,9 @@ async fn info_replies(
                         || preferred < min
                         || max < preferred
                     {
-                        return Err(format!(
+                        return Err(protocol(format!(
                             "invalid block sizes from the server: minimum {min}, preferred {preferred}, maximum payload {max}"
-                        ));
+                        )));
                     }
                     info.min_block = min;
                     info.pref_block = preferred;
@@ -254,10 +295,10 @@ async fn info_replies(
             OptionReply::Ack => return Ok(Ok(got_export)),
             OptionReply::Error { reply, message } => return Ok(Err((reply, message))),
             other => {
-                return Err(format!(
+                return Err(protocol(format!(
                     "unexpected reply {other:?} to {}",
                     option_name(opt)
-                ))
+                )))
             }
         }
     }
@@ -269,7 +310,7 @@ async fn info_replies(
 pub(super) async fn list_exports(
     r: &mut Reader,
     w: &mut Writer,
-) -> std::result::Result<Vec<(String, String)>, String> {
+) -> HsResult<Vec<(String, String)>> {
     send_option(w, &ClientOption::List).await?;
     let mut exports = Vec::new();
     loop {
@@ -288,13 +329,21 @@ pub(super) async fn list_exports(
                         reply_type_name(r)
                     ),
                 };
-                return Err(if message.is_empty() {
-                    format!("NBD_OPT_LIST refused: {why}")
-                } else {
-                    format!("NBD_OPT_LIST refused: {why}: {message}")
+                return Err(HandshakeError::Refused {
+                    option: OPT_LIST,
+                    reply: Some(reply),
+                    message: if message.is_empty() || reply == REP_ERR_TLS_REQD {
+                        format!("NBD_OPT_LIST refused: {why}")
+                    } else {
+                        format!("NBD_OPT_LIST refused: {why}: {message}")
+                    },
                 });
             }
-            other => return Err(format!("unexpected reply {other:?} to NBD_OPT_LIST")),
+            other => {
+                return Err(protocol(format!(
+                    "unexpected reply {other:?} to NBD_OPT_LIST"
+                )))
+            }
         }
     }
 }
@@ -307,7 +356,7 @@ pub(super) async fn export_info(
     r: &mut Reader,
     w: &mut Writer,
     name: &str,
-) -> std::result::Result<Option<ExportInfo>, String> {
+) -> HsResult<Option<ExportInfo>> {
     send_option(
         w,
         &ClientOption::Info(InfoRequest {
@@ -324,12 +373,12 @@ pub(super) async fn export_info(
             }
             Ok(Some(info))
         }
-        Ok(false) => Err(format!(
+        Ok(false) => Err(protocol(format!(
             "the server described export '{name}' without its size"
-        )),
+        ))),
         Err((reply, message)) => {
             if reply == REP_ERR_TLS_REQD || reply == REP_ERR_SHUTDOWN {
-                return Err(rep_error("export", name, reply, &message));
+                return Err(rep_error(OPT_INFO, "export", name, reply, &message));
             }
             tracing::debug!(export = name, reply = reply_type_name(reply), %message, "NBD_OPT_INFO refused");
             Ok(None)
@@ -359,9 +408,22 @@ fn offered(names: &[String]) -> String {
     s
 }
 
-fn rep_error(what: &str, export: &str, reply: u32, message: &str) -> String {
+/// The server refused `option` with `reply`.
+fn rep_error(option: u32, what: &str, export: &str, reply: u32, message: &str) -> HandshakeError {
+    HandshakeError::Refused {
+        option,
+        reply: Some(reply),
+        message: rep_text(what, export, reply, message),
+    }
+}
+
+fn rep_text(what: &str, export: &str, reply: u32, message: &str) -> String {
+    // Said once: which option or export met the TLS requirement, and the
+    // server's own "TLS is required", add nothing to it.
+    if reply == REP_ERR_TLS_REQD {
+        return TLS_REQUIRED.to_string();
+    }
     let name = match reply {
-        REP_ERR_TLS_REQD => "the server requires TLS: connect with an nbds:// or nbds+unix:// URI",
         REP_ERR_UNKNOWN => "no such export",
         REP_ERR_SHUTDOWN => "the server is shutting down",
         r => reply_type_name(r),
@@ -373,12 +435,10 @@ fn rep_error(what: &str, export: &str, reply: u32, message: &str) -> String {
     }
 }
 
+const TLS_REQUIRED: &str = "the server requires TLS: connect with an nbds:// or nbds+unix:// URI";
+
 /// Sends an option that needs no data and may be refused: true on ACK.
-async fn optional(
-    r: &mut Reader,
-    w: &mut Writer,
-    opt: ClientOption,
-) -> std::result::Result<bool, String> {
+async fn optional(r: &mut Reader, w: &mut Writer, opt: ClientOption) -> HsResult<bool> {
     let code = opt.option();
     send_option(w, &opt).await?;
     match option_reply(r, code).await? {
@@ -386,43 +446,46 @@ async fn optional(
         OptionReply::Error { reply, message }
             if reply == REP_ERR_SHUTDOWN || reply == REP_ERR_TLS_REQD =>
         {
-            Err(rep_error("option", option_name(code), reply, &message))
+            Err(rep_error(
+                code,
+                "option",
+                option_name(code),
+                reply,
+                &message,
+            ))
         }
         // An optional feature the server refuses is simply not available.
         OptionReply::Error { .. } => Ok(false),
-        other => Err(format!(
+        other => Err(protocol(format!(
             "unexpected reply {other:?} to {}",
             option_name(code)
-        )),
+        ))),
     }
 }
 
-async fn send_option(w: &mut Writer, opt: &ClientOption) -> std::result::Result<(), String> {
+async fn send_option(w: &mut Writer, opt: &ClientOption) -> HsResult<()> {
     let mut b = Vec::new();
     opt.encode(&mut b);
-    w.write_all(&b)
-        .await
-        .map_err(|e| format!("writing to the server: {e}"))?;
-    w.flush()
-        .await
-        .map_err(|e| format!("writing to the server: {e}"))
+    w.write_all(&b).await.map_err(write_failed)?;
+    w.flush().await.map_err(write_failed)
 }
 
-async fn option_reply(r: &mut Reader, opt: u32) -> std::result::Result<OptionReply, String> {
+async fn option_reply(r: &mut Reader, opt: u32) -> HsResult<OptionReply> {
     let mut b = [0u8; OPTION_REPLY_HEADER_LEN];
     read_exact(r, &mut b).await?;
-    let (h, _) = decode_option_reply_header(&b).map_err(|e| format!("bad option reply: {e}"))?;
+    let (h, _) =
+        decode_option_reply_header(&b).map_err(|e| protocol(format!("bad option reply: {e}")))?;
     if h.option != opt {
-        return Err(format!(
+        return Err(protocol(format!(
             "reply to option {} while waiting for {}",
             option_name(h.option),
             option_name(opt)
-        ));
+        )));
     }
     if h.len > 16 << 20 {
-        return Err(format!("option reply of {} bytes", h.len));
+        return Err(protocol(format!("option reply of {} bytes", h.len)));
     }
     let mut data = vec![0u8; h.len as usize];
     read_exact(r, &mut data).await?;
-    OptionReply::parse(h.reply, &data).map_err(|e| format!("bad option reply: {e}"))
+    OptionReply::parse(h.reply, &data).map_err(|e| protocol(format!("bad option reply: {e}")))
 }

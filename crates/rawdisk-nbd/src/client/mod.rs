@@ -37,14 +37,12 @@ pub enum Error {
     /// Could not reach the server.
     #[error("cannot connect to {target}: {message}")]
     Connect { target: String, message: String },
-    /// The handshake failed (the server refused an option, the export, ...).
-    #[error("NBD handshake with {target}: {message}")]
-    Handshake { target: String, message: String },
-    /// The server closed or reset the connection in the middle of the
-    /// handshake (it died, or was restarted): worth trying again, unlike a
-    /// refusal.
-    #[error("NBD handshake with {target}: {message}")]
-    Dropped { target: String, message: String },
+    /// The handshake failed: why, as a value ([`HandshakeError`]).
+    #[error("NBD handshake with {target}: {cause}")]
+    Handshake {
+        target: String,
+        cause: HandshakeError,
+    },
     /// The server does not offer a metadata context the caller asked for
     /// ([`ConnectOptions::extra_contexts`]): asking again will not help.
     #[error("NBD handshake with {target}: {message}")]
@@ -85,6 +83,64 @@ impl Error {
             _ => None,
         }
     }
+
+    /// The connection broke: under a request, or in the handshake (the
+    /// server died or was restarted). Reconnecting may help.
+    pub fn is_dropped(&self) -> bool {
+        matches!(
+            self,
+            Error::Connection { .. }
+                | Error::Handshake {
+                    cause: HandshakeError::Dropped { .. },
+                    ..
+                }
+        )
+    }
+
+    /// The server's NBD_REP_ERR_* when it refused the handshake with one.
+    pub fn refusal(&self) -> Option<u32> {
+        match self {
+            Error::Handshake {
+                cause: HandshakeError::Refused { reply, .. },
+                ..
+            } => *reply,
+            _ => None,
+        }
+    }
+
+    /// A refusal that says "not now" rather than "no": a connection cap
+    /// (rawdisk's `--max-connections`, nbdkit's limit filter) answers
+    /// NBD_REP_ERR_POLICY, a server on its way down NBD_REP_ERR_SHUTDOWN.
+    pub fn is_busy(&self) -> bool {
+        matches!(self.refusal(), Some(REP_ERR_POLICY | REP_ERR_SHUTDOWN))
+    }
+}
+
+/// Why a handshake failed. The text is the one-line message shown after
+/// "NBD handshake with TARGET: "; callers match on the variant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    /// The connection broke (`kind` UnexpectedEof: the server closed it).
+    #[error("{message}")]
+    Dropped {
+        kind: std::io::ErrorKind,
+        message: String,
+    },
+    /// The server refused `option` with `reply` (NBD_REP_ERR_*); None when
+    /// it refused by hanging up (NBD_OPT_EXPORT_NAME has no error reply).
+    #[error("{message}")]
+    Refused {
+        option: u32,
+        reply: Option<u32>,
+        message: String,
+    },
+    /// The TLS handshake failed, or the server refused this client's
+    /// credentials right after it.
+    #[error("{0}")]
+    Tls(String),
+    /// The server broke the protocol, or is not a server this client can use.
+    #[error("{0}")]
+    Protocol(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -275,9 +331,9 @@ pub async fn list_exports(uri: &NbdUri, timeout: Duration) -> Result<Vec<ListedE
 const INFOS_PER_CONNECTION: usize = 16;
 
 async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
-    let hs_err = |message| Error::Handshake {
+    let hs_err = |cause| Error::Handshake {
         target: target.to_string(),
-        message,
+        cause,
     };
     let tls = client_tls(uri, target)?;
     let (mut r, mut w) = negotiate(uri, target, tls.as_ref()).await?;
@@ -808,7 +864,9 @@ async fn open_extra(
                 abort_readers(std::iter::once(&conn));
                 Error::Handshake {
                     target: target.to_string(),
-                    message: "extra connection negotiated a different export".into(),
+                    cause: HandshakeError::Protocol(
+                        "extra connection negotiated a different export".into(),
+                    ),
                 }
             }
             Ok((conn, _)) => {
