@@ -24,7 +24,7 @@ use openssl::ssl::{
 };
 use openssl::x509::store::X509Lookup;
 use openssl::x509::verify::X509VerifyFlags;
-use openssl::x509::X509NameRef;
+use openssl::x509::{X509NameRef, X509VerifyResult};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter, ReadBuf};
 use tokio_openssl::SslStream;
 
@@ -490,6 +490,13 @@ fn handshake_error(e: openssl::ssl::Error) -> io::Error {
 // ---------------------------------------------------------------------------
 // Client
 
+// X509_V_ERR_* (x509_vfy.h): a chain without a trusted root.
+const X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT: i32 = 2;
+const X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT: i32 = 18;
+const X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN: i32 = 19;
+const X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY: i32 = 20;
+const X509_V_ERR_UNABLE_TO_VERIFY_LEAF_SIGNATURE: i32 = 21;
+
 /// TLS settings of a `nbds://` URI (the NBD URI spec's `tls-*` query
 /// parameters, and libnbd's `tls-certificates` and `tls-psk-file`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -513,6 +520,22 @@ pub struct ClientTls {
     ctx: SslContext,
     /// Name checked against the server certificate (None: chain only).
     hostname: Option<String>,
+    /// What the refusals are explained with.
+    creds: Creds,
+}
+
+/// The credentials a client offers, to say which one a server refused.
+#[derive(Debug, Clone)]
+enum Creds {
+    /// X.509 from this directory (None: the system's CAs), with or
+    /// without a client certificate.
+    X509 {
+        dir: Option<PathBuf>,
+        cert: bool,
+    },
+    Psk {
+        user: String,
+    },
 }
 
 impl fmt::Debug for ClientTls {
@@ -532,6 +555,10 @@ impl ClientTls {
             .map_err(ssl_err("TLS: minimum version"))?;
         read_ahead(&mut b);
         let mut hostname = p.hostname.clone().or_else(|| host.map(String::from));
+        let has_cert = |d: &Path| {
+            file_in(d, "client-cert.pem").exists() && file_in(d, "client-key.pem").exists()
+        };
+        let creds;
         match (&p.certificates, &p.psk_file) {
             (Some(_), Some(_)) => {
                 return Err(TlsError(
@@ -554,6 +581,7 @@ impl ClientTls {
                 let key = keys.get(&user).cloned().ok_or_else(|| {
                     TlsError(format!("'{}' has no key for user {user:?}", file.display()))
                 })?;
+                creds = Creds::Psk { user: user.clone() };
                 b.set_cipher_list(PSK_CIPHERS)
                     .map_err(ssl_err("TLS: PSK cipher list"))?;
                 b.set_psk_client_callback(move |_ssl, _hint, identity, out| {
@@ -571,13 +599,22 @@ impl ClientTls {
             }
             (Some(dir), None) => {
                 load_client_x509(&mut b, dir)?;
+                creds = Creds::X509 {
+                    dir: Some(dir.clone()),
+                    cert: has_cert(dir),
+                };
             }
             // libnbd's default directories, so one set of files serves
             // both; else the system's CAs (SslConnector's default).
             (None, None) => {
-                if let Some(dir) = default_certificates() {
-                    load_client_x509(&mut b, &dir)?;
+                let dir = default_certificates();
+                if let Some(dir) = &dir {
+                    load_client_x509(&mut b, dir)?;
                 }
+                creds = Creds::X509 {
+                    cert: dir.as_deref().is_some_and(has_cert),
+                    dir,
+                };
             }
         }
         if !p.verify_peer {
@@ -587,7 +624,83 @@ impl ClientTls {
         Ok(ClientTls {
             ctx: b.build().into_context(),
             hostname,
+            creds,
         })
+    }
+
+    /// Why the server ended the connection right after the TLS handshake
+    /// (`raw`: how it ended). With TLS 1.3 the server checks the client's
+    /// certificate after the client finished its side, so a refusal shows
+    /// up as the first option failing (EPIPE, EOF, a reset).
+    pub(crate) fn refused_after_handshake(&self, raw: &str) -> String {
+        match &self.creds {
+            Creds::X509 {
+                dir: Some(dir),
+                cert: false,
+            } => format!(
+                "the server requires a client certificate (client-cert.pem in {})",
+                dir.display()
+            ),
+            _ => format!(
+                "{raw} right after the TLS handshake (did the server refuse this client's certificate?)"
+            ),
+        }
+    }
+
+    /// A failed handshake as a sentence for the common refusals, the
+    /// OpenSSL reasons in brackets; else what OpenSSL said.
+    fn explain(&self, e: openssl::ssl::Error, verify: X509VerifyResult) -> String {
+        let closed = e
+            .io_error()
+            .is_some_and(|io| io.kind() == io::ErrorKind::UnexpectedEof);
+        // OpenSSL's reason code for a received alert is 1000 + the alert.
+        let alerts: Vec<i32> = e
+            .ssl_error()
+            .map(|s| s.errors().iter().map(|x| x.reason_code() - 1000).collect())
+            .unwrap_or_default();
+        let raw = handshake_error(e).to_string();
+        match &self.creds {
+            // handshake_failure, illegal_parameter, bad_record_mac,
+            // decrypt_error, unknown_psk_identity; GnuTLS servers just
+            // hang up.
+            Creds::Psk { user }
+                if closed || alerts.iter().any(|a| matches!(a, 40 | 47 | 20 | 51 | 115)) =>
+            {
+                format!("the server rejected the key for user {user} ({raw})")
+            }
+            // certificate_required: a server that saw no client
+            // certificate in the handshake itself.
+            Creds::X509 {
+                dir: Some(_),
+                cert: false,
+            } if alerts.contains(&116) => {
+                format!("{} ({raw})", self.refused_after_handshake(&raw))
+            }
+            // The chain does not lead to a CA this client trusts.
+            Creds::X509 { dir, .. }
+                if matches!(
+                    verify.as_raw(),
+                    X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT
+                        | X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT
+                        | X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN
+                        | X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY
+                        | X509_V_ERR_UNABLE_TO_VERIFY_LEAF_SIGNATURE
+                ) =>
+            {
+                let ca = match dir {
+                    Some(d) => format!("ca-cert.pem in {}", d.display()),
+                    None => "the system's CAs".to_string(),
+                };
+                format!(
+                    "the server's certificate is not signed by {ca} (or pass tls-verify-peer=0) ({raw}: {})",
+                    verify.error_string()
+                )
+            }
+            _ if verify != X509VerifyResult::OK => {
+                format!("{raw} (server certificate: {})", verify.error_string())
+            }
+            _ => raw,
+        }
     }
 
     /// Runs the client side of the TLS handshake over `s`; the message says
@@ -611,11 +724,7 @@ impl ClientTls {
         let mut stream = SslStream::new(ssl, gather(s)).map_err(|e| e.to_string())?;
         if let Err(e) = Pin::new(&mut stream).connect().await {
             let verify = stream.ssl().verify_result();
-            let mut msg = handshake_error(e).to_string();
-            if verify != openssl::x509::X509VerifyResult::OK {
-                msg = format!("{msg} (server certificate: {})", verify.error_string());
-            }
-            return Err(msg);
+            return Err(self.explain(e, verify));
         }
         let info = describe(stream.ssl(), None);
         Ok((stream, info))

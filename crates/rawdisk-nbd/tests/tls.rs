@@ -353,6 +353,8 @@ fn psk_write_read_and_refusals() {
     ] {
         let e = connect(&psk_uri(&h, &pki, user, file), 1).unwrap_err();
         assert!(e.contains("TLS handshake failed"), "{what}: {e}");
+        let said = format!("the server rejected the key for user {user} (");
+        assert_eq!(e.matches(&said).count(), 1, "{what}: {e}");
         assert_serves(&h, &good);
     }
 
@@ -366,6 +368,9 @@ fn psk_write_read_and_refusals() {
         e.contains("nbds://"),
         "plaintext client to a TLS server: {e}"
     );
+    // Said once: not again as the option it met, nor the server's words.
+    assert_eq!(e.matches("requires TLS").count(), 1, "{e}");
+    assert_eq!(e.matches("TLS").count(), 1, "{e}");
     assert_serves(&h, &good);
 }
 
@@ -374,8 +379,13 @@ fn server_certificate_must_be_trusted() {
     let (pki, h) = x509_server(true, 10);
     let rogue = cert_uri(&h, &pki, "cli-rogue-ca");
     let e = connect(&rogue, 1).unwrap_err();
-    assert!(
-        e.contains("certificate"),
+    let said = format!(
+        "the server's certificate is not signed by ca-cert.pem in {} (or pass tls-verify-peer=0)",
+        pki.dir("cli-rogue-ca").display()
+    );
+    assert_eq!(
+        e.matches(&said).count(),
+        1,
         "untrusted server certificate: {e}"
     );
     // tls-verify-peer=0 is the way to accept any certificate.
@@ -408,8 +418,16 @@ fn verify_peer_checks_client_certificates_and_crl() {
         // TLS 1.3: the client may finish its side before the server's alert
         // arrives, so the refusal can show at the first option instead.
         let e = connect(&u, 1).unwrap_err();
+        if dir == "cli-nocert" {
+            let said = format!(
+                "the server requires a client certificate (client-cert.pem in {})",
+                pki.dir(dir).display()
+            );
+            assert_eq!(e.matches(&said).count(), 1, "{what}: {e}");
+        }
         assert!(
             e.contains("TLS handshake failed")
+                || e.contains("client certificate")
                 || e.contains(" alert ")
                 || e.contains("refuse this client's certificate"),
             "{what}: {e}"

@@ -152,7 +152,7 @@ impl Conn {
         let (info, context_id, contexts) =
             match handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
                 .await
-                .map_err(|e| handshake_error(target, after_tls(tls.is_some(), e)))?
+                .map_err(|e| handshake_error(target, after_tls(tls, e)))?
             {
                 Ok(negotiated) => negotiated,
                 Err(message) => {
@@ -417,18 +417,14 @@ impl Drop for Poison<'_> {
 
 /// With TLS 1.3 the server checks the client's certificate after the
 /// client has finished its side of the handshake: a refusal then shows up
-/// as the first option failing, sometimes as a bare EPIPE or EOF. That is a
-/// TLS failure, not a drop worth retrying.
-fn after_tls(tls: bool, e: HandshakeError) -> HandshakeError {
-    match e {
-        HandshakeError::Dropped { kind, message }
-            if tls
-                && (kind == std::io::ErrorKind::UnexpectedEof
-                    || message.starts_with("writing to the server")) =>
-        {
-            HandshakeError::Tls(format!("{message} right after the TLS handshake (did the server refuse this client's certificate?)"))
+/// as the first option failing (EPIPE, EOF, a reset). That is a TLS
+/// failure, not a drop worth retrying.
+fn after_tls(tls: Option<&ClientTls>, e: HandshakeError) -> HandshakeError {
+    match (tls, e) {
+        (Some(tls), HandshakeError::Dropped { message, .. }) => {
+            HandshakeError::Tls(tls.refused_after_handshake(&message))
         }
-        e => e,
+        (_, e) => e,
     }
 }
 
