@@ -366,8 +366,57 @@ def test_rawdisk_client_against_qemu_nbd(workdir, pki, ref_server):
     # qemu's server credentials default to verify-peer=on: our client must
     # present cli/client-cert.pem, and without it is refused.
     r = rawdisk("info", f"nbds://127.0.0.1:{port}/?tls-certificates={pki['cli-nocert']}")
-    assert r.returncode != 0 and "TLS" in r.stderr, r.stderr
+    assert r.returncode != 0 and "requires a client certificate" in r.stderr, r.stderr
     uri = f"nbds://127.0.0.1:{port}/?tls-certificates={pki['cli']}"
     copy_both_ways(workdir, uri, path, model, 32, "--connections", "4")
     r = rawdisk("info", f"nbd://127.0.0.1:{port}/")
     assert r.returncode != 0 and "nbds://" in r.stderr, r.stderr
+
+
+def test_rawdisk_copy_refusals_are_sentences_said_at_once(workdir, pki, ref_server):
+    """Refused credentials, against nbdkit (x509 with a required client
+    certificate, PSK) and qemu-nbd: a copy asking for several connections
+    fails at once (nothing is retried) with one line that says which file or
+    user the server refused, once."""
+    path, model = make_image(workdir, "ref.img", SIZE, seed=41)
+    out = os.path.join(workdir, "out.img")
+    sock = os.path.join(workdir, "nbdkit.sock")
+    x509 = f"--tls-certificates={pki['srv']}"
+    nocert = ("tls-certificates=" + pki["cli-nocert"],
+              f"the server requires a client certificate (client-cert.pem in {pki['cli-nocert']})")
+    rogue = ("tls-certificates=" + pki["cli-rogue"],
+             f"the server's certificate is not signed by ca-cert.pem in {pki['cli-rogue']}"
+             " (or pass tls-verify-peer=0)")
+    wrong_key = ("tls-psk-file=" + psk_file(pki, "wrong-psk"),
+                 "the server rejected the key for user alice")
+    port = servers.free_tcp_port()
+    cases = [
+        (["nbdkit", "-f", "-U", sock, "--tls=require", x509, "--tls-verify-peer",
+          "file", f"file={path}"], dict(sock=sock),
+         f"nbds+unix:///?socket={sock}&", "", [nocert, rogue]),
+        (["nbdkit", "-f", "-U", sock, "--tls=require", f"--tls-psk={psk_file(pki)}",
+          "file", f"file={path}"], dict(sock=sock),
+         f"nbds+unix://alice@/?socket={sock}&", f"nbd+unix:///?socket={sock}", [wrong_key]),
+        (["qemu-nbd", "-f", "raw", "-t", "-b", "127.0.0.1", "-p", str(port), "--object",
+          f"tls-creds-x509,id=tls0,dir={pki['srv']},endpoint=server", "--tls-creds", "tls0",
+          path], dict(port=port),
+         f"nbds://127.0.0.1:{port}/?", f"nbd://127.0.0.1:{port}/", [nocert, rogue]),
+    ]
+    for argv, where, base, plain, refusals in cases:
+        if os.path.exists(sock):
+            os.unlink(sock)
+        srv = ref_server(argv, **where)
+        tries = [(base + q, said) for q, said in refusals]
+        if plain:
+            tries.append((plain, "the server requires TLS: connect with an nbds://"))
+        for uri, said in tries:
+            t0 = time.monotonic()
+            r = rawdisk("copy", "-C", "4", uri, out)
+            took = time.monotonic() - t0
+            assert r.returncode == 1, (argv[0], uri, r.stderr)
+            assert r.stderr.count(said) == 1, (argv[0], said, r.stderr)
+            assert r.stderr.count("\n") == 1, r.stderr
+            assert took < 0.5, (argv[0], uri, took, r.stderr)
+            assert not os.path.exists(out), out
+        srv.stop()
+    assert_target_is(path, model, "the served file")

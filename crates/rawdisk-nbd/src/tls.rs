@@ -650,14 +650,19 @@ impl ClientTls {
     /// A failed handshake as a sentence for the common refusals, the
     /// OpenSSL reasons in brackets; else what OpenSSL said.
     fn explain(&self, e: openssl::ssl::Error, verify: X509VerifyResult) -> String {
-        let closed = e
-            .io_error()
-            .is_some_and(|io| io.kind() == io::ErrorKind::UnexpectedEof);
-        // OpenSSL's reason code for a received alert is 1000 + the alert.
-        let alerts: Vec<i32> = e
+        let reasons: Vec<i32> = e
             .ssl_error()
-            .map(|s| s.errors().iter().map(|x| x.reason_code() - 1000).collect())
+            .map(|s| s.errors().iter().map(|x| x.reason_code()).collect())
             .unwrap_or_default();
+        // The server hung up: EOF with nothing said (OpenSSL reports it as
+        // an io error, as no error at all, or as reason 294,
+        // SSL_R_UNEXPECTED_EOF_WHILE_READING).
+        let closed = match e.io_error() {
+            Some(io) => io.kind() == io::ErrorKind::UnexpectedEof,
+            None => reasons.is_empty() || reasons.contains(&294),
+        };
+        // OpenSSL's reason code for a received alert is 1000 + the alert.
+        let alerts: Vec<i32> = reasons.iter().map(|r| r - 1000).collect();
         let raw = handshake_error(e).to_string();
         match &self.creds {
             // handshake_failure, illegal_parameter, bad_record_mac,
