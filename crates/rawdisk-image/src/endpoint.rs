@@ -207,6 +207,7 @@ impl Endpoint {
                     endpoint: self.name(),
                     message: format::refusal(&self.name(), f),
                     errno: None,
+                    nbd: None,
                 })
             }
         }

@@ -445,12 +445,6 @@ fn refuse_other_format(name: &str, target: &Target) -> Result<(), Unknown> {
     }
 }
 
-fn file_name(p: &Path) -> String {
-    p.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
 /// A hostile name is quoted in replies and logs only in part.
 fn shorten(name: &str) -> &str {
     match name.char_indices().nth(64) {
