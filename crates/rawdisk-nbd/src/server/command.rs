@@ -5,14 +5,12 @@
 
 use std::cell::RefCell;
 use std::io;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
-use rawdisk_storage::{CacheMode, ExtentKind, Kind, Method, ZeroFlags};
-use tracing::{debug, trace, warn};
+use rawdisk_storage::{CacheMode, ExtentKind, Method, ZeroFlags};
+use tracing::{debug, warn};
 
 use super::buffers::PIPE_BYTES;
-use super::exports::Export;
+use super::export::{Cause, Failure, ZERO_OP};
 use super::meta::{Context, STATE_CHANGED};
 use super::{Session, Shared};
 use crate::proto::*;
@@ -21,12 +19,6 @@ use crate::sock::Pipe;
 /// Reads at least this long ask the storage for holes first and answer them
 /// with hole chunks; below it a lookup costs more than reading zeros.
 const SPARSE_READ_MIN: u64 = 64 << 10;
-/// Extents looked up for one sparse read.
-const SPARSE_READ_RUNS: usize = 64;
-/// A hole lookup slower than this that found only data...
-const SPARSE_LOOKUP_SLOW: Duration = Duration::from_micros(200);
-/// ...makes this many following reads skip the lookup.
-const SPARSE_SKIP_READS: u64 = 64;
 /// Descriptors in one block status reply (the spec's SHOULD limit is 2^20;
 /// clients ask again from where the reply ends).
 const MAX_DESCRIPTORS: usize = 16 << 10;
@@ -34,40 +26,6 @@ const MAX_DESCRIPTORS: usize = 16 << 10;
 /// (splice_read): below it a copy costs less than the splice calls and the
 /// header's own send.
 const SPLICE_MIN: u64 = 64 << 10;
-
-impl Export {
-    /// Whether a read is worth a hole lookup: not on block devices (no
-    /// SEEK_HOLE there), not on fully allocated files (one fstat tells), not
-    /// right after lookups that were slow and found only data.
-    fn may_have_holes(&self, size: u64) -> bool {
-        let t = &self.target;
-        if t.kind() == Kind::Block {
-            return false;
-        }
-        let skipped = self
-            .sparse_skip
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
-        if skipped.is_ok() {
-            return false;
-        }
-        if matches!(t.allocated_bytes(), Ok(a) if a >= size) {
-            // Fully allocated: trust that for the next reads instead of an
-            // fstat per request (it showed in strace of 1 MiB reads). Holes
-            // punched through this server reset the skip (`holes_made`);
-            // one punched by someone else is served as data, which is
-            // always a correct answer.
-            self.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-
-    /// A trim or zero of ours may have made a hole: look again at the next
-    /// read.
-    fn holes_made(&self) {
-        self.sparse_skip.store(0, Ordering::Relaxed);
-    }
-}
 
 pub(super) type Reject = (u32, &'static str);
 
@@ -180,7 +138,7 @@ fn error_reply(s: &Session, to: ReplyTo, err: u32, msg: &str, offset: Option<u64
 }
 
 /// The NBD error for a storage failure.
-fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
+pub(super) fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
     if let Some(n) = e.errno() {
         return errno_to_nbd(n);
     }
@@ -294,98 +252,49 @@ pub(super) fn execute(
     to: ReplyTo,
     data: Option<(Vec<u8>, usize, usize)>,
 ) -> Encoded {
-    let t = &*s.export.target;
+    let e = &*s.export;
     let fua = req.flags & CMD_FLAG_FUA != 0;
-    let _done = MarkWhenDone(s, req);
-    let fail = |op: &str, e: &rawdisk_storage::Error| storage_error(sh, s, req, to, op, e);
+    let done = |r: Result<(), Failure>| answer(sh, s, req, to, r);
     match req.command {
         Command::Read => read(sh, s, req, to),
         Command::Write => {
             let Some((buf, start, n)) = data else {
                 return whole(small_ok(s, to));
             };
-            let r = t.write_at(&buf[start..start + n], req.offset, fua);
-            let e = &s.export;
-            if r.is_ok() && !fua && e.write_behind.after_write(req.offset, n as u64) {
-                e.write_behind.start(&e.target, req.offset, n as u64);
-            }
+            let r = e.write(req.offset, &buf[start..start + n], fua);
             sh.pool.put(buf);
-            match r {
-                Ok(()) if fua => {
-                    persist(sh, s, req, to, "write (FUA)").unwrap_or_else(|| whole(small_ok(s, to)))
-                }
-                Ok(()) => whole(small_ok(s, to)),
-                Err(e) => fail("write", &e),
-            }
+            done(r)
         }
-        Command::Flush => match t.flush() {
-            Ok(()) => {
-                s.export.write_behind.flushed();
-                persist(sh, s, req, to, "flush").unwrap_or_else(|| whole(small_ok(s, to)))
-            }
-            Err(e) => fail("flush", &e),
-        },
-        Command::Trim => {
-            if req.length == 0 {
-                return whole(small_ok(s, to));
-            }
-            match t.trim(req.offset, req.length) {
-                Ok(()) => s.export.holes_made(),
-                // Trim is advisory; "not supported" is success (and the spec
-                // reserves ENOTSUP for fast zero).
-                Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
-                Err(e) => return fail("trim", &e),
-            }
-            if fua {
-                if let Err(e) = t.flush() {
-                    return fail("trim (FUA flush)", &e);
-                }
-                if let Some(r) = persist(sh, s, req, to, "trim (FUA)") {
-                    return r;
-                }
-            }
-            whole(small_ok(s, to))
-        }
+        Command::Flush => done(e.flush()),
+        Command::Trim => done(e.trim(req.offset, req.length, fua)),
         Command::Cache => {
             if req.length == 0 {
                 return whole(small_ok(s, to));
             }
-            match t.cache(req.offset, req.length) {
+            match e.target.cache(req.offset, req.length) {
                 Ok(()) => whole(small_ok(s, to)),
-                Err(e) => fail("cache", &e),
+                Err(err) => storage_error(sh, s, req, to, "cache", &err),
             }
         }
         Command::WriteZeroes => {
-            if req.length == 0 {
-                return whole(small_ok(s, to));
-            }
             let flags = ZeroFlags {
                 may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
                 fast_only: req.flags & CMD_FLAG_FAST_ZERO != 0,
             };
-            match t.zero(req.offset, req.length, flags) {
-                Ok(outcome) => {
-                    trace!("zero used {:?}", outcome.methods);
-                    s.export.holes_made();
-                }
-                Err(e) => {
-                    let mut err = storage_errno(&e);
+            match e.zero(req.offset, req.length, flags, fua) {
+                Err(Failure {
+                    op: ZERO_OP,
+                    cause: Cause::Storage(err),
+                }) => {
+                    let mut code = storage_errno(&err);
                     // Spec: ENOTSUP only answers FAST_ZERO.
-                    if err == NBD_ENOTSUP && !flags.fast_only {
-                        err = NBD_EIO;
+                    if code == NBD_ENOTSUP && !flags.fast_only {
+                        code = NBD_EIO;
                     }
-                    return failed(sh, s, req, to, "write zeroes", &e, err, None);
+                    failed(sh, s, req, to, ZERO_OP, &err, code, None)
                 }
+                r => done(r),
             }
-            if fua {
-                if let Err(e) = t.flush() {
-                    return fail("write zeroes (FUA flush)", &e);
-                }
-                if let Some(r) = persist(sh, s, req, to, "write zeroes (FUA)") {
-                    return r;
-                }
-            }
-            whole(small_ok(s, to))
         }
         Command::BlockStatus => block_status(s, req, to),
         Command::Disc | Command::Resize | Command::Unknown(_) => {
@@ -405,20 +314,9 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
             encode_chunk_none(&mut b, s.mode, to);
             return whole(b);
         }
-        if !df && req.length >= SPARSE_READ_MIN && s.export.may_have_holes(s.size) {
-            let t0 = Instant::now();
-            if let Ok(ext) = t.extents(req.offset, req.length, SPARSE_READ_RUNS) {
-                if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
-                    return sparse_read(sh, s, req, to, &ext);
-                }
-            }
-            // SEEK_HOLE walks the whole data run on tmpfs (page cache
-            // lookups up to the next hole, not just this read's range):
-            // inside a long run, stop asking for a while.
-            if t0.elapsed() > SPARSE_LOOKUP_SLOW {
-                s.export
-                    .sparse_skip
-                    .store(SPARSE_SKIP_READS, Ordering::Relaxed);
+        if !df && req.length >= SPARSE_READ_MIN {
+            if let Some(ext) = s.export.holes(req.offset, req.length, s.size) {
+                return sparse_read(sh, s, req, to, &ext);
             }
         }
     }
@@ -687,7 +585,7 @@ fn allocation(s: &Session, req: &Request, max_runs: usize) -> Vec<Descriptor> {
 /// rawdisk:changed:NAME: the ranges changed since the checkpoint; None when
 /// it no longer exists. The tracker's runs cover the request exactly.
 fn changed(s: &Session, name: &str, req: &Request, max_runs: usize) -> Option<Vec<Descriptor>> {
-    let tracker = s.export.tracker.as_ref()?;
+    let tracker = s.export.tracker()?;
     let runs = tracker.changed(name, req.offset, req.length, max_runs)?;
     let mut ds: Vec<Descriptor> = runs
         .into_iter()
@@ -707,55 +605,35 @@ fn changed(s: &Session, name: &str, req: &Request, max_runs: usize) -> Option<Ve
     Some(ds)
 }
 
-/// Changed-block tracking: a validated WRITE, WRITE_ZEROES or TRIM marks
-/// its range before any of it reaches the storage (every write path,
-/// mapped writes included, comes after this).
-pub(super) fn mark_changes(s: &Session, req: &Request) {
-    if let Some(t) = &s.export.tracker {
-        if matches!(
-            req.command,
-            Command::Write | Command::WriteZeroes | Command::Trim
-        ) && req.length > 0
-        {
-            t.mark(req.offset, req.length);
+/// The reply to a request that changed the export (or failed to):
+/// success, the storage's error, or EIO when the tracker's marks could not
+/// be made durable.
+fn answer(sh: &Shared, s: &Session, req: &Request, to: ReplyTo, r: Result<(), Failure>) -> Encoded {
+    match r {
+        Ok(()) => whole(small_ok(s, to)),
+        Err(f) => failure(sh, s, req, to, f),
+    }
+}
+
+/// The error reply for `f`, the failure of `req`.
+pub(super) fn failure(sh: &Shared, s: &Session, req: &Request, to: ReplyTo, f: Failure) -> Encoded {
+    let Failure { op, cause } = f;
+    match cause {
+        Cause::Storage(e) => storage_error(sh, s, req, to, op, &e),
+        Cause::Persist(err) => {
+            // A full file system under the state file is ENOSPC, so a client
+            // that pauses on ENOSPC (a hypervisor's policy) pauses.
+            let (code, name) = match err.errno() {
+                Some(libc::ENOSPC | libc::EDQUOT) => (NBD_ENOSPC, "NBD_ENOSPC"),
+                _ => (NBD_EIO, "NBD_EIO"),
+            };
+            if sh.storage_errors.allow() {
+                warn!(
+                    "{op} of {} bytes at offset {} answered {name}: {err}",
+                    req.length, req.offset
+                );
+            }
+            error_reply(s, to, code, &err.to_string(), None)
         }
     }
-}
-
-/// Marks the request's range again when [`execute`] returns, before the
-/// reply goes out: a checkpoint created while the write was in flight
-/// (after the mark of [`mark_changes`] was persisted into the older
-/// bitmap) must see it too (docs/cbt.md, the persistence rule).
-struct MarkWhenDone<'a>(&'a Session, &'a Request);
-
-impl Drop for MarkWhenDone<'_> {
-    fn drop(&mut self) {
-        mark_changes(self.0, self.1);
-    }
-}
-
-/// Changed-block tracking: makes the marks durable before a FLUSH or FUA
-/// reply tells the client its data is; the error reply if that fails.
-fn persist(sh: &Shared, s: &Session, req: &Request, to: ReplyTo, op: &str) -> Option<Encoded> {
-    let t = s.export.tracker.as_ref()?;
-    let err = t.persist().err()?;
-    // A full file system under the state file is ENOSPC, so a client that
-    // pauses on ENOSPC (a hypervisor's policy) pauses; the rest is EIO.
-    let code = match err.errno() {
-        Some(libc::ENOSPC | libc::EDQUOT) => NBD_ENOSPC,
-        _ => NBD_EIO,
-    };
-    if sh.storage_errors.allow() {
-        warn!(
-            "{op} of {} bytes at offset {} answered {}: {err}",
-            req.length,
-            req.offset,
-            if code == NBD_ENOSPC {
-                "NBD_ENOSPC"
-            } else {
-                "NBD_EIO"
-            }
-        );
-    }
-    Some(error_reply(s, to, code, &err.to_string(), None))
 }

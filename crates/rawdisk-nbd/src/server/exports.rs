@@ -1,84 +1,26 @@
 //! What the server exports: one target, or every regular file and block
 //! device directly inside a directory (`serve --dir`, like nbdkit's file
-//! plugin with `dir=`). Each [`Export`] is a target with what the server
-//! learns and decides about it (capabilities through the storage registry,
-//! write-behind, the hole-lookup skip), shared by every connection to it.
+//! plugin with `dir=`). Each [`Export`] (`export.rs`) is a target with what
+//! the server learns and decides about it, shared by every connection to it.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use rawdisk_storage::cbt::{TrackOptions, Tracker, STATE_SUFFIX};
-use rawdisk_storage::{CacheMode, OpenOptions, Target};
-use tracing::{debug, info, warn};
+use rawdisk_storage::{OpenOptions, Target};
+use tracing::{debug, warn};
 
-use super::writeback::{Policy, WriteBehind};
+pub(super) use super::export::Export;
+use super::writeback::WriteBehind;
 
 /// Longest export name a directory can hold (NAME_MAX).
 const NAME_MAX: usize = 255;
 /// Most names one NBD_OPT_LIST reply carries.
 const LIST_MAX: usize = 65536;
-
-/// One exported target.
-pub(super) struct Export {
-    pub name: String,
-    pub target: Arc<Target>,
-    pub read_only: bool,
-    pub min_block: u32,
-    pub preferred_block: u32,
-    pub write_behind: Policy,
-    /// Reads left that skip the hole lookup (command.rs, may_have_holes).
-    pub sparse_skip: AtomicU64,
-    /// Capability generation last logged.
-    pub caps_logged: AtomicU64,
-    /// Changed-block tracking (`--track-changes`), shared with every other
-    /// connection to the same target.
-    pub tracker: Option<Arc<Tracker>>,
-    /// (st_dev, st_ino) of what was opened: a file replaced under the same
-    /// name is a new export.
-    id: (u64, u64),
-}
-
-impl std::fmt::Debug for Export {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Export({:?})", self.name)
-    }
-}
-
-impl Export {
-    pub(super) fn new(
-        name: String,
-        target: Arc<Target>,
-        read_only: bool,
-        write_behind: WriteBehind,
-        max_payload: u32,
-        id: (u64, u64),
-        tracker: Option<Arc<Tracker>>,
-    ) -> Export {
-        let read_only = read_only || target.is_read_only();
-        let (min_block, preferred_block) = block_sizes(&target, max_payload);
-        Export {
-            name,
-            write_behind: Policy::new(
-                write_behind,
-                target.has_write_back() && !read_only,
-                target.size(),
-            ),
-            caps_logged: AtomicU64::new(target.caps().generation()),
-            sparse_skip: AtomicU64::new(0),
-            target,
-            read_only,
-            min_block,
-            preferred_block,
-            id,
-            tracker,
-        }
-    }
-}
 
 /// A directory's exports.
 pub(super) struct Dir {
@@ -184,8 +126,8 @@ impl Exports {
     pub(super) fn trackers(&self) -> Vec<(String, Arc<Tracker>)> {
         match self {
             Exports::One(e) => e
-                .tracker
-                .iter()
+                .tracker()
+                .into_iter()
                 .map(|t| (e.name.clone(), t.clone()))
                 .collect(),
             Exports::Dir(d) => {
@@ -450,49 +392,5 @@ fn shorten(name: &str) -> &str {
     match name.char_indices().nth(64) {
         Some((i, _)) => &name[..i],
         None => name,
-    }
-}
-
-/// Minimum and preferred block size. Through the page cache any byte range
-/// works (minimum 1); under O_DIRECT the storage needs dio_align-aligned
-/// I/O and serves anything else through a read-modify-write, so that is the
-/// honest minimum. Preferred: the device's optimal I/O size when it is a
-/// usable power of two, else 4096.
-fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
-    let g = target.geometry();
-    let mut min = 1u32;
-    if target.cache_mode() == CacheMode::None {
-        min = g.dio_align.max(g.logical_sector).max(1);
-        // Spec (Size constraints): a power of two no larger than 64 KiB.
-        if !min.is_power_of_two() || min > 65536 {
-            min = 4096;
-        }
-    }
-    let floor = min.max(4096);
-    let mut pref = g.opt_io.max(floor);
-    if !pref.is_power_of_two() || pref > max_payload {
-        pref = floor;
-    }
-    (min, pref)
-}
-
-impl Export {
-    /// Logs the target's learned capabilities once per change.
-    pub(super) fn note_caps(&self) {
-        let caps = self.target.caps();
-        let gen = caps.generation();
-        let last = self.caps_logged.load(Ordering::Relaxed);
-        if gen != last
-            && self
-                .caps_logged
-                .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        {
-            info!(
-                "storage capabilities of {:?}: {}",
-                self.name,
-                caps.snapshot()
-            );
-        }
     }
 }

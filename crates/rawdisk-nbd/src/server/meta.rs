@@ -96,7 +96,7 @@ pub(super) fn numbered(found: Vec<Context>) -> Vec<(u32, Context)> {
 /// The export's checkpoints as the state file has them now (another
 /// process may have created or deleted some); none without tracking.
 fn checkpoint_names(e: &Export) -> Vec<String> {
-    let Some(t) = &e.tracker else {
+    let Some(t) = e.tracker() else {
         return Vec::new();
     };
     refresh(e);
@@ -106,7 +106,7 @@ fn checkpoint_names(e: &Export) -> Vec<String> {
 /// Picks up checkpoints made or deleted by `rawdisk checkpoint` while the
 /// export is served. A failure leaves the last known list in place.
 pub(super) fn refresh(e: &Export) {
-    if let Some(t) = &e.tracker {
+    if let Some(t) = e.tracker() {
         if let Err(err) = t.refresh() {
             warn!("export {:?}: {err}", e.name);
         }

@@ -6,7 +6,9 @@
 //! the setup of each connection; `handshake` the option negotiation and the
 //! upgrade to TLS (`crate::tls`);
 //! `transmission` the request reader, its scheduling and the reply writer;
-//! `command` validation, execution and replies of each command; `buffers`
+//! `command` validation, execution and replies of each command; `export`
+//! what a request does to the storage and the rules every write obeys;
+//! `buffers`
 //! the read-ahead buffer and the buffer and pipe pools.
 //!
 //! Per connection (see docs/architecture.md):
@@ -34,6 +36,7 @@
 
 mod buffers;
 mod command;
+mod export;
 mod exports;
 mod handshake;
 mod limits;

@@ -33,8 +33,7 @@ use tracing::{debug, info, trace, Instrument};
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
-    execute, mark_changes, read_cached, small_error, small_ok, storage_error, validate, whole,
-    Encoded,
+    execute, failure, read_cached, small_error, small_ok, validate, whole, Encoded,
 };
 use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
@@ -446,9 +445,6 @@ where
             return Ok(Some(()));
         }
         let check = validate(&self.s, &req);
-        if check.is_ok() {
-            mark_changes(&self.s, &req);
-        }
         // Bytes this request will hold: its payload, or the read reply.
         let (need, reply) = match (&check, req.command) {
             (Ok(()), Command::Read) => (req.length as usize + 2 * DATA_ALIGN, true),
@@ -662,15 +658,11 @@ where
             && req.command == Command::Write
             && valid
             && req.flags & CMD_FLAG_FUA == 0;
+        let export = &self.s.export;
         let mapping = if mapped {
-            self.sink.as_ref().and_then(|sock| {
-                let mw = self
-                    .s
-                    .export
-                    .target
-                    .map_write(req.offset + head, (payload - head) as usize)?;
-                Some((sock, mw))
-            })
+            self.sink
+                .as_ref()
+                .and_then(|sock| Some((sock, export.map_write(req.offset, payload, head)?)))
         } else {
             None
         };
@@ -680,28 +672,18 @@ where
             // the rest is read the ordinary way and the head's error is the
             // answer.
             if head > 0 {
-                let t = &self.s.export.target;
-                if let Err(e) = t.write_at(self.rd.take(head as usize), req.offset, false) {
-                    failed = Some(storage_error(&self.sh, &self.s, &req, to, "write", &e));
+                if let Err(f) = mw.write_head(self.rd.take(head as usize)) {
+                    failed = Some(failure(&self.sh, &self.s, &req, to, f));
                 }
                 req.offset += head;
                 req.length -= head;
             }
             if failed.is_none() {
-                let r = self.batch.hold(sock.recv_mapped(&mut mw)).await;
-                let got = mw.received() as u64;
-                drop(mw);
-                // As execute does when a write returns (MarkWhenDone); the
-                // whole request: `req` no longer covers the head written above.
-                if let Some(t) = &self.s.export.tracker {
-                    t.mark(to.offset, payload);
-                }
+                let r = self.batch.hold(sock.recv_mapped(mw.pages())).await;
+                let got = mw.pages().received() as u64;
+                mw.finish(r.is_ok());
                 match r {
                     Ok(()) => {
-                        let e = &self.s.export;
-                        if e.write_behind.after_write(to.offset, payload) {
-                            e.write_behind.start(&e.target, to.offset, payload);
-                        }
                         self.batch.reply(whole(small_ok(&self.s, to)), permits);
                         return Ok(Some(Received::Answered));
                     }

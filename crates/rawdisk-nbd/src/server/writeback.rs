@@ -119,7 +119,7 @@ impl Policy {
             WriteBehind::On => true,
             WriteBehind::Off => false,
             WriteBehind::Auto => {
-                let again = self.mark(offset, len);
+                let again = self.note_written(offset, len);
                 let total = self.rewritten.fetch_add(again, Ordering::Relaxed) + again;
                 total <= REWRITE_LIMIT
             }
@@ -141,7 +141,7 @@ impl Policy {
 
     /// Marks the chunks the range covers whole; returns how many of them
     /// were marked already.
-    fn mark(&self, offset: u64, len: u64) -> u64 {
+    fn note_written(&self, offset: u64, len: u64) -> u64 {
         let unit = 1u64 << self.chunk_shift;
         let first = offset.div_ceil(unit);
         let end = offset.saturating_add(len) / unit;

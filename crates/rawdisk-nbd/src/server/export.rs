@@ -1,0 +1,419 @@
+//! The export layer: what every request does to an export's storage, and
+//! the rules each one obeys, in one place. The request loop
+//! (`transmission.rs`) only decides where a request runs (the reader, the
+//! blocking pool, straight into the page cache); `command.rs` turns a
+//! request into one call here and the result into a reply.
+//!
+//! The rules, each applied once, on every path:
+//! - changed-block tracking: a write, zero or trim marks its range before
+//!   any byte reaches the storage and again when the storage call returns
+//!   ([`Change`]), so a checkpoint created while it was in flight sees it
+//!   too; a FLUSH, and a write, zero or trim with FUA, persists the marks
+//!   before it succeeds (docs/cbt.md, the persistence rule);
+//! - write-behind: a page-cache write that succeeded, received into a
+//!   buffer or straight into the mapped page cache, may start its
+//!   write-back (`writeback.rs`); a FLUSH tells the policy;
+//! - the hole-lookup skip: reads skip the lookup on fully allocated files,
+//!   and a zero or trim of ours resets that;
+//! - the learned capabilities are logged once per change.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rawdisk_storage::cbt::{CbtError, Tracker};
+use rawdisk_storage::{CacheMode, Extent, ExtentKind, Kind, MappedWrite, Target, ZeroFlags};
+use tracing::{info, trace};
+
+use super::command::storage_errno;
+use super::writeback::{Policy, WriteBehind};
+use crate::proto::NBD_ENOTSUP;
+
+#[cfg(test)]
+mod model;
+
+/// Extents looked up for one sparse read.
+const SPARSE_READ_RUNS: usize = 64;
+/// A hole lookup slower than this that found only data...
+const SPARSE_LOOKUP_SLOW: Duration = Duration::from_micros(200);
+/// ...makes this many following reads skip the lookup.
+const SPARSE_SKIP_READS: u64 = 64;
+
+/// One exported target, shared by every connection to it.
+pub(super) struct Export {
+    pub name: String,
+    /// Reads go to it directly; anything that changes it goes through the
+    /// methods below.
+    pub target: Arc<Target>,
+    pub read_only: bool,
+    pub min_block: u32,
+    pub preferred_block: u32,
+    write_behind: Policy,
+    /// Reads left that skip the hole lookup.
+    sparse_skip: AtomicU64,
+    /// Capability generation last logged.
+    caps_logged: AtomicU64,
+    /// Changed-block tracking (`--track-changes`), shared with every other
+    /// connection to the same target.
+    tracker: Option<Arc<Tracker>>,
+    /// (st_dev, st_ino) of what was opened: a file replaced under the same
+    /// name is a new export.
+    pub(super) id: (u64, u64),
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Export({:?})", self.name)
+    }
+}
+
+/// Why a request that changes the export failed: the operation, as the
+/// error reply and the log name it, and the cause.
+#[derive(Debug)]
+pub(super) struct Failure {
+    pub op: &'static str,
+    pub cause: Cause,
+}
+
+#[derive(Debug)]
+pub(super) enum Cause {
+    /// The storage call failed.
+    Storage(rawdisk_storage::Error),
+    /// The tracker's marks could not be made durable (answered EIO).
+    Persist(CbtError),
+}
+
+/// The operation a failed zero names; its errors map to NBD errors by a
+/// rule of their own (command.rs).
+pub(super) const ZERO_OP: &str = "write zeroes";
+
+fn storage(op: &'static str) -> impl FnOnce(rawdisk_storage::Error) -> Failure {
+    move |e| Failure {
+        op,
+        cause: Cause::Storage(e),
+    }
+}
+
+/// A range being changed: marked in the tracker when made, and again when
+/// dropped, after the storage call returned (also when it failed or
+/// panicked: part of the range may have changed).
+struct Change<'a> {
+    tracker: Option<&'a Tracker>,
+    offset: u64,
+    len: u64,
+}
+
+impl Change<'_> {
+    /// The only place the tracker is marked.
+    fn record(&self) {
+        if let Some(t) = self.tracker {
+            t.mark(self.offset, self.len);
+        }
+    }
+}
+
+impl Drop for Change<'_> {
+    fn drop(&mut self) {
+        self.record();
+    }
+}
+
+/// A write received straight into the target's mapped page cache
+/// (`--map-writes`): made by [`Export::map_write`], which marks the whole
+/// write; the caller receives the payload into [`Mapped::pages`], then
+/// calls [`Mapped::finish`].
+pub(super) struct Mapped<'a> {
+    export: &'a Export,
+    pages: MappedWrite<'a>,
+    offset: u64,
+    len: u64,
+    head: u64,
+    change: Change<'a>,
+}
+
+impl<'a> Mapped<'a> {
+    /// Writes the first bytes of the payload, which arrived before the
+    /// mapping was made, the ordinary way.
+    pub(super) fn write_head(&self, head: &[u8]) -> Result<(), Failure> {
+        debug_assert_eq!(head.len() as u64, self.head);
+        self.export
+            .target
+            .write_at(head, self.offset, false)
+            .map_err(storage("write"))
+    }
+
+    /// The pages the rest of the payload goes to.
+    pub(super) fn pages(&mut self) -> &mut MappedWrite<'a> {
+        &mut self.pages
+    }
+
+    /// The payload is received (`complete`) or not: the pages leave the
+    /// page tables, the write is marked again, and a complete write may
+    /// start its write-back.
+    pub(super) fn finish(self, complete: bool) {
+        let Mapped {
+            export,
+            pages,
+            offset,
+            len,
+            change,
+            ..
+        } = self;
+        drop(pages);
+        drop(change);
+        if complete {
+            export.written(offset, len);
+        }
+    }
+}
+
+impl Export {
+    pub(super) fn new(
+        name: String,
+        target: Arc<Target>,
+        read_only: bool,
+        write_behind: WriteBehind,
+        max_payload: u32,
+        id: (u64, u64),
+        tracker: Option<Arc<Tracker>>,
+    ) -> Export {
+        let read_only = read_only || target.is_read_only();
+        let (min_block, preferred_block) = block_sizes(&target, max_payload);
+        Export {
+            name,
+            write_behind: Policy::new(
+                write_behind,
+                target.has_write_back() && !read_only,
+                target.size(),
+            ),
+            caps_logged: AtomicU64::new(target.caps().generation()),
+            sparse_skip: AtomicU64::new(0),
+            target,
+            read_only,
+            min_block,
+            preferred_block,
+            id,
+            tracker,
+        }
+    }
+
+    /// The changed-block tracker, with `--track-changes`.
+    pub(super) fn tracker(&self) -> Option<&Arc<Tracker>> {
+        self.tracker.as_ref()
+    }
+
+    /// A change of the range starts: marked now and when it is dropped.
+    fn change(&self, offset: u64, len: u64) -> Change<'_> {
+        let c = Change {
+            tracker: self.tracker.as_deref(),
+            offset,
+            len,
+        };
+        c.record();
+        c
+    }
+
+    /// NBD_CMD_WRITE of `data` at `offset`.
+    pub(super) fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), Failure> {
+        let len = data.len() as u64;
+        let change = self.change(offset, len);
+        self.target
+            .write_at(data, offset, fua)
+            .map_err(storage("write"))?;
+        drop(change);
+        if fua {
+            return self.persist("write (FUA)");
+        }
+        self.written(offset, len);
+        Ok(())
+    }
+
+    /// The page cache of the `len` bytes at `offset`, but for the first
+    /// `head` (already at hand: [`Mapped::write_head`]), mapped to receive
+    /// a write straight from the socket; None: write the ordinary way.
+    pub(super) fn map_write(&self, offset: u64, len: u64, head: u64) -> Option<Mapped<'_>> {
+        let pages = self
+            .target
+            .map_write(offset + head, usize::try_from(len - head).ok()?)?;
+        Some(Mapped {
+            export: self,
+            pages,
+            offset,
+            len,
+            head,
+            change: self.change(offset, len),
+        })
+    }
+
+    /// NBD_CMD_WRITE_ZEROES.
+    pub(super) fn zero(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: ZeroFlags,
+        fua: bool,
+    ) -> Result<(), Failure> {
+        if len == 0 {
+            return Ok(());
+        }
+        let change = self.change(offset, len);
+        let outcome = self
+            .target
+            .zero(offset, len, flags)
+            .map_err(storage(ZERO_OP))?;
+        trace!("zero used {:?}", outcome.methods);
+        self.holes_made();
+        drop(change);
+        if fua {
+            return self.fua("write zeroes (FUA flush)", "write zeroes (FUA)");
+        }
+        Ok(())
+    }
+
+    /// NBD_CMD_TRIM. Advisory: "not supported" is success (and the spec
+    /// reserves ENOTSUP for fast zero).
+    pub(super) fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Failure> {
+        if len == 0 {
+            return Ok(());
+        }
+        let change = self.change(offset, len);
+        match self.target.trim(offset, len) {
+            Ok(()) => self.holes_made(),
+            Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
+            Err(e) => return Err(storage("trim")(e)),
+        }
+        drop(change);
+        if fua {
+            return self.fua("trim (FUA flush)", "trim (FUA)");
+        }
+        Ok(())
+    }
+
+    /// NBD_CMD_FLUSH: the storage, then the tracker's marks.
+    pub(super) fn flush(&self) -> Result<(), Failure> {
+        self.target.flush().map_err(storage("flush"))?;
+        self.write_behind.flushed();
+        self.persist("flush")
+    }
+
+    /// FUA of a zero or trim: a flush, then the marks.
+    fn fua(&self, flush_op: &'static str, persist_op: &'static str) -> Result<(), Failure> {
+        self.target.flush().map_err(storage(flush_op))?;
+        self.persist(persist_op)
+    }
+
+    /// Makes the marks durable before a FLUSH or FUA reply tells the client
+    /// its data is.
+    fn persist(&self, op: &'static str) -> Result<(), Failure> {
+        match &self.tracker {
+            Some(t) => t.persist().map_err(|e| Failure {
+                op,
+                cause: Cause::Persist(e),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// A page-cache write of `len` bytes at `offset` succeeded: perhaps
+    /// start its write-back.
+    fn written(&self, offset: u64, len: u64) {
+        if self.write_behind.after_write(offset, len) {
+            self.write_behind.start(&self.target, offset, len);
+        }
+    }
+
+    /// The extents of a read of `len` bytes at `offset` worth answering
+    /// with hole chunks (export of `size` bytes), or None: read it all.
+    pub(super) fn holes(&self, offset: u64, len: u64, size: u64) -> Option<Vec<Extent>> {
+        if !self.may_have_holes(size) {
+            return None;
+        }
+        let t0 = Instant::now();
+        if let Ok(ext) = self.target.extents(offset, len, SPARSE_READ_RUNS) {
+            if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
+                return Some(ext);
+            }
+        }
+        // SEEK_HOLE walks the whole data run on tmpfs (page cache lookups
+        // up to the next hole, not just this read's range): inside a long
+        // run, stop asking for a while.
+        if t0.elapsed() > SPARSE_LOOKUP_SLOW {
+            self.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
+        }
+        None
+    }
+
+    /// Whether a read is worth a hole lookup: not on block devices (no
+    /// SEEK_HOLE there), not on fully allocated files (one fstat tells), not
+    /// right after lookups that were slow and found only data.
+    fn may_have_holes(&self, size: u64) -> bool {
+        let t = &self.target;
+        if t.kind() == Kind::Block {
+            return false;
+        }
+        let skipped = self
+            .sparse_skip
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+        if skipped.is_ok() {
+            return false;
+        }
+        if matches!(t.allocated_bytes(), Ok(a) if a >= size) {
+            // Fully allocated: trust that for the next reads instead of an
+            // fstat per request (it showed in strace of 1 MiB reads). Holes
+            // punched through this server reset the skip (`holes_made`);
+            // one punched by someone else is served as data, which is
+            // always a correct answer.
+            self.sparse_skip.store(SPARSE_SKIP_READS, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// A trim or zero of ours may have made a hole: look again at the next
+    /// read.
+    fn holes_made(&self) {
+        self.sparse_skip.store(0, Ordering::Relaxed);
+    }
+
+    /// Logs the target's learned capabilities once per change.
+    pub(super) fn note_caps(&self) {
+        let caps = self.target.caps();
+        let gen = caps.generation();
+        let last = self.caps_logged.load(Ordering::Relaxed);
+        if gen != last
+            && self
+                .caps_logged
+                .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            info!(
+                "storage capabilities of {:?}: {}",
+                self.name,
+                caps.snapshot()
+            );
+        }
+    }
+}
+
+/// Minimum and preferred block size. Through the page cache any byte range
+/// works (minimum 1); under O_DIRECT the storage needs dio_align-aligned
+/// I/O and serves anything else through a read-modify-write, so that is the
+/// honest minimum. Preferred: the device's optimal I/O size when it is a
+/// usable power of two, else 4096.
+fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
+    let g = target.geometry();
+    let mut min = 1u32;
+    if target.cache_mode() == CacheMode::None {
+        min = g.dio_align.max(g.logical_sector).max(1);
+        // Spec (Size constraints): a power of two no larger than 64 KiB.
+        if !min.is_power_of_two() || min > 65536 {
+            min = 4096;
+        }
+    }
+    let floor = min.max(4096);
+    let mut pref = g.opt_io.max(floor);
+    if !pref.is_power_of_two() || pref > max_payload {
+        pref = floor;
+    }
+    (min, pref)
+}
