@@ -217,6 +217,15 @@ pub(super) async fn handshake(
             if reply == REP_ERR_UNKNOWN {
                 if let Ok(list) = list_exports(r, w).await {
                     let names: Vec<String> = list.into_iter().map(|(n, _)| n).collect();
+                    // Listed yet refused (e.g. rawdisk's format rule): only
+                    // the server's words say why.
+                    if names.iter().any(|n| n == export) && !message.is_empty() {
+                        return Err(HandshakeError::Refused {
+                            option: OPT_GO,
+                            reply: Some(reply),
+                            message: format!("export '{export}' refused: {message}"),
+                        });
+                    }
                     let mut e = rep_error(OPT_GO, "export", export, reply, "");
                     if let HandshakeError::Refused { message, .. } = &mut e {
                         message.push_str(&offered(&names));
