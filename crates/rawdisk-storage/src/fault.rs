@@ -2,7 +2,9 @@
 //! tests can produce failures the machine under test cannot (EIO, ENOSPC, a
 //! method that stops being supported at run time) on exactly the call wanted,
 //! can assert which syscalls the engine made (a method known to fail must
-//! never be called again), and can record the range of every call.
+//! never be called again), can record the range of every call, and can
+//! serve a fallocate mode the machine refuses by another one underneath
+//! ([`FaultSys::stand_in`]), so the engine's success path for it runs.
 //!
 //! Built only with the `fault-injection` feature (and for this crate's unit
 //! tests): tests enable it, the shipped binary does not contain it. Its
@@ -77,6 +79,7 @@ pub struct FaultSys {
     recording: AtomicBool,
     log: Mutex<Vec<Call>>,
     edit_geometry: Mutex<Option<GeometryEdit>>,
+    stand_ins: Mutex<HashMap<FallocMode, FallocMode>>,
 }
 
 type GeometryEdit = Box<dyn Fn(BlockGeometry) -> BlockGeometry + Send + Sync>;
@@ -111,6 +114,7 @@ impl FaultSys {
             recording: AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
             edit_geometry: Mutex::new(None),
+            stand_ins: Mutex::new(HashMap::new()),
         }
     }
 
@@ -170,6 +174,14 @@ impl FaultSys {
         *self.edit_geometry.lock().unwrap() = Some(Box::new(f));
     }
 
+    /// Serve fallocate in mode `mode` by calling the inner `Sys` with `with`
+    /// instead: the call is still counted, logged and failed as `mode`. For
+    /// a mode the machine refuses (FALLOC_FL_WRITE_ZEROES without a device
+    /// that zeroes by unmapping), so its success path runs on real bytes.
+    pub fn stand_in(&self, mode: FallocMode, with: FallocMode) {
+        self.stand_ins.lock().unwrap().insert(mode, with);
+    }
+
     /// Calls of `kind` made so far, failed ones included.
     pub fn calls(&self, kind: CallKind) -> u64 {
         self.counts.lock().unwrap().get(&kind).copied().unwrap_or(0)
@@ -221,6 +233,15 @@ impl FaultSys {
         }
     }
 
+    fn stand_in_for(&self, mode: FallocMode) -> FallocMode {
+        self.stand_ins
+            .lock()
+            .unwrap()
+            .get(&mode)
+            .copied()
+            .unwrap_or(mode)
+    }
+
     fn log_call(&self, call: Call) {
         if self.recording.load(Ordering::Relaxed) {
             self.log.lock().unwrap().push(call);
@@ -253,12 +274,13 @@ impl Capped for &mut [u8] {
 }
 
 /// `impl Sys for FaultSys` from the syscall table: count, maybe fail, maybe
-/// shorten, forward, maybe edit, log.
+/// shorten or stand in, forward, maybe edit, log.
 macro_rules! fault_sys {
     ($(
         $(#[$doc:meta])*
         fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty
-            [$kind:ident $(($karg:ident))?, $off:expr, $len:expr $(, cap $cap:ident)? $(, then $edit:ident)?];
+            [$kind:ident $(($karg:ident))?, $off:expr, $len:expr $(, cap $cap:ident)? $(, then $edit:ident)?
+                $(, swap $swap:ident by $swapf:ident)?];
     )*) => {
         impl Sys for FaultSys {
             $(
@@ -271,6 +293,7 @@ macro_rules! fault_sys {
                     };
                     let r = self.enter(call.kind).and_then(|()| {
                         $(let $cap = self.cap($cap);)?
+                        $(let $swap = self.$swapf($swap);)?
                         self.inner.$name($($arg),*)
                     });
                     $(let r = r.map(|v| self.$edit(v));)?

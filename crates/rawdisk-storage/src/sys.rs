@@ -188,7 +188,8 @@ pub struct DioAlign {
 /// The one table of syscalls. `syscalls!(m)` calls the macro `m` with every
 /// method of [`Sys`]: its doc, signature, and in brackets the [`CallKind`] it
 /// is counted as, the (offset, length) it touches, `cap ARG` for the calls
-/// whose transfer a test may shorten, `then F` for a result a test may edit.
+/// whose transfer a test may shorten, `then F` for a result a test may edit,
+/// `swap ARG by F` for an argument a test may replace before the call.
 /// [`Sys`] itself and every wrapping layer (the fault injector) are generated
 /// from it, so a syscall added here is added to all of them or fails to
 /// compile.
@@ -203,7 +204,7 @@ macro_rules! syscalls {
                 [Pwrite, offset, buf.len(), cap buf];
             /// fallocate(2) in one of the modes the engine uses.
             fn fallocate(fd: BorrowedFd<'_>, mode: FallocMode, offset: u64, len: u64) -> ()
-                [Fallocate(mode), offset, len];
+                [Fallocate(mode), offset, len, swap mode by stand_in_for];
             /// ioctl(BLKZEROOUT).
             fn blkzeroout(fd: BorrowedFd<'_>, offset: u64, len: u64) -> ()
                 [BlkZeroout, offset, len];
