@@ -348,6 +348,7 @@ fn caps_row(kind: StorageKind) -> Vec<String> {
         trim,
         prealloc,
         st(Method::PunchHole),
+        st(Method::FallocWriteZeroes),
         st(Method::ZeroRange),
         st(Method::PunchAlloc),
         st(Method::BlkZeroout),
@@ -390,8 +391,8 @@ fn main() {
     assert!(rawdisk_testkit::is_root(), "zero_bench needs root");
 
     println!("## Capabilities the engine learns (fresh storage, 8 MiB requests in this order)\n");
-    println!("| storage | zero may_trim | zero no trim | zero may_trim again | zero fast_only | can_fast_zero (before → after) | trim | preallocate falloc | punch-hole | zero-range | punch-alloc | blkzeroout | blkdiscard | seek-hole |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| storage | zero may_trim | zero no trim | zero may_trim again | zero fast_only | can_fast_zero (before → after) | trim | preallocate falloc | punch-hole | falloc-write-zeroes | zero-range | punch-alloc | blkzeroout | blkdiscard | seek-hole |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for k in &kinds {
         eprintln!("caps: {k}");
         println!("| {} |", caps_row(*k).join(" | "));

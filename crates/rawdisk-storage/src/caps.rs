@@ -15,6 +15,8 @@ use crate::errno::Einval;
 pub enum Method {
     /// fallocate(PUNCH_HOLE | KEEP_SIZE)
     PunchHole,
+    /// fallocate(WRITE_ZEROES), Linux 6.17: zeros as written extents
+    FallocWriteZeroes,
     /// fallocate(ZERO_RANGE)
     ZeroRange,
     /// fallocate(PUNCH_HOLE | KEEP_SIZE) then fallocate(0) on the same range
@@ -38,8 +40,9 @@ pub enum Method {
 }
 
 impl Method {
-    pub const ALL: [Method; 10] = [
+    pub const ALL: [Method; 11] = [
         Method::PunchHole,
+        Method::FallocWriteZeroes,
         Method::ZeroRange,
         Method::PunchAlloc,
         Method::Fallocate,
@@ -54,6 +57,7 @@ impl Method {
     pub fn name(self) -> &'static str {
         match self {
             Method::PunchHole => "punch-hole",
+            Method::FallocWriteZeroes => "falloc-write-zeroes",
             Method::ZeroRange => "zero-range",
             Method::PunchAlloc => "punch-alloc",
             Method::Fallocate => "fallocate",
@@ -73,6 +77,11 @@ impl Method {
             Method::PunchHole => {
                 "fallocate(PUNCH_HOLE|KEEP_SIZE): frees the range, reads zeros; on a block \
                  device a write-zeroes that may unmap and never falls back to writing"
+            }
+            Method::FallocWriteZeroes => {
+                "fallocate(WRITE_ZEROES): zeros keeping the space allocated and written, by \
+                 the device's write-zeroes; offered only where the device zeroes by unmapping \
+                 (Linux 6.17 and later)"
             }
             Method::ZeroRange => {
                 "fallocate(ZERO_RANGE): zeros keeping the space allocated; on a block device \

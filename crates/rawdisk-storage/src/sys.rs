@@ -31,6 +31,8 @@ pub enum FallocMode {
     PunchHole,
     /// FALLOC_FL_ZERO_RANGE (| KEEP_SIZE when asked)
     ZeroRange { keep_size: bool },
+    /// FALLOC_FL_WRITE_ZEROES, alone: the kernel refuses it with KEEP_SIZE.
+    WriteZeroes,
     /// mode 0: allocate, extending the size
     Allocate,
     /// FALLOC_FL_KEEP_SIZE: allocate without changing the size
@@ -411,6 +413,10 @@ impl MapSpan<'_> {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RealSys;
 
+/// FALLOC_FL_WRITE_ZEROES of <linux/falloc.h> (Linux 6.17), which neither
+/// libc nor rustix names yet.
+const FALLOC_FL_WRITE_ZEROES: u32 = 0x80;
+
 /// Linux ioctl numbers for x86, ARM, RISC-V and the other architectures that
 /// use the generic `_IOC` encoding (dir in bits 30-31, size in 16-29).
 /// libc only exports a few of the BLK* requests, so they are computed here
@@ -545,6 +551,7 @@ impl Sys for RealSys {
             FallocMode::PunchHole => F::PUNCH_HOLE | F::KEEP_SIZE,
             FallocMode::ZeroRange { keep_size: true } => F::ZERO_RANGE | F::KEEP_SIZE,
             FallocMode::ZeroRange { keep_size: false } => F::ZERO_RANGE,
+            FallocMode::WriteZeroes => F::from_bits_retain(FALLOC_FL_WRITE_ZEROES),
             FallocMode::Allocate => F::empty(),
             FallocMode::AllocateKeepSize => F::KEEP_SIZE,
         };

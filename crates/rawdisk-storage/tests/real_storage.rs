@@ -22,6 +22,8 @@ mod offload;
 mod prealloc;
 #[path = "real_storage/trim.rs"]
 mod trim;
+#[path = "real_storage/write_zeroes.rs"]
+mod write_zeroes;
 #[path = "real_storage/zero.rs"]
 mod zero;
 

@@ -99,6 +99,33 @@ fn probe_on_tmp_leaves_the_file_alone() {
     let j = probe_file_unchanged(&img);
     assert_eq!(method(&j, "write-zeros")["state"], "works");
     assert_eq!(method(&j, "blkzeroout")["state"], "n/a");
+    check_write_zeroes(&j);
+}
+
+/// The falloc-write-zeroes row of a file probe: tried on the scratch file,
+/// it either works (zeros, space kept) or is known to fail with the
+/// kernel's errno, and the no-trim zero uses it exactly when it works.
+fn check_write_zeroes(j: &serde_json::Value) -> bool {
+    let m = method(j, "falloc-write-zeroes");
+    assert_eq!(m["call"], "fallocate(WRITE_ZEROES)", "{j}");
+    let detail = m["detail"].as_str().unwrap();
+    let works = match m["state"].as_str().unwrap() {
+        "works" => {
+            assert_eq!(detail, "reads back zeros, keeps allocation", "{j}");
+            true
+        }
+        "known to fail" => {
+            assert_eq!(detail, "EOPNOTSUPP", "{j}");
+            false
+        }
+        other => panic!("falloc-write-zeroes {other}: {j}"),
+    };
+    assert_eq!(
+        j["zero"]["without-trim"]["method"] == "falloc-write-zeroes",
+        works,
+        "{j}"
+    );
+    works
 }
 
 #[test]
@@ -115,6 +142,7 @@ fn probe_on_every_file_system() {
         let without = j["zero"]["without-trim"]["method"].as_str().unwrap();
         match kind {
             FsKind::Tmpfs => {
+                assert_eq!(st("falloc-write-zeroes"), "known to fail", "{j}");
                 assert_eq!(st("punch-hole"), "works");
                 assert_eq!(st("zero-range"), "known to fail", "{j}");
                 assert_eq!(st("punch-alloc"), "works");
@@ -126,7 +154,13 @@ fn probe_on_every_file_system() {
                 assert_eq!(j["direct-io"], "works");
             }
             FsKind::Ramfs => {
-                for m in ["punch-hole", "zero-range", "punch-alloc", "fallocate"] {
+                for m in [
+                    "punch-hole",
+                    "falloc-write-zeroes",
+                    "zero-range",
+                    "punch-alloc",
+                    "fallocate",
+                ] {
                     assert_eq!(st(m), "known to fail", "ramfs {m}: {j}");
                 }
                 assert_eq!(with_trim, "write-zeros");
@@ -150,7 +184,9 @@ fn probe_on_every_file_system() {
                     .unwrap()
                     .contains("reports holes"));
                 assert_eq!(with_trim, "punch-hole");
-                assert_eq!(without, "zero-range");
+                if !check_write_zeroes(&j) {
+                    assert_eq!(without, "zero-range");
+                }
                 assert_eq!(j["zero"]["fast-zero"], true);
                 assert_eq!(j["zero"]["trim"], true);
             }
@@ -202,6 +238,7 @@ fn probe_of_block_devices_reads_only() {
             if wz == 0 { "known to fail" } else { "unknown" }
         );
         assert_eq!(method(&j, "blkdiscard")["state"], "works");
+        assert_eq!(method(&j, "falloc-write-zeroes")["state"], "n/a");
         assert_eq!(
             j["zero"]["with-trim"]["method"],
             if wz == 0 { "zero-range" } else { "punch-hole" }

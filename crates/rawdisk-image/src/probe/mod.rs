@@ -275,9 +275,10 @@ fn create_scratch(target: &Path) -> io::Result<(ScratchFile, File)> {
     Err(io::Error::from(io::ErrorKind::AlreadyExists))
 }
 
-/// Scratch layout, 1 MiB regions: 0..3 one per tried method (punch-hole,
-/// zero-range, punch-alloc), 3..6 the engine's zero chain, 6 data, 7 a hole
-/// (never written), then fallocate(0) extends the file from 8 to 9 MiB.
+/// Scratch layout, 1 MiB regions: 0..4 one per tried method (punch-hole,
+/// falloc-write-zeroes, zero-range, punch-alloc), 4..7 the engine's zero
+/// chain, 7 data, 8 a hole (never written), then fallocate(0) extends the
+/// file from 9 to 10 MiB.
 fn probe_file(path: &Path, r: &mut ProbeReport) {
     r.filesystem = sysinfo::mount_of(path);
     r.tested_on = "scratch-file";
@@ -295,8 +296,8 @@ fn probe_file(path: &Path, r: &mut ProbeReport) {
     drop(f);
     r.scratch_file = Some(scratch.path.display().to_string());
     let setup = Target::open(&scratch.path, &OpenOptions::default()).and_then(|t| {
-        t.write_at(&fill_data(), 6 * MIB, false)?;
-        t.preallocate(8 * MIB, Prealloc::Off)?;
+        t.write_at(&fill_data(), 7 * MIB, false)?;
+        t.preallocate(9 * MIB, Prealloc::Off)?;
         t.flush()?;
         Ok(t)
     });
@@ -319,25 +320,25 @@ fn probe_file(path: &Path, r: &mut ProbeReport) {
         methods.push(mr(m, Kind::File, zeroing(tried, true)));
     }
 
-    // SEEK_HOLE before fallocate(0) fills the tail: [6, 7) MiB is data and
-    // [7, 8) MiB was never written.
-    let seek = match t.try_seek_hole(6 * MIB) {
-        Trial::Works(Some(h)) if h == 7 * MIB => (State::Works, "reports holes".to_string()),
-        Trial::Works(Some(h)) if h == 8 * MIB => (
+    // SEEK_HOLE before fallocate(0) fills the tail: [7, 8) MiB is data and
+    // [8, 9) MiB was never written.
+    let seek = match t.try_seek_hole(7 * MIB) {
+        Trial::Works(Some(h)) if h == 8 * MIB => (State::Works, "reports holes".to_string()),
+        Trial::Works(Some(h)) if h == 9 * MIB => (
             State::Works,
             "reports everything as data (no holes: map shows all data)".to_string(),
         ),
         Trial::Works(other) => (
             State::Unknown,
-            format!("unexpected answer {other:?} for a hole at 7 MiB"),
+            format!("unexpected answer {other:?} for a hole at 8 MiB"),
         ),
         t => not_working(t),
     };
     methods.push(mr(Method::SeekHole, Kind::File, seek));
 
-    let falloc = match t.try_allocate(8 * MIB, MIB) {
+    let falloc = match t.try_allocate(9 * MIB, MIB) {
         Trial::Works(seen) => {
-            let grew = seen.size == 9 * MIB;
+            let grew = seen.size == 10 * MIB;
             let alloc = seen.allocated.1 > seen.allocated.0;
             match (grew, alloc) {
                 (true, true) => (
@@ -374,7 +375,7 @@ fn probe_file(path: &Path, r: &mut ProbeReport) {
     }
 
     r.methods = methods;
-    engine_zero_chain(&t, 3 * MIB, r);
+    engine_zero_chain(&t, 4 * MIB, r);
     drop(t);
     drop(scratch);
 }

@@ -108,6 +108,7 @@ pub(super) fn call_of(m: Method, kind: Kind) -> &'static str {
             "fallocate(PUNCH_HOLE|KEEP_SIZE) = write-zeroes with unmap, no fallback"
         }
         (Method::PunchHole, Kind::File) => "fallocate(PUNCH_HOLE|KEEP_SIZE)",
+        (Method::FallocWriteZeroes, _) => "fallocate(WRITE_ZEROES)",
         (Method::ZeroRange, Kind::Block) => "fallocate(ZERO_RANGE) = write-zeroes, kernel fallback",
         (Method::ZeroRange, Kind::File) => "fallocate(ZERO_RANGE)",
         (Method::PunchAlloc, _) => "fallocate(PUNCH_HOLE) + fallocate(0)",
@@ -141,6 +142,11 @@ pub(super) fn fixed_rows(kind: Kind) -> Vec<MethodReport> {
             mr(Method::BlkDiscard, kind, na("block devices only")),
         ],
         Kind::Block => vec![
+            mr(
+                Method::FallocWriteZeroes,
+                kind,
+                na("not used on block devices: a write-zeroes that may unmap, with a kernel fallback"),
+            ),
             mr(Method::PunchAlloc, kind, na("regular files only")),
             mr(
                 Method::Fallocate,
@@ -166,6 +172,7 @@ pub(super) fn fixed_rows(kind: Kind) -> Vec<MethodReport> {
 pub(super) fn file_methods_unknown(why: &str) -> Vec<MethodReport> {
     let mut v: Vec<MethodReport> = [
         Method::PunchHole,
+        Method::FallocWriteZeroes,
         Method::ZeroRange,
         Method::PunchAlloc,
         Method::SeekHole,

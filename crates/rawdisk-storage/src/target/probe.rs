@@ -12,7 +12,8 @@
 //!   range the caller gives up or, for regular files, past the end of the
 //!   file without changing a byte that can be read: with KEEP_SIZE,
 //!   fallocate past the end changes neither the size nor the contents, and
-//!   what it allocated there is freed again. Block devices have no such
+//!   what it allocated there is freed again (WRITE_ZEROES, which cannot
+//!   keep the size, is left to be learned by use). Block devices have no such
 //!   place and otherwise learn by use. Their queue limits
 //!   ([`Target::block_queue_limits`]) are a hint, not proof: a loop device on
 //!   tmpfs advertises write-zeroes until first use (see docs/capabilities.md,
@@ -85,7 +86,12 @@ impl Target {
     /// offload off, so trying it first shows the device as it will behave.
     pub fn trial_methods(&self) -> &'static [Method] {
         match self.kind {
-            Kind::File => &[Method::PunchHole, Method::ZeroRange, Method::PunchAlloc],
+            Kind::File => &[
+                Method::PunchHole,
+                Method::FallocWriteZeroes,
+                Method::ZeroRange,
+                Method::PunchAlloc,
+            ],
             Kind::Block => &[
                 Method::PunchHole,
                 Method::ZeroRange,
@@ -300,6 +306,8 @@ impl Target {
             free();
             r
         }));
+        // WRITE_ZEROES cannot keep the size (the kernel refuses KEEP_SIZE
+        // with it), so past the end it would grow the file: learned by use.
         out.push(self.probe_one(Method::Fallocate, || {
             let r = retry(|| {
                 self.sys

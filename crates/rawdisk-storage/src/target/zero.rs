@@ -4,10 +4,15 @@
 //! 1. `may_trim`: fallocate(PUNCH_HOLE | KEEP_SIZE). Frees the blocks; reads
 //!    return zeros. Missing on ramfs (no fallocate at all) and on file
 //!    systems without hole support.
-//! 2. fallocate(ZERO_RANGE | KEEP_SIZE): zeros without freeing (unwritten
+//! 2. fallocate(WRITE_ZEROES), Linux 6.17: zeros the range as written,
+//!    allocated extents through the device's write-zeroes. ext4 (and XFS
+//!    where it has it) offer it only when the device zeroes by unmapping,
+//!    so it is fast; EOPNOTSUPP everywhere else (tmpfs, ramfs, a file
+//!    system on a device without it).
+//! 3. fallocate(ZERO_RANGE | KEEP_SIZE): zeros without freeing (unwritten
 //!    extents on ext4/XFS). Missing on tmpfs (no ZERO_RANGE in shmem), NFS,
 //!    and every kernel before 3.15.
-//! 3. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
+//! 4. PUNCH_HOLE then fallocate(0) over the same range: the data reads zero
 //!    and the space stays allocated (file systems with holes but without
 //!    ZERO_RANGE: NFS 4.2, where it is far cheaper than writing). On tmpfs
 //!    it frees and re-clears every page, which costs about what writing
@@ -17,7 +22,7 @@
 //!    until each way has zeroed `KEEP_ZERO_SAMPLE` bytes; then the cheaper one
 //!    is used for good by every handle on the target. Until then punch-alloc
 //!    does not count as fast on tmpfs.
-//! 4. pwrite from one shared zero buffer, `write_zeros_chunk` bytes a call,
+//! 5. pwrite from one shared zero buffer, `write_zeros_chunk` bytes a call,
 //!    the offset advancing every chunk (nbdkit and the reference nbd-server
 //!    shipped a fallback that rewrote the first chunk over and over).
 //!
@@ -39,6 +44,11 @@
 //! 3. ioctl(BLKZEROOUT): the same for kernels before 4.9 (no fallocate on
 //!    block devices: ENODEV).
 //! 4. pwrite of zeros, as for files.
+//!
+//! fallocate(WRITE_ZEROES) is not used on block devices: there the kernel
+//! issues a write-zeroes that may unmap (which a no-trim zero must not ask
+//! for) with a fallback to writing (which a fast zero must not have), and
+//! only where step 1 works as well: it adds nothing.
 //!
 //! Steps 2 and 3 may silently write in the kernel: a loop device backed by
 //! tmpfs advertises write-zeroes until the first use, then drops it for good
@@ -75,6 +85,7 @@ pub(super) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
     match t.kind {
         Kind::File => {
             (may_trim && c.get(Method::PunchHole).may_work())
+                || c.get(Method::FallocWriteZeroes).may_work()
                 || c.get(Method::ZeroRange).may_work()
                 || punch_alloc_may_work(t)
         }
@@ -170,9 +181,10 @@ impl Target {
     }
 
     /// Whether this chunk should be a timed sample: the chain would reach
-    /// punch-alloc (no trim, or no punching; ZERO_RANGE learned missing) on
-    /// a timed target whose choice is still open. Never for fast-only
-    /// requests: until the timing says so, punch-alloc is not fast here.
+    /// punch-alloc (no trim, or no punching; WRITE_ZEROES and ZERO_RANGE
+    /// learned missing) on a timed target whose choice is still open. Never
+    /// for fast-only requests: until the timing says so, punch-alloc is not
+    /// fast here.
     fn keep_zero_trial_due(&self, n: u64, flags: ZeroFlags) -> bool {
         let c = &self.caps;
         // (Only files are ever timed: the magic is read for files only.)
@@ -181,6 +193,7 @@ impl Target {
             && n >= KEEP_ZERO_SPLIT_MIN
             && c.keep_zero() == KeepZero::Unknown
             && !(flags.may_trim && c.get(Method::PunchHole).may_work())
+            && c.get(Method::FallocWriteZeroes) == Tri::Fails
             && c.get(Method::ZeroRange) == Tri::Fails
             && punch_alloc_supported(self)
     }
@@ -240,6 +253,13 @@ impl Target {
                         return Ok(Some(Method::PunchHole));
                     }
                 }
+                // Before ZERO_RANGE: written extents make later writes plain
+                // overwrites, where unwritten ones cost a conversion each.
+                if c.get(Method::FallocWriteZeroes).may_work() {
+                    if let Try::Done = self.try_falloc(Method::FallocWriteZeroes, off, n)? {
+                        return Ok(Some(Method::FallocWriteZeroes));
+                    }
+                }
                 if c.get(Method::ZeroRange).may_work() {
                     if let Try::Done = self.try_falloc(Method::ZeroRange, off, n)? {
                         return Ok(Some(Method::ZeroRange));
@@ -292,6 +312,7 @@ impl Target {
         let mode = match m {
             Method::PunchHole => FallocMode::PunchHole,
             Method::ZeroRange => FallocMode::ZeroRange { keep_size: true },
+            Method::FallocWriteZeroes => FallocMode::WriteZeroes,
             _ => FallocMode::Allocate,
         };
         let r = retry(|| self.sys.fallocate(self.fd(), mode, off, n));
@@ -394,6 +415,7 @@ fn op_name(m: Method) -> &'static str {
     match m {
         Method::PunchHole => "zero (punch hole)",
         Method::ZeroRange => "zero (zero range)",
+        Method::FallocWriteZeroes => "zero (fallocate WRITE_ZEROES)",
         Method::BlkZeroout => "zero (BLKZEROOUT)",
         _ => "zero",
     }

@@ -92,6 +92,7 @@ pub const ZERO_RANGE_KINDS: [CallKind; 2] = [
     CallKind::Fallocate(FallocMode::ZeroRange { keep_size: false }),
 ];
 pub const PUNCH: CallKind = CallKind::Fallocate(FallocMode::PunchHole);
+pub const WRITE_ZEROES: CallKind = CallKind::Fallocate(FallocMode::WriteZeroes);
 
 /// Make every call of `kinds` fail with `errno`.
 pub fn fail_always(fault: &FaultSys, kinds: &[CallKind], errno: i32) {

@@ -10,6 +10,7 @@ use rawdisk_testkit::{
 };
 
 use crate::common::*;
+use crate::write_zeroes::emulate_write_zeroes;
 use crate::zero::{assert_failed_methods_not_retried, method_call_kinds};
 
 const SIZE: u64 = 8 * MIB;
@@ -109,10 +110,15 @@ fn file_chain_may_trim() {
 #[test]
 #[ignore = "needs root"]
 fn file_chain_no_trim() {
-    let chain = [Method::ZeroRange, Method::PunchAlloc, Method::WriteZeros];
+    let chain = [
+        Method::FallocWriteZeroes,
+        Method::ZeroRange,
+        Method::PunchAlloc,
+        Method::WriteZeros,
+    ];
     fall_through(&chain, NO_TRIM, ext4_file, libc::EOPNOTSUPP);
     // ENOSYS and ENOTTY (old kernels) are "not supported" too.
-    fall_through(&chain[..2], NO_TRIM, ext4_file, libc::ENOSYS);
+    fall_through(&chain[..3], NO_TRIM, ext4_file, libc::ENOSYS);
 }
 
 #[test]
@@ -164,16 +170,32 @@ fn einval_learned_only_for_seek() {
     assert_tri(&p.target, Method::SeekHole, Tri::Fails, "ext4");
 }
 
-/// A real error on the first method of the chain: returned as is (operation,
-/// range and errno), nothing else tried, nothing learned, data unchanged; the
-/// next call works with the same method.
-fn hard_error(storage: fn() -> Scratch, flags: ZeroFlags, errno: i32, first: Method) {
+/// A real error on the first method of the chain still worth trying (the
+/// methods of `missing` before it are learned unsupported first): returned
+/// as is (operation, range and errno), nothing else tried, nothing learned,
+/// data unchanged; the next call works with the same method. WRITE_ZEROES,
+/// which the storage here lacks, is served by ZERO_RANGE underneath.
+fn hard_error(
+    storage: fn() -> Scratch,
+    flags: ZeroFlags,
+    errno: i32,
+    first: Method,
+    missing: &[Method],
+) {
     let s = storage();
     let path = s.path().to_owned();
     let what = format!("{} {flags:?} errno {errno} on {first}", s.kind());
     let p = open_probe(&path);
+    emulate_write_zeroes(&p);
+    for m in missing {
+        fail_always(&p.fault, &kinds_failing(*m), libc::EOPNOTSUPP);
+    }
+    p.target.zero(0, MIB, flags).unwrap();
+    for m in missing {
+        assert_tri(&p.target, *m, Tri::Fails, &what);
+    }
     for k in kinds_failing(first) {
-        p.fault.fail_once(k, 1, errno);
+        p.fault.fail_once(k, p.fault.calls(k) + 1, errno);
     }
     write_pattern(&path, 0, SIZE, 2);
     let before = p.target.caps().snapshot();
@@ -234,14 +256,23 @@ fn hard_error(storage: fn() -> Scratch, flags: ZeroFlags, errno: i32, first: Met
 #[test]
 #[ignore = "needs root"]
 fn eio_and_enospc_are_returned_not_learned() {
+    let wz = [Method::FallocWriteZeroes];
     for errno in [libc::EIO, libc::ENOSPC] {
-        hard_error(ext4_file, TRIM, errno, Method::PunchHole);
-        hard_error(ext4_file, NO_TRIM, errno, Method::ZeroRange);
-        hard_error(loop512, TRIM, errno, Method::PunchHole);
-        hard_error(loop512, NO_TRIM, errno, Method::ZeroRange);
+        hard_error(ext4_file, TRIM, errno, Method::PunchHole, &[]);
+        hard_error(ext4_file, NO_TRIM, errno, Method::FallocWriteZeroes, &[]);
+        hard_error(ext4_file, NO_TRIM, errno, Method::ZeroRange, &wz);
+        hard_error(loop512, TRIM, errno, Method::PunchHole, &[]);
+        hard_error(loop512, NO_TRIM, errno, Method::ZeroRange, &[]);
     }
     // EPERM (e.g. an immutable or append-only file) is not "unsupported" either.
-    hard_error(ext4_file, NO_TRIM, libc::EPERM, Method::ZeroRange);
+    hard_error(
+        ext4_file,
+        NO_TRIM,
+        libc::EPERM,
+        Method::FallocWriteZeroes,
+        &[],
+    );
+    hard_error(ext4_file, NO_TRIM, libc::EPERM, Method::ZeroRange, &wz);
 }
 
 /// A hard error in the middle of the write-zeros fallback is returned.

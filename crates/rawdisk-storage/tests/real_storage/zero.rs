@@ -243,6 +243,7 @@ per_kind!(zero_ranges);
 pub fn method_call_kinds(m: Method) -> Vec<CallKind> {
     match m {
         Method::PunchHole => vec![PUNCH],
+        Method::FallocWriteZeroes => vec![WRITE_ZEROES],
         Method::ZeroRange => ZERO_RANGE_KINDS.to_vec(),
         Method::PunchAlloc => vec![PUNCH],
         Method::BlkZeroout => vec![CallKind::BlkZeroout],
