@@ -24,10 +24,12 @@ want losetup util-linux
 want blkdiscard util-linux
 want fallocate util-linux
 want cmp diffutils
-# The man pages are rendered (man -l) and checked (groff -ww); the systemd
-# units and socket-activated --dir run under systemd-socket-activate.
+# The man pages are rendered (man -l) and checked (groff -ww, mandoc -T
+# lint); the systemd units and socket-activated --dir run under
+# systemd-socket-activate.
 want man man-db
 want groff groff-base
+want mandoc mandoc
 want systemd-socket-activate systemd
 want systemd-analyze systemd
 # TLS: the openssl crate builds against the system's libssl; the tests make

@@ -1,8 +1,9 @@
 """scripts/install.sh into a PREFIX: the binary, a man page per command
-that renders and names every option its --help has, bash completion that
-parses and completes commands and options, and the systemd units pointing
-at the installed binary. Also that the top-level --help lists every
-command the README names, and not the hidden generate-docs."""
+and nested command that renders and names every option its --help has,
+bash completion that parses and completes commands and options, and the
+systemd units pointing at the installed binary. Also that the top-level
+--help lists every command the README names, and not the hidden
+generate-docs."""
 
 import os
 import re
@@ -31,6 +32,18 @@ def commands():
     block = out.split("Commands:", 1)[1].split("Options:", 1)[0]
     names = [line.split()[0] for line in block.splitlines() if line.strip()]
     return [n for n in names if n != "help"]
+
+
+def command_paths(path=()):
+    """Every command and nested command: (), ("serve",), ("checkpoint", "create")..."""
+    out = rawdisk(*path, "--help")
+    paths = [tuple(path)]
+    if "\nCommands:\n" in out:
+        block = out.split("\nCommands:\n", 1)[1].split("\n\n", 1)[0]
+        for line in block.splitlines():
+            if line.strip() and line.split()[0] != "help":
+                paths += command_paths((*path, line.split()[0]))
+    return paths
 
 
 def long_options(help_text):
@@ -72,9 +85,12 @@ def test_installs_binary_and_units(prefix):
 def test_man_page_per_command_renders_and_names_its_options(prefix):
     mandir = os.path.join(prefix, "share", "man", "man1")
     pages = sorted(os.listdir(mandir))
-    assert pages == sorted(["rawdisk.1"] + [f"rawdisk-{c}.1" for c in commands()])
-    for cmd in [None, *commands()]:
-        page = os.path.join(mandir, "rawdisk.1" if cmd is None else f"rawdisk-{cmd}.1")
+    paths = command_paths()
+    assert ("checkpoint", "create") in paths
+    assert pages == sorted("-".join(("rawdisk", *p)) + ".1" for p in paths)
+    for path in paths:
+        title = "-".join(("rawdisk", *path))
+        page = os.path.join(mandir, f"{title}.1")
         # groff's warnings (-ww) on stderr mean broken roff.
         warn = subprocess.run(["groff", "-ww", "-z", "-man", page], capture_output=True,
                               text=True, timeout=60)
@@ -84,15 +100,15 @@ def test_man_page_per_command_renders_and_names_its_options(prefix):
                              env=env, timeout=60)
         assert res.returncode == 0, res.stderr
         text = re.sub(r".\x08", "", res.stdout)
-        title = "rawdisk" if cmd is None else f"rawdisk-{cmd}"
         assert text.lstrip().startswith(f"{title}(1)"), text[:200]
-        help_text = rawdisk(*([cmd] if cmd else []), "--help")
+        help_text = rawdisk(*path, "--help")
         opts = long_options(help_text)
         assert "--help" in opts
         for opt in opts:
             assert opt in text, f"{page} does not name {opt}"
-        if cmd:
-            assert "EXAMPLES" in text and f"rawdisk {cmd}" in text.split("EXAMPLES", 1)[1]
+        if path:
+            words = " ".join(("rawdisk", *path))
+            assert "EXAMPLES" in text and words in text.split("EXAMPLES", 1)[1]
 
 
 def bash_complete(completion_file, words):
@@ -133,3 +149,4 @@ def test_zsh_completion_parses(prefix):
     comp = os.path.join(prefix, "share", "zsh", "site-functions", "_rawdisk")
     res = subprocess.run(["zsh", "-n", comp], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+

@@ -46,6 +46,9 @@ pub struct Args {
 #[derive(clap::Subcommand)]
 enum Action {
     /// Create a checkpoint and print its name.
+    #[command(after_help = "Examples:\n  \
+        rawdisk checkpoint create --name monday disk.img\n  \
+        rawdisk checkpoint create --state-dir /var/lib/rawdisk /dev/vg0/vm1")]
     Create {
         /// The checkpoint's name (default: cp-N, N one more than the highest).
         #[arg(long)]
@@ -54,6 +57,9 @@ enum Action {
         common: Common,
     },
     /// List the checkpoints, oldest first.
+    #[command(after_help = "Examples:\n  \
+        rawdisk checkpoint list disk.img\n  \
+        rawdisk checkpoint list --output json disk.img")]
     List {
         #[arg(long, value_enum, default_value = "human")]
         output: OutputArg,
@@ -61,6 +67,8 @@ enum Action {
         common: Common,
     },
     /// Delete a checkpoint; the one before it keeps its changes.
+    #[command(after_help = "Example:\n  \
+        rawdisk checkpoint delete --name monday disk.img")]
     Delete {
         /// The checkpoint to delete.
         #[arg(long)]
@@ -174,7 +182,7 @@ fn to_json(cps: &[CheckpointInfo]) -> String {
 }
 
 /// Unix seconds as `YYYY-MM-DDTHH:MM:SSZ` (proleptic Gregorian, UTC).
-fn utc(secs: u64) -> String {
+pub(crate) fn utc(secs: u64) -> String {
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // Howard Hinnant's civil_from_days, shifted to the year starting in March.
     let z = days as i64 + 719_468;
