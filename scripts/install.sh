@@ -1,9 +1,16 @@
 #!/bin/sh
 # Installs rawdisk under PREFIX (default /usr/local): the binary, a man page
 # per command, bash/zsh/fish completions and the systemd socket + service
-# pair from contrib/systemd (inactive until enabled). The man pages and
-# completions come from the binary itself (`rawdisk generate-docs`), so they
-# match its --help.
+# pair (inactive until enabled). The man pages and completions come from the
+# binary itself (`rawdisk generate-docs`), so they match its --help.
+#
+# The units: a system PREFIX gets contrib/systemd's in PREFIX/lib/systemd/system.
+# A user's PREFIX (under $HOME, or installing without root) gets
+# contrib/systemd/user's, for systemctl --user: in PREFIX/share/systemd/user
+# when that is the user's own unit directory (PREFIX=$HOME/.local), else in
+# PREFIX/lib/systemd/user with a printed line saying how to link them where
+# systemctl --user looks. UNITS=system or UNITS=user overrides the choice;
+# DESTDIR (packaging) means system.
 #
 #   scripts/install.sh                        # builds, then installs into /usr/local
 #   PREFIX=$HOME/.local scripts/install.sh
@@ -25,17 +32,55 @@ trap 'rm -rf "$docs"' EXIT
 "$RAWDISK_BIN" generate-docs "$docs" >/dev/null
 
 dest=$DESTDIR$PREFIX
+if [ -z "${UNITS:-}" ]; then
+    UNITS=system
+    if [ -z "$DESTDIR" ]; then
+        home=$(realpath -m "${HOME:-/nonexistent}")
+        case "$(realpath -m "$PREFIX")/" in
+        "$home"/*) UNITS=user ;;
+        esac
+        [ "$(id -u)" = 0 ] || UNITS=user
+    fi
+fi
+hint=
+case "$UNITS" in
+system)
+    units_src=$root/contrib/systemd
+    units=$dest/lib/systemd/system
+    ;;
+user)
+    units_src=$root/contrib/systemd/user
+    # systemctl --user searches $XDG_DATA_HOME/systemd/user and
+    # $XDG_CONFIG_HOME/systemd/user, not PREFIX/lib/systemd/user.
+    data_home=${XDG_DATA_HOME:-${HOME:-/nonexistent}/.local/share}
+    if [ "$(realpath -m "$PREFIX/share")" = "$(realpath -m "$data_home")" ]; then
+        units=$dest/share/systemd/user
+    else
+        units=$dest/lib/systemd/user
+        config=${XDG_CONFIG_HOME:-${HOME:-/nonexistent}/.config}/systemd/user
+        hint="systemctl --user does not look in $units; link the units into $config: mkdir -p $config && ln -sf $units/rawdisk@.socket $units/rawdisk@.service $config/"
+    fi
+    ;;
+*)
+    echo "install.sh: UNITS must be system or user, not '$UNITS'" >&2
+    exit 2
+    ;;
+esac
+
 install -d "$dest/bin" "$dest/share/man/man1" \
     "$dest/share/bash-completion/completions" "$dest/share/zsh/site-functions" \
-    "$dest/share/fish/vendor_completions.d" "$dest/lib/systemd/system"
+    "$dest/share/fish/vendor_completions.d" "$units"
 install -m 755 "$RAWDISK_BIN" "$dest/bin/rawdisk"
 install -m 644 "$docs"/man1/*.1 "$dest/share/man/man1/"
 install -m 644 "$docs/completions/rawdisk.bash" "$dest/share/bash-completion/completions/rawdisk"
 install -m 644 "$docs/completions/_rawdisk" "$dest/share/zsh/site-functions/_rawdisk"
 install -m 644 "$docs/completions/rawdisk.fish" "$dest/share/fish/vendor_completions.d/rawdisk.fish"
 # The units name the binary by its installed path (without DESTDIR).
-for unit in "$root"/contrib/systemd/rawdisk@.socket "$root"/contrib/systemd/rawdisk@.service; do
-    sed "s|/usr/local/bin/rawdisk|$PREFIX/bin/rawdisk|g" "$unit" >"$dest/lib/systemd/system/$(basename "$unit")"
-    chmod 644 "$dest/lib/systemd/system/$(basename "$unit")"
+for unit in "$units_src"/rawdisk@.socket "$units_src"/rawdisk@.service; do
+    sed "s|/usr/local/bin/rawdisk|$PREFIX/bin/rawdisk|g" "$unit" >"$units/$(basename "$unit")"
+    chmod 644 "$units/$(basename "$unit")"
 done
-echo "installed rawdisk into $dest"
+echo "installed rawdisk into $dest ($UNITS units in $units)"
+if [ -n "$hint" ]; then
+    echo "$hint"
+fi

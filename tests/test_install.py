@@ -1,11 +1,14 @@
 """scripts/install.sh into a PREFIX: the binary, a man page per command
 and nested command that renders and names every option its --help has,
 bash completion that parses and completes commands and options, and the
-systemd units pointing at the installed binary. Also that the top-level
+systemd units pointing at the installed binary: system units for a system
+PREFIX, user units where `systemctl --user` looks (or a printed way to put
+them there) for a PREFIX under the user's home. Also that the top-level
 --help lists every command the README names, and not the hidden
 generate-docs."""
 
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -150,3 +153,90 @@ def test_zsh_completion_parses(prefix):
     res = subprocess.run(["zsh", "-n", comp], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 
+
+def user_install(home, prefix):
+    """install.sh as a user with HOME=home would run it (no XDG overrides)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    env.update(HOME=str(home), PREFIX=str(prefix),
+               RAWDISK_BIN=os.path.abspath(servers.RAWDISK_BIN))
+    res = subprocess.run([os.path.join(ROOT, "scripts", "install.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def user_unit_paths(home):
+    """The directories `systemctl --user` loads units from, for HOME=home,
+    as systemd itself computes them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    env["HOME"] = str(home)
+    res = subprocess.run(["systemd-analyze", "--user", "unit-paths"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return [os.path.realpath(p) for p in res.stdout.split()]
+
+
+def check_user_units(unit_dir, binary):
+    with open(os.path.join(unit_dir, "rawdisk@.service")) as f:
+        exec_start = [line for line in f if line.startswith("ExecStart=")]
+    assert exec_start == [f"ExecStart={binary} serve --export-name %i "
+                          "${STATE_DIRECTORY}/%i.img\n"]
+    with open(os.path.join(unit_dir, "rawdisk@.socket")) as f:
+        listen = [line for line in f if line.startswith("ListenStream=")]
+    # A user manager cannot make /run/rawdisk; %t is the user's runtime dir.
+    assert listen == ["ListenStream=%t/rawdisk/%i.sock\n"]
+
+
+def test_home_local_prefix_puts_user_units_where_systemctl_user_looks(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    prefix = home / ".local"
+    out = user_install(home, prefix)
+    unit_dir = prefix / "share" / "systemd" / "user"
+    check_user_units(unit_dir, prefix / "bin" / "rawdisk")
+    assert os.path.realpath(unit_dir) in user_unit_paths(home), out
+    assert not (prefix / "lib" / "systemd" / "system").exists()
+    assert str(unit_dir) in out and "does not look" not in out, out
+
+
+def test_other_home_prefix_says_how_to_link_the_units(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    prefix = home / "opt" / "rawdisk"
+    out = user_install(home, prefix)
+    unit_dir = prefix / "lib" / "systemd" / "user"
+    check_user_units(unit_dir, prefix / "bin" / "rawdisk")
+    searched = user_unit_paths(home)
+    assert os.path.realpath(unit_dir) not in searched
+    # The printed command links them into a directory systemd searches.
+    (hint,) = [line for line in out.splitlines() if "systemctl --user does not look" in line]
+    cmd = hint.split(": ", 1)[1]
+    config = home / ".config" / "systemd" / "user"
+    assert str(config) in cmd and os.path.realpath(config) in searched, (cmd, searched)
+    res = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    for name in ("rawdisk@.socket", "rawdisk@.service"):
+        assert os.path.samefile(config / name, unit_dir / name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to run install.sh as another user)")
+def test_install_without_root_gets_user_units(workdir):
+    """A user without root installing outside their home (a shared
+    directory they own) still gets user units, and is told where they went."""
+    os.chmod(workdir, 0o755)  # the user (nobody) must reach its directories
+    home = pathlib.Path(workdir) / "home"
+    prefix = pathlib.Path(workdir) / "shared"
+    for d in (home, prefix):
+        d.mkdir()
+        os.chown(d, 65534, 65534)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    env.update(HOME=str(home), PREFIX=str(prefix),
+               RAWDISK_BIN=os.path.abspath(servers.RAWDISK_BIN))
+    res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          os.path.join(ROOT, "scripts", "install.sh")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    unit_dir = prefix / "lib" / "systemd" / "user"
+    check_user_units(unit_dir, prefix / "bin" / "rawdisk")
+    assert not (prefix / "lib" / "systemd" / "system").exists()
+    assert f"systemctl --user does not look in {unit_dir}" in res.stdout, res.stdout
