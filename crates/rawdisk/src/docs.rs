@@ -147,8 +147,9 @@ const ENV: &[(&str, &str)] = &[ENV_LOG];
 const ENV_CLIENT: &[(&str, &str)] = &[
     (
         "HOME",
-        "An nbds:// URI without tls-certificates= looks for HOME/.pki/libnbd and \
-         HOME/.config/pki/libnbd (root: /etc/pki/libnbd), as libnbd does.",
+        "An nbds:// URI without tls-certificates= or tls-psk-file= uses the first \
+         of HOME/.pki/libnbd and HOME/.config/pki/libnbd (root: /etc/pki/libnbd) \
+         that holds ca-cert.pem, as libnbd does, else the system's CA certificates.",
     ),
     (
         "USER, LOGNAME",
