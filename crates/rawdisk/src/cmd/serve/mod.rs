@@ -38,7 +38,7 @@ pub use args::Args;
 use args::{server_tls, TlsSetup, WriteBehindArg};
 use daemon::{fork_into_background, handle_signals, open_pid_file, start_run, Cleanup};
 use listen::{listen, Bound};
-use open::{open_target, open_tracker};
+use open::open_target;
 use stats::stats_json;
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -94,7 +94,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         write_behind: args.write_behind.into(),
         map_writes: args.map_writes,
         tls,
-        track_changes: track.clone(),
+        track_changes: track,
         raw: args.format.raw(),
         ..Default::default()
     };
@@ -125,12 +125,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 target.size(),
                 target.kind()
             );
-            let tracker = match &track {
-                Some(opts) => Some(open_tracker(path, &target, opts)?),
-                None => None,
-            };
-            tracing::info!("storage capabilities: {}", target.caps().snapshot());
-            (Server::new_tracked(target, tracker, cfg), what)
+            let caps = target.caps().snapshot();
+            let server = Server::open(target, cfg)
+                .map_err(|e| anyhow::anyhow!("cannot serve '{}': {e}", path.display()))?;
+            tracing::info!("storage capabilities: {caps}");
+            (server, what)
         }
         (None, None) => unreachable!("clap requires TARGET or --dir"),
     };

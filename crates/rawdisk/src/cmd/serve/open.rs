@@ -1,4 +1,4 @@
-//! The single target: made by `--create`, opened, and its tracker.
+//! The single target: made by `--create`, then opened.
 
 use std::fs;
 use std::io;
@@ -6,7 +6,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use rawdisk_storage::cbt::{TrackOptions, Tracker};
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 
 use super::args::Args;
@@ -61,23 +60,6 @@ pub(super) fn open_target(
         }
     }
     Ok(target)
-}
-
-/// `--track-changes` of a single target: fails when another server tracks
-/// it or its state file cannot be made.
-pub(super) fn open_tracker(
-    path: &Path,
-    target: &Target,
-    opts: &TrackOptions,
-) -> anyhow::Result<Arc<Tracker>> {
-    let t = Tracker::for_target(target, opts)
-        .map_err(|e| anyhow::anyhow!("cannot serve '{}': {e}", path.display()))?;
-    tracing::info!(
-        "tracking changes in '{}' ({} bytes per bit)",
-        t.state_path().display(),
-        t.granularity()
-    );
-    Ok(Arc::new(t))
 }
 
 /// --create: make the file if it does not exist. Returns whether it did.
