@@ -1,5 +1,6 @@
-//! The transmission phase of one connection. One file on purpose, though
-//! long: the reader's scheduling rules and its two waits hold only together.
+//! The transmission phase of one connection. The reader in one file on
+//! purpose: its scheduling rules and its two waits hold only together; the
+//! reply writer is in `writer.rs`.
 //!
 //! The connection's task is the [`Reader`]: for each request it takes the
 //! permits, receives the header and payload, and schedules the request: run
@@ -31,6 +32,8 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
 
+mod writer;
+
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
     execute, failure, read_cached, small_error, small_ok, validate, whole, Encoded,
@@ -39,6 +42,7 @@ use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
+use writer::{put_reply, within, writer, Out};
 
 /// At most this many small requests run as one blocking job...
 const BATCH_MAX: usize = 16;
@@ -92,12 +96,6 @@ impl Permits {
         drop(self.total_bytes.take());
         self
     }
-}
-
-/// A finished reply on its way to the writer.
-struct Out {
-    reply: Encoded,
-    _permits: Permits,
 }
 
 /// A validated request with everything it needs to run.
@@ -792,75 +790,4 @@ fn slot_only(slot: OwnedSemaphorePermit) -> Permits {
         total_bytes: None,
         _unsent: None,
     }
-}
-
-/// Sends the replies of blocking jobs as they arrive, several per flush when
-/// several are ready, until every sender is gone.
-async fn writer<W: AsyncWrite + Unpin>(
-    wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
-    mut rx: mpsc::UnboundedReceiver<Out>,
-    sh: Arc<Shared>,
-    sink: Option<RawSock>,
-    counters: Arc<Counters>,
-) -> io::Result<()> {
-    while let Some(out) = rx.recv().await {
-        let mut wr = wr.lock().await;
-        within(sh.cfg.idle_timeout, async {
-            put_reply(&sh, &mut wr, sink.as_ref(), &counters, out.reply).await?;
-            // Coalesce whatever else is ready into the same flush.
-            while let Ok(out) = rx.try_recv() {
-                put_reply(&sh, &mut wr, sink.as_ref(), &counters, out.reply).await?;
-            }
-            wr.flush().await
-        })
-        .await?;
-    }
-    wr.lock().await.shutdown().await
-}
-
-/// Replies that cannot be sent within the idle timeout mean a client that
-/// stopped reading: the connection ends (TimedOut), which frees what its
-/// replies hold and its place under the connection cap.
-async fn within(
-    limit: Option<Duration>,
-    f: impl Future<Output = io::Result<()>>,
-) -> io::Result<()> {
-    let Some(t) = limit else {
-        return f.await;
-    };
-    match tokio::time::timeout(t, f).await {
-        Ok(r) => r,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("the client read no reply for {t:?}"),
-        )),
-    }
-}
-
-/// Queues one reply on the buffered writer; a spliced read's header is
-/// flushed and its data spliced from the pipes to the socket behind it.
-async fn put_reply<W: AsyncWrite + Unpin>(
-    sh: &Shared,
-    wr: &mut BufWriter<W>,
-    sink: Option<&RawSock>,
-    counters: &Counters,
-    reply: Encoded,
-) -> io::Result<()> {
-    if reply.err != 0 {
-        counters.error(reply.err);
-    }
-    wr.write_all(&reply.buf[reply.start..reply.end]).await?;
-    sh.pool.put(reply.buf);
-    if reply.spliced.is_empty() {
-        return Ok(());
-    }
-    let sink = sink.expect("spliced replies only on sessions with a splice sink");
-    wr.flush().await?;
-    for sp in reply.spliced {
-        sink.send_from(&sp.pipe, sp.len).await?;
-        // Only an emptied pipe goes back: an error above drops the rest
-        // with whatever they still hold.
-        sh.pipes.put(sp.pipe);
-    }
-    Ok(())
 }
