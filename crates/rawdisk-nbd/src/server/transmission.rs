@@ -27,7 +27,6 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rawdisk_storage::CacheMode;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
@@ -255,8 +254,7 @@ impl Batch {
         let jobs = std::mem::replace(&mut self.jobs, Vec::with_capacity(BATCH_MAX));
         let mut rest = jobs.into_iter();
         let mut left = Vec::new();
-        if self.s.export.target.cache_mode() == CacheMode::Writeback {
-            let mut ran = false;
+        if self.s.export.page_cache() {
             for mut j in rest.by_ref() {
                 let reply = if j.req.command == Command::Write && is_small(&j.req) {
                     Some(execute(&self.sh, &self.s, &j.req, j.to, j.data.take()))
@@ -267,11 +265,7 @@ impl Batch {
                     left.push(j);
                     break;
                 };
-                ran = true;
                 self.reply(reply, j.permits);
-            }
-            if ran {
-                self.s.export.note_caps();
             }
         }
         left.extend(rest);
@@ -287,7 +281,6 @@ impl Batch {
                     _permits: j.permits.produced(),
                 });
             }
-            s.export.note_caps();
         });
     }
 
@@ -741,7 +734,7 @@ where
         // one inode serialize on its lock anyway (docs/benchmarks.md, Write
         // path). Not under O_DIRECT, where the pool's threads are
         // the device's queue depth.
-        let own_write = self.s.export.target.cache_mode() == CacheMode::Writeback
+        let own_write = self.s.export.page_cache()
             && req.command == Command::Write
             && req.flags & CMD_FLAG_FUA == 0
             && req.length > BATCH_MAX_LEN
@@ -770,7 +763,6 @@ where
         self.batch.dispatch();
         let reply = execute(&self.sh, &self.s, &job.req, job.to, job.data);
         let permits = job.permits.produced();
-        self.s.export.note_caps();
         let mut w = self.wr.lock().await;
         let sent = within(self.sh.cfg.idle_timeout, async {
             put_reply(&self.sh, &mut w, self.sink.as_ref(), &self.counters, reply).await?;
