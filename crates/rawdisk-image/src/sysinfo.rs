@@ -1,10 +1,12 @@
 //! What the system says about a target without touching it: the file system a
 //! file lives on (from /proc/self/mountinfo), a block device's queue limits
-//! and loop backing file (from sysfs). Plain file reads, nothing is changed.
+//! (read by the target, through the syscall seam) and loop backing file (from
+//! sysfs). Nothing is changed.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use rawdisk_storage::{Kind, Target};
 use serde::Serialize;
 
 /// The mount a path lives on.
@@ -139,30 +141,24 @@ pub struct QueueLimits {
     pub discard_zeroes_data: Option<bool>,
 }
 
-/// Reads the queue limits of a block device (a partition reads its disk's).
-pub fn queue_limits(dev_path: &Path) -> Option<QueueLimits> {
-    let dir = sysfs_block_dir(dev_path)?;
-    let q = if dir.join("queue").is_dir() {
-        dir.join("queue")
-    } else {
-        dir.parent()?.join("queue")
-    };
-    let num = |name: &str| -> Option<u64> {
-        std::fs::read_to_string(q.join(name))
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-    };
+/// The queue limits of an open block device (a partition's are its
+/// disk's); None for a regular file, whose device is not what is probed.
+pub fn queue_limits(t: &Target) -> Option<QueueLimits> {
+    if t.kind() != Kind::Block {
+        return None;
+    }
+    let q = t.block_queue_limits()?;
     Some(QueueLimits {
-        logical_block_size: num("logical_block_size"),
-        physical_block_size: num("physical_block_size"),
-        minimum_io_size: num("minimum_io_size"),
-        optimal_io_size: num("optimal_io_size"),
-        rotational: num("rotational").map(|v| v != 0),
-        write_zeroes_max_bytes: num("write_zeroes_max_bytes"),
-        write_zeroes_unmap_max_bytes: num("write_zeroes_unmap_max_bytes"),
-        discard_max_bytes: num("discard_max_bytes"),
-        discard_granularity: num("discard_granularity"),
-        discard_zeroes_data: num("discard_zeroes_data").map(|v| v != 0),
+        logical_block_size: q.logical_block_size,
+        physical_block_size: q.physical_block_size,
+        minimum_io_size: q.minimum_io_size,
+        optimal_io_size: q.optimal_io_size,
+        rotational: q.rotational,
+        write_zeroes_max_bytes: q.write_zeroes_max_bytes,
+        write_zeroes_unmap_max_bytes: q.write_zeroes_unmap_max_bytes,
+        discard_max_bytes: q.discard_max_bytes,
+        discard_granularity: q.discard_granularity,
+        discard_zeroes_data: q.discard_zeroes_data,
     })
 }
 
@@ -196,6 +192,48 @@ mod tests {
         assert_eq!(unescape_mount("/mnt/a\\040b"), "/mnt/a b");
         assert_eq!(unescape_mount("/plain"), "/plain");
         assert_eq!(unescape_mount("/x\\"), "/x\\");
+    }
+
+    /// The queue limits are the target's one reading, through the syscall
+    /// seam: each attribute as sysfs has it, a failing read is seen, and a
+    /// regular file has none.
+    #[test]
+    #[ignore = "needs root"]
+    fn queue_limits_are_read_through_the_seam() {
+        use rawdisk_storage::sys::CallKind;
+        use rawdisk_storage::{FaultSys, OpenOptions};
+        use rawdisk_testkit::LoopDev;
+        rawdisk_testkit::require_root();
+        let dev = LoopDev::new(64 << 20, 4096);
+        let fs = FaultSys::real();
+        let ro = OpenOptions {
+            read_only: true,
+            ..Default::default()
+        };
+        let t = Target::open_with_sys(dev.path(), &ro, fs.clone()).unwrap();
+        fs.reset_counts();
+        let q = queue_limits(&t).expect("queue limits of a loop device");
+        assert!(fs.calls(CallKind::ReadSysfs) >= 10, "not through the seam");
+        let n = |a: &str| Some(dev.queue_attr(a));
+        let b = |a: &str| Some(dev.queue_attr(a) != 0);
+        let want = QueueLimits {
+            logical_block_size: n("logical_block_size"),
+            physical_block_size: n("physical_block_size"),
+            minimum_io_size: n("minimum_io_size"),
+            optimal_io_size: n("optimal_io_size"),
+            rotational: b("rotational"),
+            write_zeroes_max_bytes: n("write_zeroes_max_bytes"),
+            write_zeroes_unmap_max_bytes: n("write_zeroes_unmap_max_bytes"),
+            discard_max_bytes: n("discard_max_bytes"),
+            discard_granularity: n("discard_granularity"),
+            discard_zeroes_data: b("discard_zeroes_data"),
+        };
+        assert_eq!(q, want);
+        assert_eq!(q.logical_block_size, Some(4096));
+        fs.fail_from(CallKind::ReadSysfs, 1, libc::EIO);
+        assert_eq!(queue_limits(&t), None, "a failing sysfs read unseen");
+        let file = Target::open(dev.backing(), &ro).unwrap();
+        assert_eq!(queue_limits(&file), None, "a regular file has queue limits");
     }
 
     #[test]

@@ -105,11 +105,15 @@ impl Harness {
         };
         let target = Arc::new(target);
         let track_fault = setup.track_fault.then(FaultSys::real);
-        let tracker = setup.track.map(|names| {
+        // With `cfg.track_changes` the server opens the tracker itself.
+        let by_config = setup.cfg.track_changes.is_some();
+        if let Some(names) = &setup.track {
             let mut st = StateFile::open(&path, None, true).unwrap();
             for n in names {
                 st.create_checkpoint(Some(n)).unwrap();
             }
+        }
+        let tracker = setup.track.filter(|_| !by_config).map(|_| {
             let opts = TrackOptions::default();
             let t = match &track_fault {
                 Some(fs) => Tracker::open_with_sys(&path, setup.size, &opts, fs.clone()),
@@ -117,10 +121,12 @@ impl Harness {
             };
             Arc::new(t.unwrap())
         });
-        let server = Running::start(
-            Server::new_tracked(target, tracker, setup.cfg),
-            Bind::Unix(sock.clone()),
-        );
+        let server = if by_config {
+            Server::open(target, setup.cfg).unwrap()
+        } else {
+            Server::new_tracked(target, tracker, setup.cfg)
+        };
+        let server = Running::start(server, Bind::Unix(sock.clone()));
         Harness {
             server,
             _dir: dir,
@@ -1083,6 +1089,44 @@ fn changed_block_contexts_in_structured_and_extended_replies() {
         assert_eq!(left.len(), 1);
         assert!(left[0].consistent && left[0].name == "a", "{left:?}");
     }
+}
+
+/// `Server::open` opens the tracker the configuration asks for, as each
+/// `--dir` export gets its own: a write and a zero are in the state file
+/// after the flush, and a second tracker of the same target is refused.
+#[test]
+fn a_single_export_opens_the_tracker_its_config_asks_for() {
+    const GRAIN: u64 = 64 * KIB;
+    let track = || Some(TrackOptions::default());
+    let mut h = Harness::start(Setup {
+        track: Some(vec!["a"]),
+        ..Setup::cfg(|c| c.track_changes = track())
+    });
+    let again = Arc::new(Target::open(&h.path, &OpenOptions::default()).unwrap());
+    let cfg = ServerConfig {
+        track_changes: track(),
+        ..Default::default()
+    };
+    let err = Server::open(again, cfg)
+        .err()
+        .expect("a second tracker opened");
+    assert!(err.to_string().contains("already tracks"), "{err}");
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let d = random(4096, 12);
+    c.write(MIB + 100, &d);
+    h.model[(MIB + 100) as usize..(MIB + 4196) as usize].copy_from_slice(&d);
+    assert_eq!(c.cmd(Command::WriteZeroes, 0, 3 * MIB, 8192, &[]).error, 0);
+    h.model[(3 * MIB) as usize..(3 * MIB + 8192) as usize].fill(0);
+    assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+    let st = StateFile::open(&h.path, None, false).unwrap();
+    assert_eq!(
+        st.changed_ranges("a").unwrap(),
+        [(MIB, GRAIN), (3 * MIB, GRAIN)]
+    );
+    assert!(st.list().unwrap()[0].consistent);
 }
 
 #[test]

@@ -203,11 +203,17 @@ pub fn probe(opts: &ProbeOptions) -> Result<ProbeReport> {
             trim: None,
         },
     };
-    drop(t);
     match md.file_type().is_block_device() {
-        false => probe_file(path, &mut r),
-        true if opts.destructive => probe_device_destructive(path, &mut r)?,
-        true => probe_device_sysfs(path, &mut r),
+        false => {
+            drop(t);
+            probe_file(path, &mut r)
+        }
+        true if opts.destructive => {
+            // The device is opened again, exclusively.
+            drop(t);
+            probe_device_destructive(path, &mut r)?
+        }
+        true => probe_device_sysfs(&t, &mut r),
     }
     // One order for every kind: the engine's method list.
     r.methods.sort_by_key(|m| {
@@ -447,11 +453,11 @@ fn engine_zero_chain(t: &Target, base: u64, r: &mut ProbeReport) {
 // ---------------------------------------------------------------------------
 // Block devices
 
-fn probe_device_sysfs(path: &Path, r: &mut ProbeReport) {
+fn probe_device_sysfs(t: &Target, r: &mut ProbeReport) {
     r.tested_on = "sysfs";
     r.direct_io = State::Works;
     r.direct_io_alignment = Some(r.logical_sector_size);
-    let q = sysinfo::queue_limits(path);
+    let q = sysinfo::queue_limits(t);
     let wz = q.as_ref().and_then(|q| q.write_zeroes_max_bytes);
     let dmax = q.as_ref().and_then(|q| q.discard_max_bytes);
     r.queue_limits = q;
@@ -578,7 +584,7 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
             e.source,
         )
     })?;
-    r.queue_limits = sysinfo::queue_limits(path);
+    r.queue_limits = sysinfo::queue_limits(&t);
     let sector = u64::from(r.logical_sector_size.max(512));
     // One range per tried method, three for the engine's chain.
     let len = (MIB.min(r.size / 8) / sector) * sector;
@@ -615,7 +621,7 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
         .queue_limits
         .as_ref()
         .and_then(|q| q.write_zeroes_max_bytes);
-    let wz_now = sysinfo::queue_limits(path).and_then(|q| q.write_zeroes_max_bytes);
+    let wz_now = sysinfo::queue_limits(&t).and_then(|q| q.write_zeroes_max_bytes);
     let kernel_writes = match (wz_before, wz_now) {
         (Some(b), Some(0)) if b > 0 => {
             let (s, d) = zeroing(t.try_method(Method::PunchHole, 0, len), false);
@@ -653,7 +659,7 @@ fn probe_device_destructive(path: &Path, r: &mut ProbeReport) -> Result<()> {
     } else {
         predict_block_chain(r);
     }
-    let after = sysinfo::queue_limits(path);
+    let after = sysinfo::queue_limits(&t);
     if after != r.queue_limits {
         r.queue_limits_after = after;
     }

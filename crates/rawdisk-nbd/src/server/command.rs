@@ -1,12 +1,12 @@
 //! What a request does once the reader has it: [`validate`] against the
-//! spec and the session, [`execute`] on the storage (reads plain, sparse or
-//! spliced, writes, zeroes, trims, flushes, block status), and the encoded
-//! reply each one sends.
+//! spec and the session, [`execute`] through the export layer (reads plain,
+//! sparse or spliced, writes, zeroes, trims, flushes, block status), and
+//! the encoded reply each one sends. Nothing here calls the target itself.
 
 use std::cell::RefCell;
 use std::io;
 
-use rawdisk_storage::{CacheMode, ExtentKind, Method, ZeroFlags};
+use rawdisk_storage::{ExtentKind, ZeroFlags};
 use tracing::{debug, warn};
 
 use super::buffers::PIPE_BYTES;
@@ -267,15 +267,7 @@ pub(super) fn execute(
         }
         Command::Flush => done(e.flush()),
         Command::Trim => done(e.trim(req.offset, req.length, fua)),
-        Command::Cache => {
-            if req.length == 0 {
-                return whole(small_ok(s, to));
-            }
-            match e.target.cache(req.offset, req.length) {
-                Ok(()) => whole(small_ok(s, to)),
-                Err(err) => storage_error(sh, s, req, to, "cache", &err),
-            }
-        }
+        Command::Cache => done(e.cache(req.offset, req.length)),
         Command::WriteZeroes => {
             let flags = ZeroFlags {
                 may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
@@ -304,10 +296,8 @@ pub(super) fn execute(
 }
 
 fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
-    let t = &*s.export.target;
     let n = req.length as usize;
     let df = req.flags & CMD_FLAG_DF != 0;
-    let read_err = |e: &rawdisk_storage::Error| storage_error(sh, s, req, to, "read", e);
     if s.mode != ReplyMode::Simple {
         if n == 0 {
             let mut b = Vec::new();
@@ -322,13 +312,13 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
     }
     match splice_read(sh, s, req) {
         Some(Ok(spliced)) => return spliced_reply(s, req, to, spliced),
-        Some(Err(e)) => return read_err(&e),
+        Some(Err(f)) => return failure(sh, s, req, to, f),
         None => {}
     }
     let (mut buf, start, d) = data_buffer(sh, s, n);
-    if let Err(e) = t.read_at(&mut buf[d..d + n], req.offset) {
+    if let Err(f) = s.export.read(&mut buf[d..d + n], req.offset) {
         sh.pool.put(buf);
-        return read_err(&e);
+        return failure(sh, s, req, to, f);
     }
     data_reply(s, req, to, buf, start, d)
 }
@@ -338,17 +328,17 @@ fn read(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Encoded {
 /// [`execute`] runs it where it may wait for the device. Only reads below
 /// the sparse and splice sizes, which [`read`] also copies whole.
 pub(super) fn read_cached(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) -> Option<Encoded> {
-    let t = &*s.export.target;
+    let e = &*s.export;
     if req.command != Command::Read
         || req.length == 0
         || req.length >= SPARSE_READ_MIN.min(SPLICE_MIN)
-        || !t.may_read_cached()
+        || !e.may_read_cached()
     {
         return None;
     }
     let n = req.length as usize;
     let (mut buf, start, d) = data_buffer(sh, s, n);
-    if let Ok(true) = t.read_cached(&mut buf[d..d + n], req.offset) {
+    if e.read_cached(&mut buf[d..d + n], req.offset) {
         return Some(data_reply(s, req, to, buf, start, d));
     }
     // Not cached, or an error the blocking read will meet and report.
@@ -392,17 +382,9 @@ fn data_reply(
 /// instead of a buffer, in pieces that end on PIPE_BYTES boundaries of the
 /// target so that each fills at most one pipe of PIPE_BYTES. None when this
 /// read does not qualify or a pipe is not to be had; the caller then copies.
-fn splice_read(
-    sh: &Shared,
-    s: &Session,
-    req: &Request,
-) -> Option<Result<Vec<Spliced>, rawdisk_storage::Error>> {
-    let t = &*s.export.target;
-    if !s.splice
-        || req.length < SPLICE_MIN
-        || t.cache_mode() == CacheMode::None
-        || !t.caps().get(Method::Splice).may_work()
-    {
+fn splice_read(sh: &Shared, s: &Session, req: &Request) -> Option<Result<Vec<Spliced>, Failure>> {
+    let e = &*s.export;
+    if !s.splice || req.length < SPLICE_MIN || !e.may_splice() {
         return None;
     }
     let end = req.offset + req.length;
@@ -412,12 +394,12 @@ fn splice_read(
         let piece_end = ((pos / PIPE_BYTES as u64 + 1) * PIPE_BYTES as u64).min(end);
         let n = (piece_end - pos) as usize;
         let pipe = sh.pipes.get()?;
-        match t.read_to_pipe(pipe.write_end(), pos, n) {
+        match e.read_to_pipe(pipe.write_end(), pos, n) {
             Ok(true) => out.push(Spliced { pipe, len: n }),
             // This pipe may hold part of the piece: it is dropped, not
             // pooled; the pieces already filled go back empty-handed too.
             Ok(false) => return None,
-            Err(e) => return Some(Err(e)),
+            Err(f) => return Some(Err(f)),
         }
         pos = piece_end;
     }
@@ -450,7 +432,6 @@ fn sparse_read(
     to: ReplyTo,
     extents: &[rawdisk_storage::Extent],
 ) -> Encoded {
-    let t = &*s.export.target;
     let end = req.offset + req.length;
     // (offset, len, hole), contiguous from req.offset to end.
     let mut pieces: Vec<(u64, u64, bool)> = Vec::with_capacity(extents.len() + 1);
@@ -495,9 +476,9 @@ fn sparse_read(
                 encode_offset_data_header(h, s.mode, to, flags, off, len)
             });
             let d = at + p;
-            if let Err(e) = t.read_at(&mut buf[d..d + len as usize], off) {
+            if let Err(f) = s.export.read(&mut buf[d..d + len as usize], off) {
                 sh.pool.put(buf);
-                return storage_error(sh, s, req, to, "read", &e);
+                return failure(sh, s, req, to, f);
             }
             at = d + len as usize;
         }
@@ -546,26 +527,19 @@ fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
 
 /// base:allocation: holes (reading as zeros) and data.
 fn allocation(s: &Session, req: &Request, max_runs: usize) -> Vec<Descriptor> {
-    let t = &*s.export.target;
-    let mut ds: Vec<Descriptor> = match t.extents(req.offset, req.length, max_runs) {
-        Ok(ext) => ext
-            .iter()
-            .filter(|e| e.len > 0)
-            .map(|e| Descriptor {
-                length: e.len,
-                status: match e.kind {
-                    ExtentKind::Hole => (STATE_HOLE | STATE_ZERO) as u64,
-                    ExtentKind::Data => 0,
-                },
-            })
-            .collect(),
-        Err(e) => {
-            // Spec: a server MAY describe the range as plain data instead of
-            // failing when the error is not the client's fault.
-            debug!("block status: {e}; reporting data");
-            Vec::new()
-        }
-    };
+    let ext = s.export.extents(req.offset, req.length, max_runs);
+    let mut ds: Vec<Descriptor> = ext
+        .unwrap_or_default()
+        .iter()
+        .filter(|e| e.len > 0)
+        .map(|e| Descriptor {
+            length: e.len,
+            status: match e.kind {
+                ExtentKind::Hole => (STATE_HOLE | STATE_ZERO) as u64,
+                ExtentKind::Data => 0,
+            },
+        })
+        .collect();
     if ds.is_empty() {
         ds.push(Descriptor {
             length: req.length,

@@ -1,8 +1,10 @@
-//! The export layer: what every request does to an export's storage, and
-//! the rules each one obeys, in one place. The request loop
-//! (`transmission.rs`) only decides where a request runs (the reader, the
-//! blocking pool, straight into the page cache); `command.rs` turns a
-//! request into one call here and the result into a reply.
+//! The export layer: what every request does to an export's storage
+//! (reads, block status and cache hints included), and the rules each one
+//! obeys, in one place. The request loop (`transmission.rs`) only decides
+//! where a request runs (the reader, the blocking pool, straight into the
+//! page cache); `command.rs` turns a request into calls here and the
+//! results into a reply. Nothing else touches the target while it is
+//! served.
 //!
 //! The rules, each applied once, on every path:
 //! - changed-block tracking: a write, zero or trim marks its range before
@@ -15,15 +17,19 @@
 //!   write-back (`writeback.rs`); a FLUSH tells the policy;
 //! - the hole-lookup skip: reads skip the lookup on fully allocated files,
 //!   and a zero or trim of ours resets that;
-//! - the learned capabilities are logged once per change.
+//! - the learned capabilities are logged once per change, right after the
+//!   call that learned them.
 
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rawdisk_storage::cbt::{CbtError, Tracker};
-use rawdisk_storage::{CacheMode, Extent, ExtentKind, Kind, MappedWrite, Target, ZeroFlags};
-use tracing::{info, trace};
+use rawdisk_storage::{
+    CacheMode, Extent, ExtentKind, Kind, MappedWrite, Method, Target, ZeroFlags,
+};
+use tracing::{debug, info, trace};
 
 use super::command::storage_errno;
 use super::writeback::{Policy, WriteBehind};
@@ -42,8 +48,8 @@ const SPARSE_SKIP_READS: u64 = 64;
 /// One exported target, shared by every connection to it.
 pub(super) struct Export {
     pub name: String,
-    /// Reads go to it directly; anything that changes it goes through the
-    /// methods below.
+    /// Requests reach it only through the methods below; the handshake
+    /// reads its size and kind, and the final flush at exit calls it.
     pub target: Arc<Target>,
     pub read_only: bool,
     pub min_block: u32,
@@ -234,10 +240,11 @@ impl Export {
     pub(super) fn map_write(&self, offset: u64, len: u64, head: u64) -> Option<Mapped<'_>> {
         let pages = self
             .target
-            .map_write(offset + head, usize::try_from(len - head).ok()?)?;
+            .map_write(offset + head, usize::try_from(len - head).ok()?);
+        self.note_caps();
         Some(Mapped {
+            pages: pages?,
             export: self,
-            pages,
             offset,
             len,
             head,
@@ -257,10 +264,9 @@ impl Export {
             return Ok(());
         }
         let change = self.change(offset, len);
-        let outcome = self
-            .target
-            .zero(offset, len, flags)
-            .map_err(storage(ZERO_OP))?;
+        let outcome = self.target.zero(offset, len, flags);
+        self.note_caps();
+        let outcome = outcome.map_err(storage(ZERO_OP))?;
         trace!("zero used {:?}", outcome.methods);
         self.holes_made();
         drop(change);
@@ -277,7 +283,9 @@ impl Export {
             return Ok(());
         }
         let change = self.change(offset, len);
-        match self.target.trim(offset, len) {
+        let trimmed = self.target.trim(offset, len);
+        self.note_caps();
+        match trimmed {
             Ok(()) => self.holes_made(),
             Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
             Err(e) => return Err(storage("trim")(e)),
@@ -329,7 +337,9 @@ impl Export {
             return None;
         }
         let t0 = Instant::now();
-        if let Ok(ext) = self.target.extents(offset, len, SPARSE_READ_RUNS) {
+        let found = self.target.extents(offset, len, SPARSE_READ_RUNS);
+        self.note_caps();
+        if let Ok(ext) = found {
             if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
                 return Some(ext);
             }
@@ -375,8 +385,73 @@ impl Export {
         self.sparse_skip.store(0, Ordering::Relaxed);
     }
 
+    /// Whether the target is served through the page cache (not O_DIRECT).
+    pub(super) fn page_cache(&self) -> bool {
+        self.target.cache_mode() == CacheMode::Writeback
+    }
+
+    /// NBD_CMD_READ of `buf.len()` bytes at `offset`.
+    pub(super) fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
+        self.target.read_at(buf, offset).map_err(storage("read"))
+    }
+
+    /// Whether a read may be answered from the page cache without waiting
+    /// for the device ([`Export::read_cached`]).
+    pub(super) fn may_read_cached(&self) -> bool {
+        self.target.may_read_cached()
+    }
+
+    /// A read answered from the page cache; false when part of it is not
+    /// cached, or on an error the blocking [`Export::read`] will meet and
+    /// report.
+    pub(super) fn read_cached(&self, buf: &mut [u8], offset: u64) -> bool {
+        matches!(self.target.read_cached(buf, offset), Ok(true))
+    }
+
+    /// Whether reads may go to the socket through pipes: through the page
+    /// cache, and splice not known to fail here.
+    pub(super) fn may_splice(&self) -> bool {
+        self.page_cache() && self.target.caps().get(Method::Splice).may_work()
+    }
+
+    /// `len` bytes at `offset` into `pipe`; false: the target cannot splice
+    /// (the pipe may hold part of them), copy instead.
+    pub(super) fn read_to_pipe(
+        &self,
+        pipe: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+    ) -> Result<bool, Failure> {
+        let r = self.target.read_to_pipe(pipe, offset, len);
+        self.note_caps();
+        r.map_err(storage("read"))
+    }
+
+    /// NBD_CMD_CACHE: a hint to read the range ahead.
+    pub(super) fn cache(&self, offset: u64, len: u64) -> Result<(), Failure> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.target.cache(offset, len).map_err(storage("cache"))
+    }
+
+    /// base:allocation: at most `max_runs` extents from `offset`, or None
+    /// when the lookup failed; the caller then reports data (spec: a server
+    /// MAY, when the error is not the client's fault).
+    pub(super) fn extents(&self, offset: u64, len: u64, max_runs: usize) -> Option<Vec<Extent>> {
+        let found = self.target.extents(offset, len, max_runs);
+        self.note_caps();
+        match found {
+            Ok(ext) => Some(ext),
+            Err(e) => {
+                debug!("block status: {e}; reporting data");
+                None
+            }
+        }
+    }
+
     /// Logs the target's learned capabilities once per change.
-    pub(super) fn note_caps(&self) {
+    fn note_caps(&self) {
         let caps = self.target.caps();
         let gen = caps.generation();
         let last = self.caps_logged.load(Ordering::Relaxed);
@@ -416,4 +491,67 @@ fn block_sizes(target: &Target, max_payload: u32) -> (u32, u32) {
         pref = floor;
     }
     (min, pref)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use rawdisk_storage::{ExtentKind, OpenOptions, Target, ZeroFlags};
+
+    use super::Export;
+    use crate::server::writeback::WriteBehind;
+
+    const MIB: usize = 1 << 20;
+    const KIB64: u64 = 64 << 10;
+
+    /// What a storage call learns is logged by the layer right after that
+    /// call, whoever made it: the request loop has no part in it.
+    #[test]
+    fn capabilities_are_noted_by_the_call_that_learns_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        // 1 MiB of data, then a 1 MiB hole.
+        let mut want: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8 + 1).collect();
+        std::fs::write(&path, &want).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(2 * MIB as u64)
+            .unwrap();
+        want.resize(2 * MIB, 0);
+        let target = Arc::new(Target::open(&path, &OpenOptions::default()).unwrap());
+        let e = Export::new(
+            "t".into(),
+            target.clone(),
+            false,
+            WriteBehind::Off,
+            32 << 20,
+            (0, 0),
+            None,
+        );
+        let noted = || e.caps_logged.load(Ordering::Relaxed);
+        let g0 = target.caps().generation();
+        assert_eq!(noted(), g0);
+
+        let ext = e.extents(0, 2 * MIB as u64, 16).expect("extents");
+        assert_eq!(ext.last().map(|x| x.kind), Some(ExtentKind::Hole));
+        let g1 = target.caps().generation();
+        assert!(g1 > g0, "the hole lookup learned nothing");
+        assert_eq!(noted(), g1, "block status did not note what it learned");
+
+        let flags = ZeroFlags {
+            may_trim: true,
+            fast_only: false,
+        };
+        e.zero(KIB64, KIB64, flags, false).expect("zero");
+        let g2 = target.caps().generation();
+        assert!(g2 > g1, "the zero learned nothing");
+        assert_eq!(noted(), g2, "the zero did not note what it learned");
+
+        want[KIB64 as usize..2 * KIB64 as usize].fill(0);
+        assert!(std::fs::read(&path).unwrap() == want, "image differs");
+    }
 }

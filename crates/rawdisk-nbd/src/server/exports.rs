@@ -10,9 +10,9 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
-use rawdisk_storage::cbt::{TrackOptions, Tracker, STATE_SUFFIX};
+use rawdisk_storage::cbt::{CbtError, TrackOptions, Tracker, STATE_SUFFIX};
 use rawdisk_storage::{OpenOptions, Target};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 pub(super) use super::export::Export;
 use super::writeback::WriteBehind;
@@ -291,9 +291,8 @@ impl Dir {
             }
             trackers.remove(name);
         }
-        match Tracker::for_target(target, opts) {
+        match open_tracker(target, opts) {
             Ok(t) => {
-                let t = Arc::new(t);
                 trackers.insert(name.to_string(), (id, t.clone()));
                 Ok(Some(t))
             }
@@ -372,6 +371,20 @@ impl Dir {
             r => r,
         }
     }
+}
+
+/// Opens the changed-block tracker of an export's target
+/// (`--track-changes`), for the single export and each `--dir` export
+/// alike; fails when another server tracks it or its state file cannot be
+/// made.
+pub(super) fn open_tracker(target: &Target, opts: &TrackOptions) -> Result<Arc<Tracker>, CbtError> {
+    let t = Tracker::for_target(target, opts)?;
+    info!(
+        "tracking changes in '{}' ({} bytes per bit)",
+        t.state_path().display(),
+        t.granularity()
+    );
+    Ok(Arc::new(t))
 }
 
 /// A client would take a qcow2 or VMDK file's bytes for its disk: only

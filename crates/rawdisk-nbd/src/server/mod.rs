@@ -50,7 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rawdisk_storage::cbt::{TrackOptions, Tracker};
+use rawdisk_storage::cbt::{CbtError, TrackOptions, Tracker};
 use rawdisk_storage::{OpenOptions, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
 use tokio::sync::{watch, Semaphore};
@@ -118,8 +118,9 @@ pub struct ServerConfig {
     pub map_writes: bool,
     /// TLS credentials and whether TLS is required; None: no TLS.
     pub tls: Option<crate::tls::ServerTls>,
-    /// Changed-block tracking of `--dir` exports (`--track-changes`); a
-    /// single export gets its tracker from [`Server::new_tracked`].
+    /// Changed-block tracking (`--track-changes`): the tracker of each
+    /// export, opened by [`Server::open`] for a single export and on first
+    /// use for each `--dir` export.
     pub track_changes: Option<TrackOptions>,
     /// `--dir`: export files that look like another image format (qcow2,
     /// VMDK...) as raw (`serve -f raw`); without it NBD_OPT_GO refuses them.
@@ -194,8 +195,19 @@ struct Shared {
 }
 
 impl Server {
+    /// One export, untracked whatever `cfg.track_changes` says.
     pub fn new(target: Arc<Target>, cfg: ServerConfig) -> Server {
         Server::new_tracked(target, None, cfg)
+    }
+
+    /// One export, with the tracker `cfg.track_changes` asks for opened
+    /// first.
+    pub fn open(target: Arc<Target>, cfg: ServerConfig) -> Result<Server, CbtError> {
+        let tracker = match &cfg.track_changes {
+            Some(opts) => Some(exports::open_tracker(&target, opts)?),
+            None => None,
+        };
+        Ok(Server::new_tracked(target, tracker, cfg))
     }
 
     /// One export whose changes `tracker` records (`--track-changes`); the

@@ -1,5 +1,6 @@
-//! The transmission phase of one connection. One file on purpose, though
-//! long: the reader's scheduling rules and its two waits hold only together.
+//! The transmission phase of one connection. The reader in one file on
+//! purpose: its scheduling rules and its two waits hold only together; the
+//! reply writer is in `writer.rs`.
 //!
 //! The connection's task is the [`Reader`]: for each request it takes the
 //! permits, receives the header and payload, and schedules the request: run
@@ -26,10 +27,11 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rawdisk_storage::CacheMode;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
+
+mod writer;
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
@@ -39,6 +41,7 @@ use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
+use writer::{put_reply, within, writer, Out};
 
 /// At most this many small requests run as one blocking job...
 const BATCH_MAX: usize = 16;
@@ -92,12 +95,6 @@ impl Permits {
         drop(self.total_bytes.take());
         self
     }
-}
-
-/// A finished reply on its way to the writer.
-struct Out {
-    reply: Encoded,
-    _permits: Permits,
 }
 
 /// A validated request with everything it needs to run.
@@ -257,8 +254,7 @@ impl Batch {
         let jobs = std::mem::replace(&mut self.jobs, Vec::with_capacity(BATCH_MAX));
         let mut rest = jobs.into_iter();
         let mut left = Vec::new();
-        if self.s.export.target.cache_mode() == CacheMode::Writeback {
-            let mut ran = false;
+        if self.s.export.page_cache() {
             for mut j in rest.by_ref() {
                 let reply = if j.req.command == Command::Write && is_small(&j.req) {
                     Some(execute(&self.sh, &self.s, &j.req, j.to, j.data.take()))
@@ -269,11 +265,7 @@ impl Batch {
                     left.push(j);
                     break;
                 };
-                ran = true;
                 self.reply(reply, j.permits);
-            }
-            if ran {
-                self.s.export.note_caps();
             }
         }
         left.extend(rest);
@@ -289,7 +281,6 @@ impl Batch {
                     _permits: j.permits.produced(),
                 });
             }
-            s.export.note_caps();
         });
     }
 
@@ -743,7 +734,7 @@ where
         // one inode serialize on its lock anyway (docs/benchmarks.md, Write
         // path). Not under O_DIRECT, where the pool's threads are
         // the device's queue depth.
-        let own_write = self.s.export.target.cache_mode() == CacheMode::Writeback
+        let own_write = self.s.export.page_cache()
             && req.command == Command::Write
             && req.flags & CMD_FLAG_FUA == 0
             && req.length > BATCH_MAX_LEN
@@ -772,7 +763,6 @@ where
         self.batch.dispatch();
         let reply = execute(&self.sh, &self.s, &job.req, job.to, job.data);
         let permits = job.permits.produced();
-        self.s.export.note_caps();
         let mut w = self.wr.lock().await;
         let sent = within(self.sh.cfg.idle_timeout, async {
             put_reply(&self.sh, &mut w, self.sink.as_ref(), &self.counters, reply).await?;
@@ -792,75 +782,4 @@ fn slot_only(slot: OwnedSemaphorePermit) -> Permits {
         total_bytes: None,
         _unsent: None,
     }
-}
-
-/// Sends the replies of blocking jobs as they arrive, several per flush when
-/// several are ready, until every sender is gone.
-async fn writer<W: AsyncWrite + Unpin>(
-    wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
-    mut rx: mpsc::UnboundedReceiver<Out>,
-    sh: Arc<Shared>,
-    sink: Option<RawSock>,
-    counters: Arc<Counters>,
-) -> io::Result<()> {
-    while let Some(out) = rx.recv().await {
-        let mut wr = wr.lock().await;
-        within(sh.cfg.idle_timeout, async {
-            put_reply(&sh, &mut wr, sink.as_ref(), &counters, out.reply).await?;
-            // Coalesce whatever else is ready into the same flush.
-            while let Ok(out) = rx.try_recv() {
-                put_reply(&sh, &mut wr, sink.as_ref(), &counters, out.reply).await?;
-            }
-            wr.flush().await
-        })
-        .await?;
-    }
-    wr.lock().await.shutdown().await
-}
-
-/// Replies that cannot be sent within the idle timeout mean a client that
-/// stopped reading: the connection ends (TimedOut), which frees what its
-/// replies hold and its place under the connection cap.
-async fn within(
-    limit: Option<Duration>,
-    f: impl Future<Output = io::Result<()>>,
-) -> io::Result<()> {
-    let Some(t) = limit else {
-        return f.await;
-    };
-    match tokio::time::timeout(t, f).await {
-        Ok(r) => r,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("the client read no reply for {t:?}"),
-        )),
-    }
-}
-
-/// Queues one reply on the buffered writer; a spliced read's header is
-/// flushed and its data spliced from the pipes to the socket behind it.
-async fn put_reply<W: AsyncWrite + Unpin>(
-    sh: &Shared,
-    wr: &mut BufWriter<W>,
-    sink: Option<&RawSock>,
-    counters: &Counters,
-    reply: Encoded,
-) -> io::Result<()> {
-    if reply.err != 0 {
-        counters.error(reply.err);
-    }
-    wr.write_all(&reply.buf[reply.start..reply.end]).await?;
-    sh.pool.put(reply.buf);
-    if reply.spliced.is_empty() {
-        return Ok(());
-    }
-    let sink = sink.expect("spliced replies only on sessions with a splice sink");
-    wr.flush().await?;
-    for sp in reply.spliced {
-        sink.send_from(&sp.pipe, sp.len).await?;
-        // Only an emptied pipe goes back: an error above drops the rest
-        // with whatever they still hold.
-        sh.pipes.put(sp.pipe);
-    }
-    Ok(())
 }

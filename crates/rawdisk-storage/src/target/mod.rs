@@ -171,11 +171,40 @@ pub struct QueueLimits {
     pub minor: u32,
     pub logical_block_size: Option<u64>,
     pub physical_block_size: Option<u64>,
+    pub minimum_io_size: Option<u64>,
+    pub optimal_io_size: Option<u64>,
+    pub rotational: Option<bool>,
     pub write_zeroes_max_bytes: Option<u64>,
+    pub write_zeroes_unmap_max_bytes: Option<u64>,
     pub discard_max_bytes: Option<u64>,
     pub discard_granularity: Option<u64>,
-    pub rotational: Option<bool>,
-    pub optimal_io_size: Option<u64>,
+    pub discard_zeroes_data: Option<bool>,
+}
+
+impl QueueLimits {
+    /// The one reading of the queue limits of the block device MAJ:MIN,
+    /// through `sys`; None when sysfs has no queue for it.
+    fn read(sys: &dyn Sys, major: u32, minor: u32) -> Option<QueueLimits> {
+        let a = |n: &str| read_queue_attr(sys, major, minor, n);
+        let q = QueueLimits {
+            major,
+            minor,
+            logical_block_size: a("logical_block_size"),
+            physical_block_size: a("physical_block_size"),
+            minimum_io_size: a("minimum_io_size"),
+            optimal_io_size: a("optimal_io_size"),
+            rotational: a("rotational").map(|v| v == 1),
+            write_zeroes_max_bytes: a("write_zeroes_max_bytes"),
+            write_zeroes_unmap_max_bytes: a("write_zeroes_unmap_max_bytes"),
+            discard_max_bytes: a("discard_max_bytes"),
+            discard_granularity: a("discard_granularity"),
+            discard_zeroes_data: a("discard_zeroes_data").map(|v| v != 0),
+        };
+        if q.logical_block_size.is_none() && q.rotational.is_none() {
+            return None;
+        }
+        Some(q)
+    }
 }
 
 /// statfs f_type of tmpfs and ramfs (<linux/magic.h>).
@@ -524,22 +553,7 @@ impl Target {
     /// docs/capabilities.md, tmpfs-backed loop devices).
     pub fn block_queue_limits(&self) -> Option<QueueLimits> {
         let (maj, min) = self.sysfs_dev?;
-        let a = |n: &str| read_queue_attr(&*self.sys, maj, min, n);
-        let q = QueueLimits {
-            major: maj,
-            minor: min,
-            logical_block_size: a("logical_block_size"),
-            physical_block_size: a("physical_block_size"),
-            write_zeroes_max_bytes: a("write_zeroes_max_bytes"),
-            discard_max_bytes: a("discard_max_bytes"),
-            discard_granularity: a("discard_granularity"),
-            rotational: a("rotational").map(|v| v == 1),
-            optimal_io_size: a("optimal_io_size"),
-        };
-        if q.logical_block_size.is_none() && q.rotational.is_none() {
-            return None;
-        }
-        Some(q)
+        QueueLimits::read(&*self.sys, maj, min)
     }
 
     fn check_writable(&self, op: &'static str, offset: u64, len: u64) -> Result<()> {

@@ -1,0 +1,252 @@
+//! `serve`'s command line: the flags, their values and the TLS flag policy.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::cmd::{CacheArg, PreallocArg};
+use rawdisk_nbd::server::WriteBehind;
+use rawdisk_nbd::tls::ServerTls;
+
+/// Export a file or block device over NBD.
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
+    rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
+    rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0\n  \
+    rawdisk serve --dir /var/lib/images -U /run/images.sock")]
+pub struct Args {
+    /// Listen on this Unix socket (replaces a stale socket file). -U as
+    /// nbdkit, -k as qemu-nbd.
+    #[arg(short = 'U', short_alias = 'k', long, value_name = "PATH", conflicts_with_all = ["bind", "port"])]
+    pub(super) socket: Option<PathBuf>,
+    /// Listen on this TCP address: HOST:PORT, HOST (port from --port or
+    /// 10809), or PORT alone, which listens on 127.0.0.1 only, like the
+    /// default [default: 127.0.0.1:10809]. -b as qemu-nbd, -i as nbdkit.
+    #[arg(short = 'b', short_alias = 'i', long, value_name = "HOST[:PORT]")]
+    pub(super) bind: Option<String>,
+    /// TCP port to listen on [default: 10809].
+    #[arg(short = 'p', long, value_name = "PORT")]
+    pub(super) port: Option<u16>,
+    /// Refuse writes (NBD_FLAG_READ_ONLY); opens the target read-only.
+    #[arg(short = 'r', long)]
+    pub(super) read_only: bool,
+    /// With --dir, exports that look like another image format are refused
+    /// at NBD_OPT_GO unless this is given.
+    #[command(flatten)]
+    pub(super) format: crate::cmd::FormatOpt,
+    /// Name of the export; clients asking for another name are refused.
+    #[arg(
+        short = 'e',
+        long,
+        value_name = "NAME",
+        default_value = "",
+        conflicts_with = "dir"
+    )]
+    pub(super) export_name: String,
+    /// Export every regular file and block device directly inside DIR, each
+    /// under its file name (nbdkit's dir=); files added or removed are seen
+    /// by the next connection. Symlinks are followed only inside DIR.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["target", "create"])]
+    pub(super) dir: Option<PathBuf>,
+    /// With --dir: the export a client asking for the empty name gets
+    /// (otherwise it is refused and told to pick a name).
+    #[arg(long, value_name = "NAME", requires = "dir", conflicts_with = "target")]
+    pub(super) default_export: Option<String>,
+    /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
+    /// whatever the clients do.
+    #[arg(short = 't', long)]
+    pub(super) persistent: bool,
+    /// Run this shell command once the server is ready, with $uri set to
+    /// the URI to connect to, then stop the server when it exits and exit
+    /// with its status (nbdkit's --run). The URI is not printed.
+    #[arg(long, value_name = "CMD", conflicts_with = "fork")]
+    pub(super) run: Option<String>,
+    /// Go into the background once listening (nbdkit's --fork): the command
+    /// prints the URI and exits 0 only when the server accepts connections;
+    /// the server keeps running, detached, and --pid-file gets its pid.
+    #[arg(long)]
+    pub(super) fork: bool,
+    /// Page cache or O_DIRECT.
+    #[arg(long, value_enum, default_value = "writeback")]
+    pub(super) cache: CacheArg,
+    /// Create TARGET with this size first (qemu-img suffixes); an existing
+    /// target of the same size is served as it is, another size refused.
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::size::size_arg)]
+    pub(super) create: Option<u64>,
+    /// Allocation of a file made by --create.
+    #[arg(long, value_enum, requires = "create", default_value = "off")]
+    pub(super) preallocation: PreallocArg,
+    /// Write the server's pid here once it is ready; removed at exit.
+    #[arg(short = 'P', long, value_name = "PATH")]
+    pub(super) pid_file: Option<PathBuf>,
+    /// Write the server's totals here as JSON when it exits (what SIGUSR1
+    /// logs): uptime-seconds; connections: accepted, negotiated, open,
+    /// refused-at-cap, closed-in-handshake, unknown-export, tls-required;
+    /// requests: per command (read, write, flush, trim, cache,
+    /// write-zeroes, block-status, disc, other) its requests and bytes;
+    /// errors: replies per NBD error (eperm, eio, enomem, einval, enospc,
+    /// eoverflow, enotsup, eshutdown, other); peak-in-flight.
+    #[arg(long, value_name = "FILE")]
+    pub(super) stats: Option<PathBuf>,
+    /// Seconds a client gets to finish the handshake.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    pub(super) handshake_timeout: f64,
+    /// Connections served at once; more are closed at accept. At most half
+    /// of them may be in the handshake at once.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    pub(super) max_connections: usize,
+    /// Close a connection that has had nothing in flight and sent nothing,
+    /// or has read none of its replies, for this long (90, 90s, 15m, 2h)
+    /// [default: never].
+    #[arg(long, value_name = "DURATION", value_parser = duration_arg)]
+    pub(super) idle_timeout: Option<Duration>,
+    /// When writes of 256 KiB or more start their write-back right away
+    /// (sync_file_range), so a client's final flush has little left to do:
+    /// on (faster imports that end with a flush, slower streams of writes
+    /// that are never flushed), off, or auto: on until the clients rewrite
+    /// what they wrote since their last flush. `--write-behind` alone is
+    /// on. No effect with --cache none or on tmpfs/ramfs.
+    #[arg(long, value_enum, value_name = "WHEN", default_value = "auto",
+          num_args = 0..=1, default_missing_value = "on")]
+    pub(super) write_behind: WriteBehindArg,
+    /// Receive write payloads of 64 KiB or more straight into the file's
+    /// page cache through a shared mapping (regular files, pages already
+    /// cached, no FUA): one copy instead of two, and less memory. The cost:
+    /// a client that disconnects in the middle of a write's payload leaves
+    /// the part that arrived written (without it, nothing of that write is).
+    /// No effect with --cache none or on block devices.
+    #[arg(long)]
+    pub(super) map_writes: bool,
+    /// Threads doing storage calls [default: 16, 64 with --cache none].
+    #[arg(long, value_name = "N")]
+    pub(super) threads: Option<usize>,
+    /// TLS (NBD_OPT_STARTTLS): `on` offers it and still serves plaintext
+    /// clients, `require` refuses them. Giving --tls-certificates or
+    /// --tls-psk without --tls means `require`.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub(super) tls: Option<TlsArg>,
+    /// X.509 credentials in nbdkit's and qemu's layout: DIR/server-cert.pem,
+    /// DIR/server-key.pem, and for --tls-verify-peer DIR/ca-cert.pem and an
+    /// optional DIR/ca-crl.pem.
+    #[arg(long, value_name = "DIR", conflicts_with = "tls_psk")]
+    pub(super) tls_certificates: Option<PathBuf>,
+    /// Pre-shared keys: lines `username:hexkey` (the psktool format of
+    /// GnuTLS and nbdkit).
+    #[arg(long, value_name = "FILE")]
+    pub(super) tls_psk: Option<PathBuf>,
+    /// Require a client certificate that chains to DIR/ca-cert.pem and is
+    /// not revoked by DIR/ca-crl.pem.
+    #[arg(long)]
+    pub(super) tls_verify_peer: bool,
+    /// Keep a bitmap of the ranges clients change (WRITE, WRITE_ZEROES,
+    /// TRIM) in a state file next to the target (TARGET.rawdisk-cbt), made
+    /// durable before each FLUSH is acknowledged; each checkpoint of
+    /// `rawdisk checkpoint` is then offered as the metadata context
+    /// rawdisk:changed:NAME (docs/cbt.md). With --dir, one per export.
+    /// Only writes through this server are seen: another process writing
+    /// the same file while it is served is not.
+    #[arg(long)]
+    pub(super) track_changes: bool,
+    /// Bytes per bit of a new state file's bitmaps: a power of two from 4K
+    /// to 64M [default: 64K]; an existing state file's must match.
+    #[arg(long, value_name = "SIZE", requires = "track_changes", value_parser = crate::size::size_arg)]
+    pub(super) bitmap_granularity: Option<u64>,
+    /// Keep the state files here (DIR/NAME.rawdisk-cbt) instead of next
+    /// to the target; needed for block devices.
+    #[arg(long, value_name = "DIR", requires = "track_changes")]
+    pub(super) state_dir: Option<PathBuf>,
+    /// File or block device to export.
+    #[arg(required_unless_present = "dir")]
+    pub(super) target: Option<PathBuf>,
+}
+
+/// A duration: seconds, or a number with ms, s, m or h.
+pub(super) fn duration_arg(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale = match unit.trim() {
+        "" | "s" => 1.0,
+        "ms" => 0.001,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        u => return Err(format!("unknown unit '{u}' (use ms, s, m or h)")),
+    };
+    match num.parse::<f64>() {
+        Ok(v) if v > 0.0 && (v * scale).is_finite() => Ok(Duration::from_secs_f64(v * scale)),
+        _ => Err(format!("'{s}' is not a positive duration")),
+    }
+}
+
+/// `--tls`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum TlsArg {
+    /// No TLS: NBD_OPT_STARTTLS is refused.
+    Off,
+    /// TLS offered; plaintext clients are served too.
+    On,
+    /// Only NBD_OPT_STARTTLS and NBD_OPT_ABORT are answered before TLS.
+    Require,
+}
+
+pub(super) enum TlsSetup {
+    /// A bad combination of flags (exit 2).
+    Usage(&'static str),
+    /// Credentials that cannot be loaded.
+    Load(anyhow::Error),
+}
+
+/// The server's TLS from the --tls* flags; None when TLS is off.
+pub(super) fn server_tls(args: &Args) -> Result<Option<ServerTls>, TlsSetup> {
+    if args.tls_verify_peer && args.tls_certificates.is_none() {
+        return Err(TlsSetup::Usage(
+            "--tls-verify-peer needs --tls-certificates DIR",
+        ));
+    }
+    let creds = args.tls_certificates.is_some() || args.tls_psk.is_some();
+    // Credentials alone mean require: giving them and still serving
+    // plaintext clients would be a trap.
+    let require = match args.tls {
+        Some(TlsArg::Off) => {
+            if creds {
+                tracing::info!("--tls off: the TLS credentials are not used");
+            }
+            return Ok(None);
+        }
+        None if !creds => return Ok(None),
+        Some(TlsArg::On) => false,
+        Some(TlsArg::Require) | None => true,
+    };
+    let loaded = match (&args.tls_certificates, &args.tls_psk) {
+        (Some(dir), _) => ServerTls::x509(dir, args.tls_verify_peer, require),
+        (None, Some(file)) => ServerTls::psk(file, require),
+        (None, None) => {
+            return Err(TlsSetup::Usage(
+                "--tls on/require needs --tls-certificates DIR or --tls-psk FILE",
+            ))
+        }
+    };
+    loaded
+        .map(Some)
+        .map_err(|e| TlsSetup::Load(anyhow::Error::new(e).context("cannot set up TLS")))
+}
+
+/// `--write-behind`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum WriteBehindArg {
+    On,
+    Off,
+    Auto,
+}
+
+impl From<WriteBehindArg> for WriteBehind {
+    fn from(w: WriteBehindArg) -> WriteBehind {
+        match w {
+            WriteBehindArg::On => WriteBehind::On,
+            WriteBehindArg::Off => WriteBehind::Off,
+            WriteBehindArg::Auto => WriteBehind::Auto,
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The process around the server: `--fork`, the pid file, `--run`, signals
+//! and the files removed at exit.
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use rawdisk_nbd::server::Server;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+
+use super::args::Args;
+
+/// --fork: returns in the child, detached from the terminal, with the pipe
+/// its URI line goes to once it serves. The parent waits for that line,
+/// prints it and exits 0; without it (the child failed and said why on
+/// stderr) it exits 1. Neither the parent nor anything it drops removes the
+/// child's socket and pid files.
+pub(super) fn fork_into_background() -> anyhow::Result<fs::File> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let (mut rd, wr) = io::pipe().context("--fork: cannot make a pipe")?;
+    // SAFETY: called before the runtime or any other thread exists, so the
+    // child is a full copy of a single-threaded process and may run any code.
+    match unsafe { libc::fork() } {
+        -1 => bail!("--fork: {}", io::Error::last_os_error()),
+        0 => {
+            drop(rd);
+            // Its own session, so the terminal's hang-up and ^C do not reach
+            // it; stdin and stdout to /dev/null (a `$(...)` capturing the URI
+            // waits for stdout to close). stderr keeps the logs.
+            let null = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+                .context("--fork: /dev/null")?;
+            // SAFETY: plain syscalls on descriptors this process owns; 0 and 1
+            // are replaced atomically, nothing else holds them as owned fds.
+            unsafe {
+                libc::setsid();
+                libc::dup2(null.as_raw_fd(), 0);
+                libc::dup2(null.as_raw_fd(), 1);
+            }
+            Ok(fs::File::from(OwnedFd::from(wr)))
+        }
+        _child => {
+            drop(wr);
+            let mut line = String::new();
+            let _ = rd.read_to_string(&mut line);
+            if line.ends_with('\n') {
+                // The server runs either way; a closed stdout loses only
+                // the URI, which the caller chose not to read.
+                let mut out = io::stdout();
+                let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+                std::process::exit(0);
+            }
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Removes the socket and pid files at exit, also on error, and the image
+/// --create made if serving never started.
+#[derive(Default)]
+pub(super) struct Cleanup {
+    pub(super) files: Vec<PathBuf>,
+    pub(super) created: Option<PathBuf>,
+    /// The --stats file, empty until the server has served.
+    pub(super) stats: Option<PathBuf>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for f in self.files.iter().chain(&self.created).chain(&self.stats) {
+            let _ = fs::remove_file(f);
+        }
+    }
+}
+
+/// Opens (creates) the pid file now, so a bad path fails before anything is
+/// made; the pid is written once the server is ready.
+pub(super) fn open_pid_file(
+    args: &Args,
+    cleanup: &mut Cleanup,
+) -> anyhow::Result<Option<fs::File>> {
+    let Some(p) = &args.pid_file else {
+        return Ok(None);
+    };
+    let f =
+        fs::File::create(p).with_context(|| format!("cannot write pid file '{}'", p.display()))?;
+    cleanup.files.push(p.clone());
+    Ok(Some(f))
+}
+
+/// Starts `sh -c CMD` with $uri set; when it exits the server is stopped as
+/// by SIGTERM, and its exit status (128+signal when killed, as the shell
+/// reports it) is sent on the returned channel.
+pub(super) fn start_run(
+    cmd: &str,
+    uri: &str,
+    stop: Arc<watch::Sender<bool>>,
+) -> anyhow::Result<std::sync::mpsc::Receiver<u8>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(cmd)
+        .env("uri", uri)
+        .spawn()
+        .with_context(|| format!("cannot run '{cmd}'"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let code = match child.wait() {
+            Ok(st) => st
+                .code()
+                .map(|c| c as u8)
+                .or(st.signal().map(|n| 128 + n as u8))
+                .unwrap_or(1),
+            Err(_) => 1,
+        };
+        tracing::info!("--run command exited with status {code}: stopping");
+        let _ = tx.send(code);
+        let _ = stop.send(true);
+    });
+    Ok(rx)
+}
+
+/// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
+/// otherwise end the process without a flush): stop accepting, finish
+/// in-flight requests, flush, exit 0; a second one exits at once with
+/// status 1. SIGUSR1: log the totals and go on.
+pub(super) fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Result<()> {
+    let kinds = [
+        (SignalKind::terminate(), "SIGTERM"),
+        (SignalKind::interrupt(), "SIGINT"),
+        (SignalKind::hangup(), "SIGHUP"),
+        (SignalKind::quit(), "SIGQUIT"),
+        (SignalKind::user_defined2(), "SIGUSR2"),
+        (SignalKind::alarm(), "SIGALRM"),
+    ];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for (kind, name) in kinds {
+        let mut sig = signal(kind).with_context(|| format!("{name} handler"))?;
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while sig.recv().await.is_some() {
+                if tx.send(name).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    tokio::spawn(async move {
+        if let Some(name) = rx.recv().await {
+            tracing::info!("{name}: finishing in-flight requests");
+            let _ = stop.send(true);
+        }
+        // A second signal while draining: give up waiting.
+        if let Some(name) = rx.recv().await {
+            tracing::warn!("second signal ({name}): exiting without waiting");
+            std::process::exit(1);
+        }
+    });
+    let mut usr1 = signal(SignalKind::user_defined1()).context("SIGUSR1 handler")?;
+    tokio::spawn(async move {
+        while usr1.recv().await.is_some() {
+            tracing::info!("SIGUSR1: {}", server.stats());
+        }
+    });
+    Ok(())
+}

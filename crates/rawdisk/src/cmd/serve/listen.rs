@@ -1,0 +1,137 @@
+//! The listening socket: `--socket`, `--bind`/`--port` or the activated
+//! one, and the URI that reaches it.
+
+use std::fs;
+use std::os::fd::OwnedFd;
+use std::path::Path;
+
+use anyhow::{bail, Context};
+
+use super::activation::activated_listener;
+use super::args::Args;
+use super::daemon::Cleanup;
+
+/// Percent-encodes for an NBD URI (RFC 3986 unreserved characters stay,
+/// and '/' where it separates path segments).
+pub(super) fn escape(s: &str, keep_slash: bool) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric()
+            || matches!(b, b'-' | b'.' | b'_' | b'~')
+            || (keep_slash && b == b'/')
+        {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// A bound listening socket, before the runtime exists.
+pub(super) enum Bound {
+    Unix(std::os::unix::net::UnixListener),
+    Tcp(std::net::TcpListener),
+}
+
+/// Binds (or takes the activated socket) and returns it with the URI that
+/// reaches it.
+pub(super) fn listen(
+    args: &Args,
+    activated: Option<OwnedFd>,
+    cleanup: &mut Cleanup,
+) -> anyhow::Result<(Bound, String)> {
+    let export = escape(&args.export_name, false);
+    if let Some(fd) = activated {
+        return activated_listener(fd, &export);
+    }
+    if let Some(path) = &args.socket {
+        remove_stale_socket(path)?;
+        let l = std::os::unix::net::UnixListener::bind(path)
+            .with_context(|| format!("cannot listen on '{}'", path.display()))?;
+        cleanup.files.push(path.clone());
+        l.set_nonblocking(true)
+            .with_context(|| format!("cannot listen on '{}'", path.display()))?;
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+        let uri = format!(
+            "nbd+unix:///{export}?socket={}",
+            escape(&abs.to_string_lossy(), true)
+        );
+        return Ok((Bound::Unix(l), uri));
+    }
+    let bind = &listen_address(args.bind.as_deref(), args.port)?;
+    let l =
+        std::net::TcpListener::bind(bind).with_context(|| format!("cannot listen on {bind}"))?;
+    l.set_nonblocking(true)
+        .with_context(|| format!("cannot listen on {bind}"))?;
+    let addr = l.local_addr().context("local address")?;
+    let host = match addr.ip() {
+        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+        std::net::IpAddr::V4(ip) => ip.to_string(),
+    };
+    Ok((
+        Bound::Tcp(l),
+        format!("nbd://{host}:{}/{export}", addr.port()),
+    ))
+}
+
+/// The TCP address to listen on from --bind and --port. A bare PORT means
+/// loopback, like the default: exposing a disk on every address must be
+/// asked for by name (0.0.0.0, ::).
+pub(super) fn listen_address(bind: Option<&str>, port: Option<u16>) -> anyhow::Result<String> {
+    const PORT: u16 = 10809;
+    let Some(b) = bind else {
+        return Ok(format!("127.0.0.1:{}", port.unwrap_or(PORT)));
+    };
+    let both = || {
+        anyhow::Error::new(crate::cmd::UsageError(format!(
+            "--bind '{b}' already names a port; --port cannot change it (see 'rawdisk serve --help')"
+        )))
+    };
+    if !b.is_empty() && b.bytes().all(|c| c.is_ascii_digit()) {
+        return match port {
+            Some(_) => Err(both()),
+            None => Ok(format!("127.0.0.1:{b}")),
+        };
+    }
+    // HOST:PORT, [V6]:PORT; a bare V6 address has several colons.
+    let has_port = if b.starts_with('[') {
+        b.contains("]:")
+    } else {
+        b.matches(':').count() == 1
+    };
+    if has_port {
+        return match port {
+            Some(_) => Err(both()),
+            None => Ok(b.to_string()),
+        };
+    }
+    let host = b.trim_start_matches('[').trim_end_matches(']');
+    let port = port.unwrap_or(PORT);
+    Ok(if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    })
+}
+
+/// A socket file left by a server that died would make bind fail. Remove
+/// it only if it is a socket nobody listens on.
+fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(md) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !md.file_type().is_socket() {
+        bail!(
+            "'{}' exists and is not a socket; refusing to replace it",
+            path.display()
+        );
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        bail!("'{}' is in use by another server", path.display());
+    }
+    fs::remove_file(path)
+        .with_context(|| format!("cannot remove stale socket '{}'", path.display()))
+}
