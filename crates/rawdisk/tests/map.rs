@@ -211,3 +211,34 @@ fn map_range_matches_qemu_img() {
         assert_eq!(ours, qemu, "{args:?}");
     }
 }
+
+/// The same ranges over NBD: block status is asked for the range only, in
+/// spans, and the runs are cut as qemu-img cuts them.
+#[test]
+fn map_range_of_nbd_export_matches_qemu_img() {
+    let d = tempdir();
+    let img = d.path().join("n.img");
+    make_image(&img);
+    let srv = nbdkit_file(&img);
+    for (start, len) in [
+        ("512K", "2M"),
+        ("1100K", "15M"),
+        ("0", "5632K"),
+        ("15M", "64M"),
+        ("20M", "1M"),
+        ("4M", "0"),
+    ] {
+        let args = [
+            "map",
+            "--output=json",
+            "--start-offset",
+            start,
+            "--max-length",
+            len,
+            &srv.uri,
+        ];
+        let qemu = tool("qemu-img", &args);
+        let ours = run_rawdisk(&args).ok().stdout;
+        assert_eq!(ours.trim_end(), qemu.trim_end(), "{args:?}");
+    }
+}
