@@ -216,9 +216,15 @@ impl std::fmt::Display for CHex {
 /// fragmented file while keeping the number of calls small.
 const RUNS_PER_CALL: usize = 4096;
 
-/// Most bytes one NBD block status request asks about: the reply's
-/// descriptors grow with the span asked, so this bounds memory.
-const NBD_SPAN: u64 = 256 << 20;
+/// The span one NBD block status request asks about, adapted to the
+/// export: a reply's descriptors (its memory) grow with the span on a
+/// fragmented export, while a sparse one needs few requests only if the
+/// span is large. It starts at the first, halves down to the second while
+/// replies are long, doubles up to the third while they are short.
+const NBD_SPAN: (u64, u64, u64) = (64 << 20, 1 << 20, 1 << 30);
+/// Reply lengths (descriptors) that halve and double the span.
+const NBD_LONG_REPLY: usize = 4096;
+const NBD_SHORT_REPLY: usize = 64;
 
 /// Streams the map of a file, block device or NBD URI, cut to `range`
 /// (None: the whole target), to `out` in qemu-img's layout. Output errors
@@ -323,10 +329,16 @@ fn map_nbd(
     let end = r.end(ep.size());
     let mut p = MapPrinter::begin(out, format, uri).map_err(output_err)?;
     let mut off = r.start;
+    let mut span = NBD_SPAN.0;
     while off < end {
         let runs = ep
-            .extents(off, (end - off).min(NBD_SPAN))
+            .extents(off, (end - off).min(span))
             .map_err(|e| Error::with(format!("map '{uri}'"), e))?;
+        if runs.len() > NBD_LONG_REPLY {
+            span = (span / 2).max(NBD_SPAN.1);
+        } else if runs.len() < NBD_SHORT_REPLY {
+            span = (span * 2).min(NBD_SPAN.2);
+        }
         let before = off;
         for r in runs {
             if r.offset != off || r.len == 0 || off >= end {
