@@ -8,8 +8,8 @@
 //!   allocated data `zero: false, data: true`; a raw target maps onto itself,
 //!   so `offset` equals `start`. Adjacent runs with the same flags are merged.
 //! * human: qemu-img's table of the data runs only (`Offset Length Mapped
-//!   to File`, hexadecimal).
-//!
+//!   to File`, hexadecimal); an NBD export is named in `File` by its URI as
+//!   qemu-img spells it.
 //! * Streamed: each run is printed once the next one shows it cannot grow,
 //!   so memory does not grow with the number of extents, and only the range
 //!   asked for (`--start-offset`, `--max-length`) is looked up. An error
@@ -305,6 +305,29 @@ fn no_progress(off: u64, len: u64) -> rawdisk_storage::Error {
     )
 }
 
+/// An export's name in the human map's File column, spelled as qemu-img
+/// spells it: the default port written out, the export name decoded and
+/// left out when empty, an IPv6 address without brackets. A TLS URI, which
+/// qemu-img cannot open as one, is left as given.
+fn qemu_name(uri: &str) -> String {
+    use rawdisk_nbd::uri::{NbdUri, Transport};
+    let Ok(u) = NbdUri::parse(uri) else {
+        return uri.to_string();
+    };
+    if u.tls.is_some() {
+        return uri.to_string();
+    }
+    let export = if u.export.is_empty() {
+        String::new()
+    } else {
+        format!("/{}", u.export)
+    };
+    match u.transport {
+        Transport::Unix { path } => format!("nbd+unix://{export}?socket={}", path.display()),
+        Transport::Tcp { host, port } => format!("nbd://{host}:{port}{export}"),
+    }
+}
+
 /// The map of an NBD export from NBD_CMD_BLOCK_STATUS (base:allocation):
 /// NBD_STATE_HOLE clear is `data`, NBD_STATE_ZERO is `zero`, as qemu-img
 /// maps them. A server without block status maps as all data.
@@ -327,7 +350,8 @@ fn map_nbd(
     }
     let r = range.unwrap_or_default();
     let end = r.end(ep.size());
-    let mut p = MapPrinter::begin(out, format, uri).map_err(output_err)?;
+    let name = qemu_name(uri);
+    let mut p = MapPrinter::begin(out, format, &name).map_err(output_err)?;
     let mut off = r.start;
     let mut span = NBD_SPAN.0;
     while off < end {
@@ -440,6 +464,29 @@ mod tests {
             "Offset          Length          Mapped to       File\n\
              0               0x1000          0               a.img\n"
         );
+    }
+
+    #[test]
+    fn nbd_names_are_spelled_as_qemu_img_spells_them() {
+        // What qemu-img 10.0 prints in the File column for each URI.
+        for (uri, want) in [
+            (
+                "nbd+unix:///?socket=/run/a.sock",
+                "nbd+unix://?socket=/run/a.sock",
+            ),
+            (
+                "nbd+unix:///a%20b?socket=/run/a.sock",
+                "nbd+unix:///a b?socket=/run/a.sock",
+            ),
+            ("nbd://127.0.0.1/e", "nbd://127.0.0.1:10809/e"),
+            ("nbd://127.0.0.1:2000/", "nbd://127.0.0.1:2000"),
+            ("nbd://localhost:2000/x/y", "nbd://localhost:2000/x/y"),
+            ("nbd://[::1]:2000/e", "nbd://::1:2000/e"),
+            ("nbd://localhost:2000/%41", "nbd://localhost:2000/A"),
+            ("nbds://h/e", "nbds://h/e"),
+        ] {
+            assert_eq!(qemu_name(uri), want, "{uri}");
+        }
     }
 
     #[test]
