@@ -23,7 +23,7 @@
 use std::io::{self, Write};
 use std::path::Path;
 
-use rawdisk_storage::ExtentKind;
+use rawdisk_storage::{ExtentKind, Target};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -244,6 +244,18 @@ pub fn write_map(
     if !raw {
         crate::refuse_other_format(&t, path)?;
     }
+    write_target_map(&t, target, range, format, out)
+}
+
+/// [`write_map`] of an open file or block device, named `name` in errors
+/// and in the human map.
+pub fn write_target_map(
+    t: &Target,
+    target: &str,
+    range: Option<MapRange>,
+    format: MapFormat,
+    out: &mut dyn Write,
+) -> Result<()> {
     let r = range.unwrap_or_default();
     let end = r.end(t.size());
     let mut p = MapPrinter::begin(out, format, target).map_err(output_err)?;
