@@ -251,38 +251,38 @@ pub fn write_map(
 /// and in the human map.
 pub fn write_target_map(
     t: &Target,
-    target: &str,
+    name: &str,
     range: Option<MapRange>,
     format: MapFormat,
     out: &mut dyn Write,
 ) -> Result<()> {
     let r = range.unwrap_or_default();
     let end = r.end(t.size());
-    let mut p = MapPrinter::begin(out, format, target).map_err(output_err)?;
+    let mut p = MapPrinter::begin(out, format, name).map_err(output_err)?;
     let mut off = r.start;
     while off < end {
         let runs = t
             .extents(off, end - off, RUNS_PER_CALL)
-            .map_err(|e| Error::with(format!("map '{target}'"), e))?;
+            .map_err(|e| Error::with(format!("map '{name}'"), e))?;
         if runs.is_empty() {
             return Err(Error::with(
-                format!("map '{target}'"),
+                format!("map '{name}'"),
                 no_progress(off, end - off),
             ));
         }
-        for r in runs {
+        for run in runs {
             // The engine promises a contiguous prefix of the request; a gap or
             // an overlap would make the map lie, so refuse it.
-            if r.offset != off || r.len == 0 || r.offset + r.len > end {
+            if run.offset != off || run.len == 0 || run.offset + run.len > end {
                 return Err(Error::with(
-                    format!("map '{target}'"),
+                    format!("map '{name}'"),
                     no_progress(off, end - off),
                 ));
             }
-            let hole = r.kind == ExtentKind::Hole;
-            p.push(MapEntry::raw(r.offset, r.len, hole, !hole))
+            let hole = run.kind == ExtentKind::Hole;
+            p.push(MapEntry::raw(run.offset, run.len, hole, !hole))
                 .map_err(output_err)?;
-            off += r.len;
+            off += run.len;
         }
     }
     p.finish(range.map(empty_run)).map_err(output_err)
@@ -360,6 +360,19 @@ fn map_nbd(
         ep.refuse_other_format()
             .map_err(|e| Error::msg(e.to_string()))?;
     }
+    // Disconnect politely also when the output fails (a closed pipe).
+    let r = map_endpoint(&ep, uri, range, format, out);
+    let _ = ep.close();
+    r
+}
+
+fn map_endpoint(
+    ep: &crate::endpoint::Endpoint,
+    uri: &str,
+    range: Option<MapRange>,
+    format: MapFormat,
+    out: &mut dyn Write,
+) -> Result<()> {
     let r = range.unwrap_or_default();
     let end = r.end(ep.size());
     let name = qemu_name(uri);
@@ -376,12 +389,12 @@ fn map_nbd(
             span = (span * 2).min(NBD_SPAN.2);
         }
         let before = off;
-        for r in runs {
-            if r.offset != off || r.len == 0 || off >= end {
+        for run in runs {
+            if run.offset != off || run.len == 0 || off >= end {
                 break;
             }
-            let len = r.len.min(end - off);
-            p.push(MapEntry::raw(off, len, r.zero, r.data))
+            let len = run.len.min(end - off);
+            p.push(MapEntry::raw(off, len, run.zero, run.data))
                 .map_err(output_err)?;
             off += len;
         }
@@ -391,9 +404,7 @@ fn map_nbd(
             )));
         }
     }
-    p.finish(range.map(empty_run)).map_err(output_err)?;
-    let _ = ep.close();
-    Ok(())
+    p.finish(range.map(empty_run)).map_err(output_err)
 }
 
 #[cfg(test)]
