@@ -24,6 +24,9 @@ want losetup util-linux
 want blkdiscard util-linux
 want fallocate util-linux
 want cmp diffutils
+# map's tests count its SEEK_DATA/SEEK_HOLE lookups and its peak memory.
+want strace strace
+want /usr/bin/time time
 # The man pages are rendered (man -l) and checked (groff -ww, mandoc -T
 # lint); the systemd units and socket-activated --dir run under
 # systemd-socket-activate.

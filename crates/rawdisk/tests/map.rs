@@ -211,3 +211,91 @@ fn map_range_matches_qemu_img() {
         assert_eq!(ours, qemu, "{args:?}");
     }
 }
+
+/// The same ranges over NBD: block status is asked for the range only, in
+/// spans, and the runs are cut as qemu-img cuts them.
+#[test]
+fn map_range_of_nbd_export_matches_qemu_img() {
+    let d = tempdir();
+    let img = d.path().join("n.img");
+    make_image(&img);
+    let srv = nbdkit_file(&img);
+    for (start, len) in [
+        ("512K", "2M"),
+        ("1100K", "15M"),
+        ("0", "5632K"),
+        ("15M", "64M"),
+        ("20M", "1M"),
+        ("4M", "0"),
+    ] {
+        let args = [
+            "map",
+            "--output=json",
+            "--start-offset",
+            start,
+            "--max-length",
+            len,
+            &srv.uri,
+        ];
+        let qemu = tool("qemu-img", &args);
+        let ours = run_rawdisk(&args).ok().stdout;
+        assert_eq!(ours.trim_end(), qemu.trim_end(), "{args:?}");
+    }
+}
+
+fn nbdkit_tcp(path: &Path) -> Nbdkit {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args([
+            "-f",
+            "-r",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "file",
+        ])
+        .arg(path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nbdkit");
+    let up = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "nbdkit does not listen on port {port}");
+    Nbdkit {
+        child,
+        uri: format!("nbd://127.0.0.1:{port}"),
+        _dir: tempdir(),
+    }
+}
+
+/// The human map over NBD, byte for byte: the File column names the export
+/// as qemu-img spells its URI, with and without an export name.
+#[test]
+fn human_map_of_nbd_export_matches_qemu_img() {
+    let d = tempdir();
+    let img = d.path().join("n.img");
+    make_image(&img);
+    let unix = nbdkit_file(&img);
+    let tcp = nbdkit_tcp(&img);
+    let sock = unix.uri.strip_prefix("nbd+unix:///").unwrap();
+    for uri in [
+        unix.uri.clone(),
+        format!("nbd+unix:///a%20b{sock}"),
+        tcp.uri.clone(),
+        format!("{}/", tcp.uri),
+        format!("{}/x/y", tcp.uri),
+    ] {
+        let qemu = tool("qemu-img", &["map", &uri]);
+        let ours = run_rawdisk(&["map", &uri]).ok().stdout;
+        assert_eq!(ours, qemu, "{uri}");
+        assert!(ours.lines().count() > 2, "no data runs: {ours}");
+    }
+}

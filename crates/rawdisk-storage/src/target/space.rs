@@ -111,13 +111,20 @@ impl Target {
                 kind,
             });
         };
+        // Where SEEK_DATA just found data, asking again would only repeat
+        // it: go straight to SEEK_HOLE (two lookups per hole and data pair).
+        let mut at_data = false;
         while pos < end {
             if out.len() >= max_runs {
                 // The last run may still grow by merging; stop only once a
                 // new, different run would be needed.
                 break;
             }
-            let d = self.seek(CallKind::SeekData, pos);
+            let d = if std::mem::take(&mut at_data) {
+                Ok(Some(pos))
+            } else {
+                self.seek(CallKind::SeekData, pos)
+            };
             let d = match d {
                 Ok(v) => v,
                 Err(e) if is_unsupported(&e, Method::SeekHole.einval()) && out.is_empty() => {
@@ -136,6 +143,7 @@ impl Target {
                     let e = d.min(end);
                     push(&mut out, pos, e - pos, ExtentKind::Hole);
                     pos = e;
+                    at_data = true;
                 }
                 Some(_) => {
                     let h = match self.seek(CallKind::SeekHole, pos) {

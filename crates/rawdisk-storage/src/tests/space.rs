@@ -61,6 +61,37 @@ fn extents_bounded_and_seek_unsupported_means_data() {
     t2.caps().set(Method::SeekHole, Tri::Unknown);
 }
 
+/// One lookup per run (and one to find the end): where SEEK_DATA found the
+/// end of a hole, data starts, so only SEEK_HOLE is asked there.
+#[test]
+fn extents_look_up_each_run_once() {
+    let tmp = tmp_file(0);
+    let (t, f) = open_fault(&tmp, OpenOptions::default());
+    let blk = 64 << 10;
+    t.preallocate(16 * blk, Prealloc::Off).unwrap();
+    for i in (0..16).step_by(2) {
+        t.write_at(&pattern(i * blk, blk as usize), i * blk, false)
+            .unwrap();
+    }
+    let (data0, hole0) = (f.calls(CallKind::SeekData), f.calls(CallKind::SeekHole));
+    let all = t.extents(0, 16 * blk, 1000).unwrap();
+    assert_eq!(all.len(), 16, "{all:?}");
+    for (i, e) in all.iter().enumerate() {
+        assert_eq!((e.offset, e.len), (i as u64 * blk, blk));
+        assert_eq!(e.kind == ExtentKind::Data, i % 2 == 0, "{all:?}");
+    }
+    let data = f.calls(CallKind::SeekData) - data0;
+    let hole = f.calls(CallKind::SeekHole) - hole0;
+    assert_eq!((data, hole), (9, 8), "SEEK_DATA and SEEK_HOLE calls");
+    // From inside a hole: the hole's end, then each data run's.
+    let some = t.extents(blk + 5, 3 * blk, 1000).unwrap();
+    assert_eq!(some.len(), 4, "{some:?}");
+    assert_eq!(some[0].offset, blk + 5);
+    assert_eq!(some[3].offset + some[3].len, 4 * blk + 5);
+    assert_eq!(f.calls(CallKind::SeekData) - data0 - data, 2);
+    assert_eq!(f.calls(CallKind::SeekHole) - hole0 - hole, 2);
+}
+
 #[test]
 fn preallocate_modes() {
     let size = 8 << 20;

@@ -1,9 +1,10 @@
 //! `rawdisk map [--output human|json] [-f raw] [--start-offset OFFSET]
 //! [--max-length LENGTH] TARGET|NBD-URI`
 
+use std::io::{self, Write};
 use std::process::ExitCode;
 
-use rawdisk_image::map;
+use rawdisk_image::map::{self, MapFormat, MapRange};
 
 use super::{FormatOpt, OutputArg};
 use crate::size::size_arg;
@@ -34,47 +35,49 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut entries = map::map_target_or_uri(&args.target, args.format.raw())?;
-    if args.start_offset.is_some() || args.max_length.is_some() {
-        let start = args.start_offset.unwrap_or(0);
-        let end = start.saturating_add(args.max_length.unwrap_or(u64::MAX));
-        entries = clip(&entries, start, end);
+    let range = (args.start_offset.is_some() || args.max_length.is_some()).then(|| MapRange {
+        start: args.start_offset.unwrap_or(0),
+        max_length: args.max_length,
+    });
+    let format = match args.output {
+        OutputArg::Human => MapFormat::Human,
+        OutputArg::Json => MapFormat::Json,
+    };
+    let mut out = PipeOut {
+        inner: io::BufWriter::with_capacity(64 << 10, io::stdout().lock()),
+        closed: false,
+    };
+    match map::write_map(&args.target, args.format.raw(), range, format, &mut out) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        // A reader that stopped reading (`| head`) wanted no more: end
+        // quietly with success, as qemu-img map does.
+        Err(_) if out.closed => Ok(ExitCode::SUCCESS),
+        Err(e) => Err(e.into()),
     }
-    match args.output {
-        OutputArg::Human => print!("{}", map::to_human(&entries, &args.target)),
-        OutputArg::Json => print!("{}", map::to_json(&entries)),
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
-/// The runs inside [start, end), cut at both ends as qemu-img cuts them: the
-/// first run starts at `start`, its file offset moved by the same amount.
-fn clip(entries: &[map::MapEntry], start: u64, end: u64) -> Vec<map::MapEntry> {
-    let out: Vec<map::MapEntry> = entries
-        .iter()
-        .filter(|e| e.end() > start && e.start < end)
-        .map(|e| {
-            let s = e.start.max(start);
-            let mut c = *e;
-            c.offset = e.offset.map(|o| o + (s - e.start));
-            c.start = s;
-            c.length = e.end().min(end) - s;
-            c
-        })
-        .collect();
-    if !out.is_empty() {
-        return out;
+/// Standard output that remembers whether the reader closed the pipe, so
+/// that case alone is told apart from every other error.
+struct PipeOut<W: Write> {
+    inner: W,
+    closed: bool,
+}
+
+impl<W: Write> PipeOut<W> {
+    fn note(&mut self, e: io::Error) -> io::Error {
+        if e.kind() == io::ErrorKind::BrokenPipe {
+            self.closed = true;
+        }
+        e
     }
-    // An empty range (past the end, or --max-length 0): qemu-img prints one
-    // empty run, not present, at the start offset.
-    vec![map::MapEntry {
-        start,
-        length: 0,
-        depth: 0,
-        present: false,
-        zero: false,
-        data: false,
-        compressed: false,
-        offset: None,
-    }]
+}
+
+impl<W: Write> Write for PipeOut<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner.write(buf).map_err(|e| self.note(e))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush().map_err(|e| self.note(e))
+    }
 }
