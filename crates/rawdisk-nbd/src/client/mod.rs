@@ -12,11 +12,13 @@
 //! Where things are: this file holds the public types, [`Client`] (checks,
 //! splitting, picking a connection) and [`list_exports`]; `conn` one connection (sending requests,
 //! the reader task matching replies to them); `handshake` the option
-//! negotiation; `blocking` the synchronous facade.
+//! negotiation; `stream` the byte stream both of them read and write;
+//! `blocking` the synchronous facade.
 
 pub mod blocking;
 mod conn;
 mod handshake;
+mod stream;
 
 use std::fmt;
 use std::ops::Range;
@@ -367,7 +369,7 @@ async fn negotiate(
     uri: &NbdUri,
     target: &str,
     tls: Option<&ClientTls>,
-) -> Result<(conn::Reader, conn::Writer)> {
+) -> Result<(stream::Reader, stream::Writer)> {
     let (r, w, _, _) = conn::dial(uri, target, tls).await?;
     Ok((r, w))
 }
