@@ -213,10 +213,14 @@ pub(super) async fn handshake(
         Err((reply, message)) => {
             // A wrong name: say which the server has, as nbdinfo --list
             // would (the option phase goes on after an error reply). The
-            // list replaces the server's own words, which say the same.
+            // list replaces the server's own words, which say the same;
+            // for a name it lists, those words are the only reason.
             if reply == REP_ERR_UNKNOWN {
                 if let Ok(list) = list_exports(r, w).await {
                     let names: Vec<String> = list.into_iter().map(|(n, _)| n).collect();
+                    if names.iter().any(|n| n == export) {
+                        return Err(rep_error(OPT_GO, "export", export, reply, &message));
+                    }
                     let mut e = rep_error(OPT_GO, "export", export, reply, "");
                     if let HandshakeError::Refused { message, .. } = &mut e {
                         message.push_str(&offered(&names));
