@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod cmd;
 mod docs;
+mod out;
 #[allow(dead_code)] // used by the subcommands as they land
 mod size;
 
@@ -47,6 +48,7 @@ enum Command {
 pub const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
+    out::quiet_on_closed_stdout();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

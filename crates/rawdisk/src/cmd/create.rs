@@ -73,7 +73,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let report = create(&opts, &bar)?;
     if !args.quiet {
-        println!("{}", report.summary());
+        crate::out::println(report.summary())?;
     }
     Ok(ExitCode::SUCCESS)
 }

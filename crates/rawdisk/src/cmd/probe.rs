@@ -34,8 +34,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         destructive: args.destructive,
     })?;
     match args.output {
-        OutputArg::Human => print!("{}", r.to_human()),
-        OutputArg::Json => print!("{}", r.to_json()),
+        OutputArg::Human => crate::out::print(&r.to_human())?,
+        OutputArg::Json => crate::out::print(&r.to_json())?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,93 @@
+"""What the one-shot commands say, as a user of qemu-img, nbdinfo and nbdcopy
+meets it: each thing once, in one line, with the exit status a script can
+act on (2: the command line; 1: the operation), and nothing at all when the
+reader of standard output goes away (`| head`)."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+import servers
+from helpers import MiB, assert_same_bytes, make_image, read_target, write_target
+
+pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
+
+BIN = servers.RAWDISK_BIN
+
+
+def rawdisk(*args, stdout=subprocess.PIPE):
+    return subprocess.run([BIN, *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=60)
+
+
+def said_once(r, status, line):
+    """Exit `status` and stderr exactly `line`, once."""
+    assert (r.returncode, r.stderr) == (status, line + "\n"), (r.returncode, r.stderr)
+
+
+def closed_pipe_run(argv):
+    """Runs argv with standard output a pipe nobody reads any more."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(argv, stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+
+
+def test_a_closed_stdout_ends_a_command_quietly(workdir, serve):
+    """Every command that prints, its reader gone before the first byte:
+    no panic, no message, the status it has otherwise (qemu-img's
+    behaviour). A copy to `-` stops with 141, the shell's status for a
+    process SIGPIPE ended, so `set -o pipefail` still sees a cut copy."""
+    img, model = make_image(workdir, "a.img", 8 * MiB)
+    other, _ = make_image(workdir, "b.img", 8 * MiB, seed=2)
+    small = os.path.join(workdir, "small.img")
+    assert rawdisk("checkpoint", "create", "--name", "c0", img).returncode == 0
+    srv = serve(other, read_only=True, export_name="vm")
+    uri = f"nbd+unix:///vm?socket={srv.sock}"
+    cases = [
+        (["info", img], 0), (["info", "--output", "json", img], 0),
+        (["info", uri], 0), (["info", "--list", uri], 0),
+        (["checksum", img], 0), (["checksum", uri], 0),
+        (["checkpoint", "list", img], 0), (["checkpoint", "list", "--output", "json", img], 0),
+        (["checkpoint", "create", "--name", "c1", img], 0),
+        (["probe", img], 0), (["probe", "--output", "json", img], 0),
+        (["map", img], 0), (["map", "--output", "json", uri], 0),
+        (["compare", img, img], 0), (["compare", img, other], 1),
+        (["create", small, "1M"], 0), (["resize", small, "2M"], 0),
+        (["copy", img, "null:"], 0),
+        (["copy", img, "-"], 141), (["copy", uri, "-"], 141),
+    ]
+    for args, status in cases:
+        r = closed_pipe_run([BIN, *args])
+        assert (r.returncode, r.stderr) == (status, ""), (args, r.returncode, r.stderr)
+    assert os.path.getsize(small) == 2 * MiB
+    names = [c["name"] for c in json.loads(rawdisk("checkpoint", "list", "--output", "json",
+                                                   img).stdout)]
+    assert names == ["c0", "c1"]
+    assert_same_bytes(read_target(img), model, "image")
+    # The reference: qemu-img's printing commands with the same closed pipe.
+    for args, status in ((["info", img], 0), (["map", "--output=json", img], 0),
+                         (["compare", img, other], 1)):
+        r = closed_pipe_run(["qemu-img", *args])
+        assert (r.returncode, r.stderr) == (status, ""), (args, r.returncode, r.stderr)
+
+
+def test_a_reader_that_stops_midway_ends_copy_quietly(workdir):
+    """`rawdisk copy IMG - | head -c 300`: the first bytes arrive, then the
+    copy stops at the closed pipe, quietly, with 141."""
+    img, model = make_image(workdir, "a.img", 32 * MiB)
+    p = subprocess.Popen([BIN, "copy", img, "-"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    head = p.stdout.read(300)
+    p.stdout.close()
+    t0 = time.monotonic()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=30) == 141, err
+    assert time.monotonic() - t0 < 30
+    assert err == ""
+    assert head == bytes(model[:300])
