@@ -28,6 +28,38 @@ def said_once(r, status, line):
     assert (r.returncode, r.stderr) == (status, line + "\n"), (r.returncode, r.stderr)
 
 
+def test_a_bad_uri_is_a_bad_command_line(workdir):
+    """A URI the parser refuses is a usage error in every command that takes
+    one (exit 2, pointing at that command's help), found before anything is
+    opened or created."""
+    img, model = make_image(workdir, "a.img", MiB)
+    sock = os.path.join(workdir, "none.sock")
+    bad = f"nbd+unix:///vm?socket={sock}&foo=1"
+    unknown = f"rawdisk: '{bad}': unknown query parameter 'foo'"
+    dst = os.path.join(workdir, "copy.img")
+    for args in (["info", bad], ["info", "--list", bad], ["map", bad], ["checksum", bad],
+                 ["copy", bad, dst], ["copy", img, bad], ["compare", img, bad]):
+        said_once(rawdisk(*args), 2, f"{unknown} (see 'rawdisk {args[0]} --help')")
+    assert not os.path.exists(dst)
+    plain = f"nbd+unix:///?socket={sock}&tls-psk-file=keys.psk"
+    said_once(rawdisk("copy", img, plain), 2,
+              f"rawdisk: '{plain}': query parameter 'tls-psk-file' needs a TLS URI "
+              f"(nbds:// or nbds+unix://) (see 'rawdisk copy --help')")
+    typo = f"nbd+unix:///?sokcet={sock}"
+    said_once(rawdisk("info", typo), 2,
+              f"rawdisk: '{typo}': unknown query parameter 'sokcet' (did you mean \"socket\"?) "
+              f"(see 'rawdisk info --help')")
+    assert_same_bytes(read_target(img), model, "source")
+
+
+def test_usage_errors_found_late_point_at_the_help(workdir):
+    """Combinations clap cannot see are refused with the same pointer."""
+    img, _ = make_image(workdir, "a.img", MiB)
+    said_once(rawdisk("copy", "--changed-since", "c0", img, "-", stdout=subprocess.DEVNULL), 2,
+              "rawdisk: --changed-since updates a previous backup, not - "
+              "(see 'rawdisk copy --help')")
+
+
 def closed_pipe_run(argv):
     """Runs argv with standard output a pipe nobody reads any more."""
     r, w = os.pipe()

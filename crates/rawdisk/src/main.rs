@@ -49,8 +49,17 @@ pub const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
     out::quiet_on_closed_stdout();
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let matches = <Cli as clap::CommandFactory>::command().try_get_matches();
+    let cli = match matches
+        .and_then(|m| <Cli as clap::FromArgMatches>::from_arg_matches(&m).map(|c| (c, m)))
+    {
+        Ok((cli, m)) => {
+            if let Err(e) = check_uris(&m) {
+                eprintln!("rawdisk: {e} (see '{}')", help_of_typed());
+                return ExitCode::from(EXIT_USAGE);
+            }
+            cli
+        }
         Err(e) => {
             use clap::error::ErrorKind;
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
@@ -94,15 +103,46 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        Err(e) if e.downcast_ref::<cmd::UsageError>().is_some() => {
+            let line = one_line(&e);
+            if line.contains("(see 'rawdisk") {
+                eprintln!("rawdisk: {line}");
+            } else {
+                eprintln!("rawdisk: {line} (see '{}')", help_of_typed());
+            }
+            ExitCode::from(EXIT_USAGE)
+        }
         Err(e) => {
             eprintln!("rawdisk: {}", one_line(&e));
-            if e.downcast_ref::<cmd::UsageError>().is_some() {
-                ExitCode::from(EXIT_USAGE)
-            } else {
-                ExitCode::FAILURE
-            }
+            ExitCode::FAILURE
         }
     }
+}
+
+/// The commands that take NBD URIs check them before anything runs: a
+/// malformed one (an unknown query parameter, TLS parameters on nbd://) is
+/// a bad command line, said as clap says its own.
+const URI_COMMANDS: &[&str] = &["info", "map", "copy", "checksum", "compare"];
+
+fn check_uris(matches: &clap::ArgMatches) -> Result<(), rawdisk_nbd::uri::UriError> {
+    let Some((name, sub)) = matches.subcommand() else {
+        return Ok(());
+    };
+    if !URI_COMMANDS.contains(&name) {
+        return Ok(());
+    }
+    for id in sub.ids() {
+        let Ok(Some(values)) = sub.try_get_raw(id.as_str()) else {
+            continue;
+        };
+        for v in values.filter_map(|v| v.to_str()) {
+            if !rawdisk_nbd::uri::looks_like_nbd_uri(v) {
+                continue;
+            }
+            rawdisk_nbd::uri::NbdUri::parse(v)?;
+        }
+    }
+    Ok(())
 }
 
 /// A failure as one line: the context and each cause, joined by ": ".
@@ -170,6 +210,25 @@ fn subcommand_typed() -> Option<String> {
     std::env::args()
         .skip(1)
         .find(|a| cmd.get_subcommands().any(|c| c.get_name() == a.as_str()))
+}
+
+/// "rawdisk SUBCOMMAND [ACTION] --help" for what was typed: the deepest
+/// subcommand named on the command line (`checkpoint create`).
+fn help_of_typed() -> String {
+    use clap::CommandFactory;
+    let mut cmd = Cli::command();
+    let mut path = vec!["rawdisk".to_string()];
+    for a in std::env::args().skip(1) {
+        match cmd.find_subcommand(&a) {
+            Some(sub) => {
+                path.push(a);
+                cmd = sub.clone();
+            }
+            None if a.starts_with('-') => continue,
+            None => break,
+        }
+    }
+    format!("{} --help", path.join(" "))
 }
 
 fn init_logging(verbose: u8, quiet: bool) {
