@@ -60,6 +60,30 @@ def test_usage_errors_found_late_point_at_the_help(workdir):
               "(see 'rawdisk copy --help')")
 
 
+def test_block_device_flags_are_refused_on_files(workdir):
+    """`create --zero` and `probe --destructive` act on a block device only:
+    on a file they are refused, and nothing is created, changed or left."""
+    new = os.path.join(workdir, "new.img")
+    said_once(rawdisk("create", "--zero", new, "1M"), 2,
+              f"rawdisk: --zero is for a block device, and '{new}' is not one: "
+              f"a new image file reads as zeros without it (see 'rawdisk create --help')")
+    assert not os.path.exists(new)
+    img, model = make_image(workdir, "a.img", MiB)
+    said_once(rawdisk("create", "--force", "--zero", img, "2M"), 2,
+              f"rawdisk: --zero is for a block device, and '{img}' is not one: "
+              f"a new image file reads as zeros without it (see 'rawdisk create --help')")
+    before = sorted(os.listdir(workdir))
+    said_once(rawdisk("probe", "--destructive", img), 2,
+              f"rawdisk: --destructive is for a block device, and '{img}' is not one: "
+              f"a file is probed on a scratch file beside it, and never changed "
+              f"(see 'rawdisk probe --help')")
+    assert sorted(os.listdir(workdir)) == before
+    assert_same_bytes(read_target(img), model, "image")
+    # A missing target is the probe's own error, not a flag refused.
+    r = rawdisk("probe", "--destructive", new)
+    said_once(r, 1, f"rawdisk: cannot probe '{new}': No such file or directory (os error 2)")
+
+
 def closed_pipe_run(argv):
     """Runs argv with standard output a pipe nobody reads any more."""
     r, w = os.pipe()
