@@ -84,6 +84,29 @@ def test_block_device_flags_are_refused_on_files(workdir):
     said_once(r, 1, f"rawdisk: cannot probe '{new}': No such file or directory (os error 2)")
 
 
+def test_an_inconsistent_checkpoint_is_said_once(workdir):
+    """A change made while nothing tracked the image: the incremental copy
+    warns once, as the full copy it becomes; the listing's own warning is
+    one line too."""
+    src, model = make_image(workdir, "disk.img", 4 * MiB, sparse=True)
+    backup = os.path.join(workdir, "backup.img")
+    assert rawdisk("checkpoint", "create", "--name", "c0", src).returncode == 0
+    assert rawdisk("copy", src, backup).returncode == 0
+    write_target(src, b"\x5a" * 4096, MiB)
+    model[MiB:MiB + 4096] = b"\x5a" * 4096
+    st = os.stat(src)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))
+    r = rawdisk("copy", "--changed-since", "c0", src, backup)
+    said_once(r, 0, "rawdisk: warning: checkpoint c0 is inconsistent (the target was modified "
+                    "while it was not tracked): every byte counts as changed, this is a full copy")
+    assert r.stdout.startswith("changed since c0: 4.0 MiB of 4.0 MiB"), r.stdout
+    assert_same_bytes(read_target(backup), model, "backup")
+    r = rawdisk("checkpoint", "list", "--output", "json", src)
+    said_once(r, 0, f"rawdisk: warning: every checkpoint of {src} is inconsistent, reported as "
+                    f"all changed: the target was modified while it was not tracked")
+    assert [(c["name"], c["consistent"]) for c in json.loads(r.stdout)] == [("c0", False)]
+
+
 def closed_pipe_run(argv):
     """Runs argv with standard output a pipe nobody reads any more."""
     r, w = os.pipe()

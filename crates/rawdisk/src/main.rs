@@ -239,12 +239,45 @@ fn init_logging(verbose: u8, quiet: bool) {
         1 => "debug",
         _ => "trace",
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    tracing_subscriber::fmt()
+    let env = EnvFilter::try_from_default_env().ok();
+    // A one-shot command's warning reads like its error line; a log (the
+    // server's, or one asked for with -v or RUST_LOG) keeps time and level.
+    let plain = quiet && verbose == 0 && env.is_none();
+    let filter = env.unwrap_or_else(|| EnvFilter::new(default));
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         // Escape codes only for a person at a terminal, never in log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+        .with_target(false);
+    if plain {
+        fmt.event_format(Plain).init();
+    } else {
+        fmt.init();
+    }
+}
+
+/// "rawdisk: warning: MESSAGE", as the one-line errors are written.
+struct Plain;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for Plain
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut w: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *event.metadata().level() {
+            tracing::Level::ERROR => "error",
+            tracing::Level::WARN => "warning",
+            _ => "note",
+        };
+        write!(w, "rawdisk: {level}: ")?;
+        ctx.field_format().format_fields(w.by_ref(), event)?;
+        writeln!(w)
+    }
 }
