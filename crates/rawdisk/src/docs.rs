@@ -358,7 +358,7 @@ pub fn run(cmd: clap::Command, args: Args) -> anyhow::Result<ExitCode> {
     ] {
         completion(&cmd, shell, &comp.join(file))?;
     }
-    println!("{}", args.dir.display());
+    crate::out::println(args.dir.display())?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod cmd;
 mod docs;
+mod out;
 #[allow(dead_code)] // used by the subcommands as they land
 mod size;
 
@@ -47,8 +48,18 @@ enum Command {
 pub const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    out::quiet_on_closed_stdout();
+    let matches = <Cli as clap::CommandFactory>::command().try_get_matches();
+    let cli = match matches
+        .and_then(|m| <Cli as clap::FromArgMatches>::from_arg_matches(&m).map(|c| (c, m)))
+    {
+        Ok((cli, m)) => {
+            if let Err(e) = check_uris(&m) {
+                eprintln!("rawdisk: {e} (see '{}')", help_of_typed());
+                return ExitCode::from(EXIT_USAGE);
+            }
+            cli
+        }
         Err(e) => {
             use clap::error::ErrorKind;
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
@@ -92,15 +103,46 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        Err(e) if e.downcast_ref::<cmd::UsageError>().is_some() => {
+            let line = one_line(&e);
+            if line.contains("(see 'rawdisk") {
+                eprintln!("rawdisk: {line}");
+            } else {
+                eprintln!("rawdisk: {line} (see '{}')", help_of_typed());
+            }
+            ExitCode::from(EXIT_USAGE)
+        }
         Err(e) => {
             eprintln!("rawdisk: {}", one_line(&e));
-            if e.downcast_ref::<cmd::UsageError>().is_some() {
-                ExitCode::from(EXIT_USAGE)
-            } else {
-                ExitCode::FAILURE
-            }
+            ExitCode::FAILURE
         }
     }
+}
+
+/// The commands that take NBD URIs check them before anything runs: a
+/// malformed one (an unknown query parameter, TLS parameters on nbd://) is
+/// a bad command line, said as clap says its own.
+const URI_COMMANDS: &[&str] = &["info", "map", "copy", "checksum", "compare"];
+
+fn check_uris(matches: &clap::ArgMatches) -> Result<(), rawdisk_nbd::uri::UriError> {
+    let Some((name, sub)) = matches.subcommand() else {
+        return Ok(());
+    };
+    if !URI_COMMANDS.contains(&name) {
+        return Ok(());
+    }
+    for id in sub.ids() {
+        let Ok(Some(values)) = sub.try_get_raw(id.as_str()) else {
+            continue;
+        };
+        for v in values.filter_map(|v| v.to_str()) {
+            if !rawdisk_nbd::uri::looks_like_nbd_uri(v) {
+                continue;
+            }
+            rawdisk_nbd::uri::NbdUri::parse(v)?;
+        }
+    }
+    Ok(())
 }
 
 /// A failure as one line: the context and each cause, joined by ": ".
@@ -170,6 +212,25 @@ fn subcommand_typed() -> Option<String> {
         .find(|a| cmd.get_subcommands().any(|c| c.get_name() == a.as_str()))
 }
 
+/// "rawdisk SUBCOMMAND [ACTION] --help" for what was typed: the deepest
+/// subcommand named on the command line (`checkpoint create`).
+fn help_of_typed() -> String {
+    use clap::CommandFactory;
+    let mut cmd = Cli::command();
+    let mut path = vec!["rawdisk".to_string()];
+    for a in std::env::args().skip(1) {
+        match cmd.find_subcommand(&a) {
+            Some(sub) => {
+                path.push(a);
+                cmd = sub.clone();
+            }
+            None if a.starts_with('-') => continue,
+            None => break,
+        }
+    }
+    format!("{} --help", path.join(" "))
+}
+
 fn init_logging(verbose: u8, quiet: bool) {
     use tracing_subscriber::EnvFilter;
     let default = match verbose {
@@ -178,12 +239,45 @@ fn init_logging(verbose: u8, quiet: bool) {
         1 => "debug",
         _ => "trace",
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    tracing_subscriber::fmt()
+    let env = EnvFilter::try_from_default_env().ok();
+    // A one-shot command's warning reads like its error line; a log (the
+    // server's, or one asked for with -v or RUST_LOG) keeps time and level.
+    let plain = quiet && verbose == 0 && env.is_none();
+    let filter = env.unwrap_or_else(|| EnvFilter::new(default));
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         // Escape codes only for a person at a terminal, never in log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+        .with_target(false);
+    if plain {
+        fmt.event_format(Plain).init();
+    } else {
+        fmt.init();
+    }
+}
+
+/// "rawdisk: warning: MESSAGE", as the one-line errors are written.
+struct Plain;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for Plain
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut w: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *event.metadata().level() {
+            tracing::Level::ERROR => "error",
+            tracing::Level::WARN => "warning",
+            _ => "note",
+        };
+        write!(w, "rawdisk: {level}: ")?;
+        ctx.field_format().format_fields(w.by_ref(), event)?;
+        writeln!(w)
+    }
 }

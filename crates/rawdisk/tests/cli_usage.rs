@@ -134,7 +134,8 @@ fn causes_and_objects_said_once() {
         vec!["copy", uri.as_str(), dst],
         vec!["checksum", uri.as_str()],
     ] {
-        let r = run_rawdisk(&args).fails_one_line(1);
+        // A malformed URI is a bad command line.
+        let r = run_rawdisk(&args).fails_one_line(2);
         assert_eq!(
             r.stderr.matches(&uri).count(),
             1,

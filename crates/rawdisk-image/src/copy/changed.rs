@@ -196,21 +196,9 @@ fn state_ranges(
 ) -> Result<(Ranges, Option<String>)> {
     let setup = |e: rawdisk_storage::cbt::CbtError| CopyError::Setup(e.to_string());
     let state = StateFile::open(Path::new(source), state_dir, false).map_err(setup)?;
-    // First: it refuses while served, and names the checkpoints there are.
-    let ranges = state.changed_ranges(checkpoint).map_err(setup)?;
-    // Everything changed: say whether the checkpoint is why (each look at
-    // the state logs its own warning, so only when it matters).
-    let whole = ranges.len() == 1 && ranges[0].0 == 0;
-    let inconsistent = match whole {
-        true => state
-            .list()
-            .map_err(setup)?
-            .into_iter()
-            .find(|c| c.name == checkpoint && !c.consistent)
-            .map(|c| c.reason.unwrap_or_else(|| "reason not recorded".into())),
-        false => None,
-    };
-    Ok((ranges, inconsistent))
+    // It refuses while served, and names the checkpoints there are. Says
+    // nothing itself: the copy's warning is the one line about it.
+    state.changes_since(checkpoint).map_err(setup)
 }
 
 /// Opens the destination of an incremental copy: it must exist (it is the

@@ -9,18 +9,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::handshake::{greet, handshake, starttls};
+use super::stream::{read_exact, Reader, Writer};
 use super::{BlockStatus, ConnectOptions, Error, ExportInfo, HandshakeError, Result};
 use crate::proto::*;
 use crate::tls::ClientTls;
 use crate::uri::{NbdUri, Transport};
-
-pub(super) type Reader = BufReader<Box<dyn AsyncRead + Send + Unpin>>;
-pub(super) type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 
 pub(super) enum Done {
     Ok,
@@ -426,23 +424,6 @@ fn after_tls(tls: Option<&ClientTls>, e: HandshakeError) -> HandshakeError {
         }
         (_, e) => e,
     }
-}
-
-pub(super) async fn read_exact(
-    r: &mut Reader,
-    buf: &mut [u8],
-) -> std::result::Result<(), HandshakeError> {
-    r.read_exact(buf)
-        .await
-        .map(|_| ())
-        .map_err(|e| HandshakeError::Dropped {
-            kind: e.kind(),
-            message: if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "the server closed the connection".to_string()
-            } else {
-                format!("reading from the server: {e}")
-            },
-        })
 }
 
 /// Reads replies until the connection ends; returns why it ended.

@@ -6,7 +6,7 @@
 
 use tokio::io::AsyncWriteExt;
 
-use super::conn::{read_exact, Reader, Writer};
+use super::stream::{read_exact, Reader, Writer};
 use super::{ConnectOptions, ExportInfo, HandshakeError};
 use crate::proto::*;
 

@@ -10,13 +10,18 @@
 //! request in flight (nbdcopy once lost asynchronous errors: CVE-2022-0485).
 //!
 //! Where things are: this file holds the public types, [`Client`] (checks,
-//! splitting, picking a connection) and [`list_exports`]; `conn` one connection (sending requests,
+//! splitting, picking a connection); `error` the errors; `list`
+//! [`list_exports`]; `conn` one connection (sending requests,
 //! the reader task matching replies to them); `handshake` the option
-//! negotiation; `blocking` the synchronous facade.
+//! negotiation; `stream` the byte stream both of them read and write;
+//! `blocking` the synchronous facade.
 
 pub mod blocking;
 mod conn;
+mod error;
 mod handshake;
+mod list;
+mod stream;
 
 use std::fmt;
 use std::ops::Range;
@@ -28,130 +33,8 @@ use crate::proto::*;
 use crate::tls::ClientTls;
 use crate::uri::{NbdUri, Transport};
 use conn::{Conn, Done};
-
-// ---------------------------------------------------------------------------
-// Errors
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum Error {
-    /// Could not reach the server.
-    #[error("cannot connect to {target}: {message}")]
-    Connect { target: String, message: String },
-    /// The handshake failed: why, as a value ([`HandshakeError`]).
-    #[error("NBD handshake with {target}: {cause}")]
-    Handshake {
-        target: String,
-        cause: HandshakeError,
-    },
-    /// The server does not offer a metadata context the caller asked for
-    /// ([`ConnectOptions::extra_contexts`]): asking again will not help.
-    #[error("NBD handshake with {target}: {message}")]
-    NoContext { target: String, message: String },
-    /// The server answered a request with an error.
-    #[error("{cmd} at offset {offset} length {len}: server error {}{}", errno_name(*.errno), .message.as_deref().map(|m| format!(": {m}")).unwrap_or_default())]
-    Server {
-        cmd: &'static str,
-        offset: u64,
-        len: u64,
-        errno: u32,
-        message: Option<String>,
-    },
-    /// The connection broke with this request in flight (or before it was sent).
-    #[error("{cmd} at offset {offset} length {len}: {reason}")]
-    Connection {
-        cmd: &'static str,
-        offset: u64,
-        len: u64,
-        reason: String,
-    },
-    /// The request cannot be sent to this export (flag not advertised,
-    /// range out of bounds, misaligned).
-    #[error("{cmd} at offset {offset} length {len}: {why}")]
-    Invalid {
-        cmd: &'static str,
-        offset: u64,
-        len: u64,
-        why: String,
-    },
-}
-
-impl Error {
-    /// The NBD error number, for server errors.
-    pub fn errno(&self) -> Option<u32> {
-        match self {
-            Error::Server { errno, .. } => Some(*errno),
-            _ => None,
-        }
-    }
-
-    /// The connection broke: under a request, or in the handshake (the
-    /// server died or was restarted). Reconnecting may help.
-    pub fn is_dropped(&self) -> bool {
-        matches!(
-            self,
-            Error::Connection { .. }
-                | Error::Handshake {
-                    cause: HandshakeError::Dropped { .. },
-                    ..
-                }
-        )
-    }
-
-    /// The server's NBD_REP_ERR_* when it refused the handshake with one.
-    pub fn refusal(&self) -> Option<u32> {
-        match self {
-            Error::Handshake {
-                cause: HandshakeError::Refused { reply, .. },
-                ..
-            } => *reply,
-            _ => None,
-        }
-    }
-
-    /// A refusal that says "not now" rather than "no": a connection cap
-    /// (rawdisk's `--max-connections`, nbdkit's limit filter) answers
-    /// NBD_REP_ERR_POLICY, a server on its way down NBD_REP_ERR_SHUTDOWN.
-    pub fn is_busy(&self) -> bool {
-        matches!(self.refusal(), Some(REP_ERR_POLICY | REP_ERR_SHUTDOWN))
-    }
-}
-
-/// Why a handshake failed. The text is the one-line message shown after
-/// "NBD handshake with TARGET: "; callers match on the variant.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HandshakeError {
-    /// The connection broke (`kind` UnexpectedEof: the server closed it).
-    #[error("{message}")]
-    Dropped {
-        kind: std::io::ErrorKind,
-        message: String,
-    },
-    /// The server refused `option` with `reply` (NBD_REP_ERR_*); None when
-    /// it refused by hanging up (NBD_OPT_EXPORT_NAME has no error reply).
-    #[error("{message}")]
-    Refused {
-        option: u32,
-        reply: Option<u32>,
-        message: String,
-    },
-    /// The TLS handshake failed, or the server refused this client's
-    /// credentials right after it.
-    #[error("{0}")]
-    Tls(String),
-    /// The server broke the protocol, or is not a server this client can use.
-    #[error("{0}")]
-    Protocol(String),
-}
-
-pub type Result<T> = std::result::Result<T, Error>;
-
-/// "EIO (input/output error)" for the values the spec names, else the number.
-fn errno_name(e: u32) -> String {
-    match error_description(e) {
-        Some(what) => format!("{} ({what})", error_name(e).trim_start_matches("NBD_")),
-        None => e.to_string(),
-    }
-}
+pub use error::{Error, HandshakeError, Result};
+pub use list::{list_exports, ListedExport};
 
 // ---------------------------------------------------------------------------
 // Negotiated export
@@ -295,81 +178,6 @@ impl Default for ConnectOptions {
             request_timeout: None,
         }
     }
-}
-
-// ---------------------------------------------------------------------------
-// Listing exports
-
-/// One export a server lists (NBD_OPT_LIST), as NBD_OPT_INFO describes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ListedExport {
-    pub name: String,
-    /// The description NBD_OPT_LIST or NBD_INFO_DESCRIPTION gave, if any.
-    pub description: Option<String>,
-    /// Size, flags and block sizes; None when the server would not describe
-    /// the export (no NBD_OPT_INFO, or an export it lists but refuses).
-    pub info: Option<ExportInfo>,
-}
-
-/// The exports the server at `uri` offers, with their sizes, as `nbdinfo
-/// --list` and `qemu-nbd -L` show them. The URI's export name is not used;
-/// TLS is negotiated first for an `nbds://` URI. Nothing is opened for I/O.
-pub async fn list_exports(uri: &NbdUri, timeout: Duration) -> Result<Vec<ListedExport>> {
-    let target = uri.to_string();
-    match tokio::time::timeout(timeout, list_on(uri, &target)).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::Connect {
-            target,
-            message: format!("timed out after {timeout:?}"),
-        }),
-    }
-}
-
-/// NBD_OPT_INFO requests per connection: servers cap the options of one
-/// handshake (rawdisk at 64, older nbdkit at 32), so a long list is
-/// described over several connections.
-const INFOS_PER_CONNECTION: usize = 16;
-
-async fn list_on(uri: &NbdUri, target: &str) -> Result<Vec<ListedExport>> {
-    let hs_err = |cause| Error::Handshake {
-        target: target.to_string(),
-        cause,
-    };
-    let tls = client_tls(uri, target)?;
-    let (mut r, mut w) = negotiate(uri, target, tls.as_ref()).await?;
-    let names = handshake::list_exports(&mut r, &mut w)
-        .await
-        .map_err(hs_err)?;
-    let mut out = Vec::with_capacity(names.len());
-    for (i, (name, description)) in names.into_iter().enumerate() {
-        if i > 0 && i % INFOS_PER_CONNECTION == 0 {
-            handshake::abort(&mut w).await;
-            (r, w) = negotiate(uri, target, tls.as_ref()).await?;
-        }
-        let info = handshake::export_info(&mut r, &mut w, &name)
-            .await
-            .map_err(hs_err)?;
-        let description = (!description.is_empty())
-            .then_some(description)
-            .or_else(|| info.as_ref().and_then(|i| i.description.clone()));
-        out.push(ListedExport {
-            name,
-            description,
-            info,
-        });
-    }
-    handshake::abort(&mut w).await;
-    Ok(out)
-}
-
-/// A connection in the option phase, for options only.
-async fn negotiate(
-    uri: &NbdUri,
-    target: &str,
-    tls: Option<&ClientTls>,
-) -> Result<(conn::Reader, conn::Writer)> {
-    let (r, w, _, _) = conn::dial(uri, target, tls).await?;
-    Ok((r, w))
 }
 
 /// The TLS client for an `nbds://` URI (credentials read once, for every

@@ -388,7 +388,8 @@ pub(crate) fn repair(h: Option<Header>, granularity: u64, stamp: Stamp) -> Heade
 /// from outside. An identity not recorded (older state files) is recorded
 /// now; the other checks still apply. Either makes every checkpoint inconsistent. Then
 /// the current stamp is recorded and the open flag cleared (in `h`; the
-/// caller writes it if it writes at all). Returns what was found.
+/// caller writes it if it writes at all). Returns what was found when it
+/// made a consistent checkpoint inconsistent: the caller says it, once.
 pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason> {
     let found = if h.open {
         Some(Reason::Crash)
@@ -405,13 +406,10 @@ pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason>
     } else {
         None
     };
+    let mut news = None;
     if let Some(r) = found {
         if h.checkpoints.iter().any(|e| e.reason.is_none()) {
-            tracing::warn!(
-                "changed-block tracking: every checkpoint of this target is now \
-                 inconsistent (reported as all changed): {}",
-                r.text()
-            );
+            news = Some(r);
         }
         h.all_inconsistent(r);
     }
@@ -419,7 +417,7 @@ pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason>
     // A new size changes the slot layout: only with every checkpoint
     // inconsistent (above), whose slots are never read again.
     h.stamp = now.stamp;
-    found
+    news
 }
 
 pub(crate) fn infos(h: &Header) -> Vec<CheckpointInfo> {
@@ -448,6 +446,9 @@ fn now_secs() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
+
+/// (offset, length) ranges in offset order.
+type Ranges = Vec<(u64, u64)>;
 
 /// A target's state file opened for checkpoint commands; works while a
 /// server tracks the target (edits happen under the mutation lock).
@@ -516,18 +517,22 @@ impl StateFile {
 
     /// The header as the checks leave it (under the mutation lock), and
     /// whether a server tracks the target. While served the server owns the
-    /// open flag and the stamp, so only a corrupt header is handled.
-    fn checked_header(&self, d: &Disk) -> Result<(Header, bool), CbtError> {
+    /// open flag and the stamp, so only a corrupt header is handled. `say`:
+    /// warn when the checks made checkpoints inconsistent; a caller that
+    /// reports the inconsistency itself passes false, so it is said once.
+    fn checked_header(&self, d: &Disk, say: bool) -> Result<(Header, bool), CbtError> {
         let served = d.served()?;
         let st = stat_target(&*d.sys, &self.target)?;
         let mut h = match d.read_header()? {
             Read::Ok(h) => h,
             Read::Blank => new_header(DEFAULT_GRANULARITY, st.stamp),
             Read::Corrupt(old) => {
-                tracing::warn!(
-                    "changed-block state {} is corrupt: every checkpoint is now inconsistent",
-                    d.path.display()
-                );
+                if say {
+                    tracing::warn!(
+                        "changed-block state {} is corrupt: every checkpoint is now inconsistent",
+                        d.path.display()
+                    );
+                }
                 let g = old.as_ref().map_or(DEFAULT_GRANULARITY, |h| h.granularity);
                 let mut h = repair(old, g, st.stamp);
                 // The server (if any) set the open flag it still holds.
@@ -536,7 +541,13 @@ impl StateFile {
             }
         };
         if !served {
-            check_unserved(&mut h, &st);
+            if let Some(r) = check_unserved(&mut h, &st).filter(|_| say) {
+                tracing::warn!(
+                    "every checkpoint of {} is inconsistent, reported as all changed: {}",
+                    self.target.display(),
+                    r.text()
+                );
+            }
         }
         Ok((h, served))
     }
@@ -553,7 +564,7 @@ impl StateFile {
             check_name(OP, &self.disk.path, n)?;
         }
         self.locked(LockKind::Write, |d| {
-            let (mut h, _) = self.checked_header(d)?;
+            let (mut h, _) = self.checked_header(d, true)?;
             let name = match name {
                 Some(n) => n.to_string(),
                 None => {
@@ -615,7 +626,7 @@ impl StateFile {
     pub fn delete_checkpoint(&mut self, name: &str) -> Result<(), CbtError> {
         const OP: &str = "delete checkpoint from";
         self.locked(LockKind::Write, |d| {
-            let (mut h, _) = self.checked_header(d)?;
+            let (mut h, _) = self.checked_header(d, true)?;
             let Some(k) = h.find(name) else {
                 return Err(no_such(OP, &d.path, &h, name));
             };
@@ -649,7 +660,7 @@ impl StateFile {
 
     pub fn list(&self) -> Result<Vec<CheckpointInfo>, CbtError> {
         self.locked(LockKind::Read, |d| {
-            let (h, _) = self.checked_header(d)?;
+            let (h, _) = self.checked_header(d, true)?;
             Ok(infos(&h))
         })
     }
@@ -657,12 +668,19 @@ impl StateFile {
     /// (offset, length) ranges changed since `name`, merged, covering the
     /// target's size. Error while served (the server holds unpersisted
     /// changes: read them through its NBD export). Checks for outside change
-    /// first (then everything is changed, with a warning). Inconsistent:
-    /// one range, the whole target.
+    /// first (then everything is changed). Inconsistent: one range, the
+    /// whole target.
     pub fn changed_ranges(&self, name: &str) -> Result<Vec<(u64, u64)>, CbtError> {
+        self.changes_since(name).map(|(ranges, _)| ranges)
+    }
+
+    /// [`StateFile::changed_ranges`], and why checkpoint `name` is
+    /// inconsistent when it is, from one look at the state. Logs nothing:
+    /// the caller tells the user what it means for them.
+    pub fn changes_since(&self, name: &str) -> Result<(Ranges, Option<String>), CbtError> {
         const OP: &str = "read changed ranges from";
         self.locked(LockKind::Read, |d| {
-            let (h, served) = self.checked_header(d)?;
+            let (h, served) = self.checked_header(d, false)?;
             if served {
                 return Err(CbtError::msg(
                     OP,
@@ -677,11 +695,8 @@ impl StateFile {
             };
             let size = h.stamp.size;
             if let Some(r) = h.checkpoints[k].reason {
-                tracing::warn!(
-                    "checkpoint {name} is inconsistent ({}): everything counts as changed",
-                    r.text()
-                );
-                return Ok(if size == 0 { vec![] } else { vec![(0, size)] });
+                let whole = if size == 0 { vec![] } else { vec![(0, size)] };
+                return Ok((whole, Some(r.text().to_string())));
             }
             let bits = changed_since(d, &h, k)?;
             let mut out = Vec::new();
@@ -696,7 +711,7 @@ impl StateFile {
                 }
                 at += len;
             }
-            Ok(out)
+            Ok((out, None))
         })
     }
 }

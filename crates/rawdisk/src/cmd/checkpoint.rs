@@ -94,7 +94,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             check_name(name.as_deref())?;
             let mut f = open(&common, true)?;
             let cp = f.create_checkpoint(name.as_deref())?;
-            println!("{}", cp.name);
+            crate::out::println(&cp.name)?;
         }
         Action::List { output, common } => {
             let cps = match state_exists(&common)? {
@@ -102,8 +102,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 false => Vec::new(),
             };
             match output {
-                OutputArg::Human => print!("{}", to_human(&cps)),
-                OutputArg::Json => print!("{}", to_json(&cps)),
+                OutputArg::Human => crate::out::print(&to_human(&cps))?,
+                OutputArg::Json => crate::out::print(&to_json(&cps))?,
             }
         }
         Action::Delete { name, common } => {

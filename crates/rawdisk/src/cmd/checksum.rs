@@ -80,8 +80,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     };
     let r = checksum::checksum(&a.target, &opts, &bar)?;
     match a.output {
-        OutputArg::Human => print!("{}", r.to_human()),
-        OutputArg::Json => print!("{}", r.to_json()),
+        OutputArg::Human => crate::out::print(&r.to_human())?,
+        OutputArg::Json => crate::out::print(&r.to_json())?,
     }
     Ok(ExitCode::SUCCESS)
 }

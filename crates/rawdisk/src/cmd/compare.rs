@@ -69,11 +69,15 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     };
     match compare::compare(&a.a, &a.b, &opts, &bar) {
         Ok(r) => {
-            if !a.quiet {
-                match a.output {
-                    OutputArg::Human => print!("{}", r.to_human()),
-                    OutputArg::Json => print!("{}", r.to_json()),
-                }
+            let text = match a.output {
+                _ if a.quiet => String::new(),
+                OutputArg::Human => r.to_human(),
+                OutputArg::Json => r.to_json(),
+            };
+            // cmp's codes: a failed write is an error (2), not "different".
+            if let Err(e) = crate::out::print(&text) {
+                eprintln!("rawdisk: compare: {e}");
+                return Ok(ExitCode::from(EXIT_ERROR));
             }
             Ok(ExitCode::from(r.exit_code()))
         }

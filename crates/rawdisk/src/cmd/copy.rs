@@ -8,7 +8,8 @@
 //! when it did. Any error ends the copy with exit status 1 and one line
 //! naming the side, the offset and the cause. SIGINT or SIGTERM stops it
 //! after the requests in flight, with a line saying how far it got and exit
-//! status 130 or 143.
+//! status 130 or 143. A reader of `-` that goes away (`| head -c 1M`) ends
+//! it quietly with status 141, as SIGPIPE would.
 //!
 //! `--changed-since NAME` copies only the ranges changed since a checkpoint
 //! onto the previous backup (an incremental backup; copy/changed.rs).
@@ -19,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, ZeroMode};
+use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, Side, ZeroMode};
 use rawdisk_image::endpoint::Endpoint;
 
 use crate::size::size_arg;
@@ -211,6 +212,15 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             close_quietly(&src, dst.as_ref().map(|d| &d.endpoint));
             return Ok(interrupted(&signal, done, size, &a.destination));
         }
+        Err(CopyError::Io {
+            side: Side::Destination,
+            error,
+        }) if dst.is_none() && error.errno == Some(libc::EPIPE) => {
+            // The reader of standard output took what it wanted: not a
+            // failure to report, but not a whole copy either (pipefail).
+            close_quietly(&src, None);
+            return Ok(ExitCode::from(EXIT_PIPE_CLOSED));
+        }
         Err(e) => return Err(e.into()),
     };
     let verified = match &dst {
@@ -246,11 +256,15 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         if a.destination == "-" {
             eprintln!("{line}");
         } else {
-            println!("{line}");
+            crate::out::println(&line)?;
         }
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// The status of a copy to `-` whose reader went away: the shell's for a
+/// process SIGPIPE ended (128 + 13), as nbdcopy's and cat's.
+const EXIT_PIPE_CLOSED: u8 = 141;
 
 /// The line after SIGINT or SIGTERM stopped the copy; the exit status.
 fn interrupted(signal: &AtomicI32, done: u64, size: u64, destination: &str) -> ExitCode {
@@ -326,7 +340,7 @@ fn run_changed(
         if let Some(v) = verified {
             line.push_str(&format!("; verified: {} compared", human(v.bytes_compared)));
         }
-        println!("{line}");
+        crate::out::println(&line)?;
     }
     Ok(ExitCode::SUCCESS)
 }

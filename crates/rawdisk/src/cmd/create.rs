@@ -32,7 +32,8 @@ pub struct Args {
     /// Overwrite an existing file.
     #[arg(long)]
     force: bool,
-    /// Block device: zero the whole device, the fastest way it allows.
+    /// Block device: zero the whole device, the fastest way it allows
+    /// (refused for a file, which reads as zeros when created).
     #[arg(long)]
     zero: bool,
     /// Page cache or O_DIRECT for the writes.
@@ -56,6 +57,14 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     super::local_only(&args.target, "create")?;
+    if args.zero {
+        super::block_device_only(
+            "--zero",
+            &args.target,
+            true,
+            "a new image file reads as zeros without it",
+        )?;
+    }
     let opts = CreateOptions {
         path: args.target,
         size: args.size,
@@ -73,7 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let report = create(&opts, &bar)?;
     if !args.quiet {
-        println!("{}", report.summary());
+        crate::out::println(report.summary())?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -44,15 +44,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         let l = info::list_nbd(&args.target)?;
         match args.output {
-            OutputArg::Human => print!("{}", l.to_human()),
-            OutputArg::Json => print!("{}", l.to_json()),
+            OutputArg::Human => crate::out::print(&l.to_human())?,
+            OutputArg::Json => crate::out::print(&l.to_json())?,
         }
         return Ok(ExitCode::SUCCESS);
     }
     let i = info::info_target_or_uri(&args.target)?;
     match args.output {
-        OutputArg::Human => print!("{}", i.to_human()),
-        OutputArg::Json => print!("{}", i.to_json()),
+        OutputArg::Human => crate::out::print(&i.to_human())?,
+        OutputArg::Json => crate::out::print(&i.to_json())?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -40,6 +40,33 @@ pub fn local_only(path: &Path, verb: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A flag that acts on a block device only is refused, not ignored, on
+/// anything else (`why` says what happens there without it): a bad command
+/// line. A missing target counts as the file the command would create when
+/// `creates`; otherwise it, like one that cannot be looked at, is left to
+/// the command to open and report.
+pub fn block_device_only(
+    flag: &str,
+    target: &Path,
+    creates: bool,
+    why: &str,
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let block = match std::fs::metadata(target) {
+        Ok(md) => md.file_type().is_block_device(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && creates => false,
+        Err(_) => return Ok(()),
+    };
+    if block {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "{flag} is for a block device, and '{}' is not one: {why}",
+        target.display()
+    ))
+    .into())
+}
+
 /// `--preallocation`, shared by create, serve --create and copy.
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum PreallocArg {

@@ -20,7 +20,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "human")]
     output: OutputArg,
     /// Block device: try each method on the device itself (its first
-    /// megabytes are saved and written back; refused while it is mounted).
+    /// megabytes are saved and written back; refused while it is mounted,
+    /// and for a file, which is always probed on a scratch file).
     #[arg(long)]
     destructive: bool,
     /// File or block device.
@@ -29,13 +30,21 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     super::local_only(&args.target, "probe")?;
+    if args.destructive {
+        super::block_device_only(
+            "--destructive",
+            &args.target,
+            false,
+            "a file is probed on a scratch file beside it, and never changed",
+        )?;
+    }
     let r = probe(&ProbeOptions {
         path: args.target,
         destructive: args.destructive,
     })?;
     match args.output {
-        OutputArg::Human => print!("{}", r.to_human()),
-        OutputArg::Json => print!("{}", r.to_json()),
+        OutputArg::Human => crate::out::print(&r.to_human())?,
+        OutputArg::Json => crate::out::print(&r.to_json())?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -80,8 +80,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     };
     let r = resize::resize(&opts, &bar)?;
     match a.output {
-        OutputArg::Json => print!("{}", r.to_json()),
-        OutputArg::Human if !a.quiet => println!("{}", r.summary()),
+        OutputArg::Json => crate::out::print(&r.to_json())?,
+        OutputArg::Human if !a.quiet => crate::out::println(r.summary())?,
         OutputArg::Human => {}
     }
     Ok(ExitCode::SUCCESS)
