@@ -28,6 +28,45 @@ def said_once(r, status, line):
     assert (r.returncode, r.stderr) == (status, line + "\n"), (r.returncode, r.stderr)
 
 
+def test_a_refused_handshake_is_said_once(workdir, serve, pki):
+    """A wrong export name and a server that requires TLS: the reason once,
+    in the client's words, against rawdisk serve and qemu-nbd; the client
+    ends the option phase politely (NBD_OPT_ABORT), so qemu-nbd logs
+    nothing about it."""
+    from tlspki import psk_file
+    img, _ = make_image(workdir, "a.img", MiB)
+    srv = serve(img, read_only=True, export_name="vm")
+    qsock = os.path.join(workdir, "q.sock")
+    qlog = open(os.path.join(workdir, "qemu-nbd.log"), "w+")
+    qemu = subprocess.Popen(["qemu-nbd", "-k", qsock, "-x", "vm", "-r", "-f", "raw", "-t", img],
+                            stdout=subprocess.DEVNULL, stderr=qlog)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(qsock) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for sock in (srv.sock, qsock):
+            uri = f"nbd+unix:///?socket={sock}"
+            said_once(rawdisk("info", uri), 1, f"rawdisk: cannot connect to '{uri}': NBD "
+                      f"handshake: export '': no such export; the server offers 'vm'")
+            said_once(rawdisk("checksum", uri), 1, f"rawdisk: checksum: NBD handshake with "
+                      f"{uri}: export '': no such export; the server offers 'vm'")
+    finally:
+        qemu.terminate()
+        qemu.wait(timeout=10)
+        qlog.seek(0)
+        server_said = qlog.read()
+        qlog.close()
+    assert server_said == "", server_said
+    tls = serve(img, read_only=True, extra=["--tls-psk", psk_file(pki)])
+    uri = f"nbd+unix:///?socket={tls.sock}"
+    need = "the server requires TLS: connect with an nbds:// or nbds+unix:// URI"
+    said_once(rawdisk("info", uri), 1, f"rawdisk: cannot connect to '{uri}': NBD handshake: {need}")
+    said_once(rawdisk("info", "--list", uri), 1,
+              f"rawdisk: cannot list exports of '{uri}': NBD_OPT_LIST refused: {need}")
+    said_once(rawdisk("copy", uri, "null:"), 1,
+              f"rawdisk: source NBD handshake with {uri}: {need}")
+
+
 def test_a_bad_uri_is_a_bad_command_line(workdir):
     """A URI the parser refuses is a usage error in every command that takes
     one (exit 2, pointing at that command's help), found before anything is

@@ -147,20 +147,28 @@ impl Conn {
         tls: Option<&ClientTls>,
     ) -> Result<(Arc<Conn>, ExportInfo)> {
         let (mut r, mut w, sock, no_zeroes) = dial(uri, target, tls).await?;
-        let (info, context_id, contexts) =
-            match handshake(&mut r, &mut w, &uri.export, opts, no_zeroes)
-                .await
-                .map_err(|e| handshake_error(target, after_tls(tls, e)))?
-            {
-                Ok(negotiated) => negotiated,
-                Err(message) => {
+        let negotiated = match handshake(&mut r, &mut w, &uri.export, opts, no_zeroes).await {
+            Ok(n) => n,
+            Err(e) => {
+                // Refused by an error reply: the option phase is still open,
+                // so end it as the spec asks rather than hang up mid-phase
+                // (which servers log as a failure of their own).
+                if matches!(e, HandshakeError::Refused { reply: Some(_), .. }) {
                     super::handshake::abort(&mut w).await;
-                    return Err(Error::NoContext {
-                        target: target.to_string(),
-                        message,
-                    });
                 }
-            };
+                return Err(handshake_error(target, after_tls(tls, e)));
+            }
+        };
+        let (info, context_id, contexts) = match negotiated {
+            Ok(negotiated) => negotiated,
+            Err(message) => {
+                super::handshake::abort(&mut w).await;
+                return Err(Error::NoContext {
+                    target: target.to_string(),
+                    message,
+                });
+            }
+        };
         let conn = Arc::new(Conn {
             writer: tokio::sync::Mutex::new(Some(w)),
             state: Mutex::new(State {
