@@ -2,8 +2,8 @@
 //! 32768 chunks) each, of which only those holding bits exist, so memory
 //! and walks follow what changed, not the target's size. [`Bits`] (a
 //! checkpoint's, behind the tracker's lock) maps leaf indexes to words;
-//! [`AtomicBits`] (U, marked without a lock) is a two-level directory of
-//! leaves, each allocated once, by its first mark. Chunk `c` is bit
+//! [`AtomicBits`] (U, marked without a lock) is a tree of leaves and the
+//! nodes above them, each allocated once, by the first mark below it. Chunk `c` is bit
 //! `c % 64` of word `c / 64`; stored little endian, that is bit `c % 8` of
 //! byte `c / 8` of a slot, and leaf `l` is page `l` of the slot.
 
@@ -17,9 +17,12 @@ use super::format::PAGE;
 pub(crate) const LEAF_WORDS: usize = PAGE / 8;
 /// Chunks of a leaf.
 pub(crate) const LEAF_BITS: u64 = PAGE as u64 * 8;
-/// Leaves per directory node of U: a node (8 KiB of pointers) exists only
-/// where some leaf under it was marked, so the fixed cost stays tiny.
-const DIR_LEAVES: usize = 512;
+/// Kids per inner node of U: 1 KiB of pointers, made only where some leaf
+/// under it was marked.
+const FAN_BITS: usize = 6;
+const FAN: usize = 1 << FAN_BITS;
+/// Inner levels enough for any chunk count (2^64 / 2^15 leaves).
+const MAX_LEVELS: usize = 49usize.div_ceil(FAN_BITS);
 
 type Words = [u64; LEAF_WORDS];
 
@@ -171,22 +174,55 @@ impl Leaves for Bits {
     }
 }
 
-type Leaf = [AtomicU64; LEAF_WORDS];
-type Dir = [OnceLock<Box<Leaf>>; DIR_LEAVES];
+/// An inner node of U's tree (kids, each made by the first mark below it,
+/// and a summary bit per kid) or a leaf (words).
+#[derive(Debug)]
+struct Node {
+    kids: Box<[OnceLock<Box<Node>>]>,
+    /// Bit `i`: kid `i` may hold bits.
+    dirty: AtomicU64,
+    words: Box<[AtomicU64]>,
+}
+
+impl Node {
+    fn inner() -> Self {
+        Node {
+            kids: (0..FAN).map(|_| OnceLock::new()).collect(),
+            dirty: AtomicU64::new(0),
+            words: Box::new([]),
+        }
+    }
+
+    fn leaf() -> Self {
+        Node {
+            kids: Box::new([]),
+            dirty: AtomicU64::new(0),
+            words: (0..LEAF_WORDS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+/// The kid, at inner level `k` (0: right above the leaves), that leads to
+/// leaf `l`.
+fn digit(l: usize, k: usize) -> usize {
+    (l >> (FAN_BITS * k)) & (FAN - 1)
+}
 
 /// U: the chunks marked since the last persist. Marking is a load when the
-/// bits are already set, else one fetch_or per word; no lock. A leaf and
-/// its directory node are made by the first mark that needs them, once
-/// (`OnceLock`: a racing first mark waits for that allocation only); later
-/// marks find them with an atomic load. Leaves stay once made: U's memory
-/// follows the chunks marked in the server's life. A summary bit per leaf
-/// says which may hold bits, so a persist visits only those: its cost
+/// bits are already set, else one fetch_or per word; no lock. U is a tree
+/// of `FAN`-way inner nodes over leaves, as deep as the target needs (3
+/// levels at 64 TiB and 64 KiB); a leaf and the nodes above it are made by
+/// the first mark that needs them, once (`OnceLock`: a racing first mark
+/// waits for that allocation only), later marks find them with atomic
+/// loads. Nodes stay once made: U's memory follows the chunks marked in the
+/// server's life, its fixed part is one node. Each inner node has a summary
+/// bit per kid that may hold bits, so a persist visits only those: its cost
 /// follows what changed, not the target's size.
 #[derive(Debug)]
 pub(crate) struct AtomicBits {
-    dirs: Vec<OnceLock<Box<Dir>>>,
-    /// Bit `p` of word `p / 64`: leaf `p` may hold bits.
-    pages: Vec<AtomicU64>,
+    root: Node,
+    /// Inner levels, at least 1.
+    levels: usize,
 }
 
 /// Bits taken out of U: only the pages that held some, `(index, words)`.
@@ -197,119 +233,157 @@ pub(crate) struct Taken {
 
 impl AtomicBits {
     pub(crate) fn new(chunks: u64) -> Self {
-        let leaves = chunks.div_ceil(LEAF_BITS) as usize;
+        let leaves = chunks.div_ceil(LEAF_BITS).max(1);
+        let bits = (64 - (leaves - 1).leading_zeros()) as usize;
         AtomicBits {
-            dirs: (0..leaves.div_ceil(DIR_LEAVES))
-                .map(|_| OnceLock::new())
-                .collect(),
-            pages: (0..leaves.div_ceil(64))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
+            root: Node::inner(),
+            levels: bits.div_ceil(FAN_BITS).max(1),
         }
     }
 
-    fn leaf(&self, l: usize) -> Option<&Leaf> {
-        self.dirs[l / DIR_LEAVES].get()?[l % DIR_LEAVES]
-            .get()
-            .map(|b| &**b)
+    fn leaf(&self, l: usize) -> Option<&Node> {
+        let mut node = &self.root;
+        for k in (0..self.levels).rev() {
+            node = node.kids[digit(l, k)].get()?;
+        }
+        Some(node)
     }
 
-    fn leaf_or_new(&self, l: usize) -> &Leaf {
-        let dir = self.dirs[l / DIR_LEAVES]
-            .get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
-        dir[l % DIR_LEAVES].get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU64::new(0))))
+    /// Leaf `l` and the inner nodes above it (`path[k]` at level `k`),
+    /// made where missing.
+    fn leaf_or_new(&self, l: usize) -> (&Node, [&Node; MAX_LEVELS]) {
+        let mut path = [&self.root; MAX_LEVELS];
+        let mut node = &self.root;
+        for k in (0..self.levels).rev() {
+            path[k] = node;
+            node = node.kids[digit(l, k)]
+                .get_or_init(|| Box::new(if k == 0 { Node::leaf() } else { Node::inner() }));
+        }
+        (node, path)
     }
 
-    /// Set chunks `first..=last`. Each leaf's summary bit is checked after
-    /// its words, also when they were already set (by a mark that may not
-    /// have reached the summary yet): when this returns, a take that starts
-    /// later finds the bits.
+    /// The summary bits naming leaf `l`, bottom up, each checked also when
+    /// already set (by a mark that may not have reached the ones above
+    /// yet): a take that starts later walks down to the leaf.
+    fn raise(&self, l: usize, path: &[&Node]) {
+        for (k, node) in path[..self.levels].iter().enumerate() {
+            let bit = 1u64 << digit(l, k);
+            if node.dirty.load(Ordering::SeqCst) & bit == 0 {
+                node.dirty.fetch_or(bit, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Set chunks `first..=last`: each leaf's words, then its summary bits.
+    /// When this returns, a take that starts later finds the bits.
     pub(crate) fn set(&self, first: u64, last: u64) {
         let (w0, w1) = ((first / 64) as usize, (last / 64) as usize);
         let mut w = w0;
         while w <= w1 {
             let p = w / LEAF_WORDS;
-            let leaf = self.leaf_or_new(p);
+            let (leaf, path) = self.leaf_or_new(p);
             let end = w1.min((p + 1) * LEAF_WORDS - 1);
             for w in w..=end {
                 let lo = if w == w0 { first % 64 } else { 0 };
                 let hi = if w == w1 { last % 64 } else { 63 };
-                let (word, m) = (&leaf[w % LEAF_WORDS], mask(lo, hi));
+                let (word, m) = (&leaf.words[w % LEAF_WORDS], mask(lo, hi));
                 if word.load(Ordering::SeqCst) & m != m {
                     word.fetch_or(m, Ordering::SeqCst);
                 }
             }
-            let (word, bit) = (&self.pages[p / 64], 1u64 << (p % 64));
-            if word.load(Ordering::SeqCst) & bit == 0 {
-                word.fetch_or(bit, Ordering::SeqCst);
-            }
+            self.raise(p, &path);
             w = end + 1;
         }
     }
 
-    /// Take every bit out: each summary word swapped with zero, then the
-    /// words of the leaves it named (which exist: the summary bit is set
-    /// after the leaf is made).
+    /// Take every bit out, top down: a node's summary swapped with zero,
+    /// then the kids it named (which exist: a bit is set after its kid is
+    /// made), down to the leaves' words.
     pub(crate) fn take(&self) -> Taken {
-        let mut t = Taken::default();
-        for (i, sw) in self.pages.iter().enumerate() {
-            let mut bits = sw.swap(0, Ordering::SeqCst);
+        fn below(node: &Node, k: usize, first: usize, t: &mut Taken) {
+            let mut bits = node.dirty.swap(0, Ordering::SeqCst);
             while bits != 0 {
-                let p = i * 64 + bits.trailing_zeros() as usize;
+                let i = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                let Some(leaf) = self.leaf(p) else { continue };
-                let words: Vec<u64> = leaf.iter().map(|w| w.swap(0, Ordering::SeqCst)).collect();
+                let Some(kid) = node.kids[i].get() else {
+                    continue;
+                };
+                let at = first + (i << (FAN_BITS * k));
+                if k > 0 {
+                    below(kid, k - 1, at, t);
+                    continue;
+                }
+                let words: Vec<u64> = kid
+                    .words
+                    .iter()
+                    .map(|w| w.swap(0, Ordering::SeqCst))
+                    .collect();
                 if words.iter().any(|&w| w != 0) {
-                    t.pages.push((p, words));
+                    t.pages.push((at, words));
                 }
             }
         }
+        let mut t = Taken::default();
+        below(&self.root, self.levels - 1, 0, &mut t);
         t
     }
 
     /// Put bits back (a persist that failed).
     pub(crate) fn give_back(&self, t: &Taken) {
         for (p, words) in &t.pages {
-            for (w, &v) in self.leaf_or_new(*p).iter().zip(words) {
+            let (leaf, path) = self.leaf_or_new(*p);
+            for (w, &v) in leaf.words.iter().zip(words) {
                 if v != 0 {
                     w.fetch_or(v, Ordering::SeqCst);
                 }
             }
-            self.pages[p / 64].fetch_or(1 << (p % 64), Ordering::SeqCst);
+            self.raise(*p, &path);
         }
     }
 
     /// How many leaves exist (memory: 4 KiB each).
     #[cfg(test)]
     pub(crate) fn leaves(&self) -> usize {
-        (0..self.dirs.len() * DIR_LEAVES)
-            .filter(|&l| self.leaf(l).is_some())
-            .count()
+        fn below(node: &Node, k: usize) -> usize {
+            let kids = node.kids.iter().filter_map(|n| n.get());
+            match k {
+                0 => kids.count(),
+                _ => kids.map(|n| below(n, k - 1)).sum(),
+            }
+        }
+        below(&self.root, self.levels - 1)
     }
 }
 
 impl Leaves for AtomicBits {
-    /// Leaves that exist, even if a take emptied them since.
+    /// Leaves that exist, even if a take emptied them since; only nodes
+    /// that exist are visited.
     fn next_leaf(&self, l: usize, end: usize) -> Option<usize> {
-        let end = end.min(self.dirs.len() * DIR_LEAVES);
-        let mut at = l;
-        while at < end {
-            let next_dir = (at / DIR_LEAVES + 1) * DIR_LEAVES;
-            // A directory not made yet has no leaves: skipped whole.
-            if let Some(dir) = self.dirs[at / DIR_LEAVES].get() {
-                let stop = next_dir.min(end);
-                if let Some(i) = (at..stop).find(|&i| dir[i % DIR_LEAVES].get().is_some()) {
-                    return Some(i);
+        fn below(node: &Node, k: usize, first: usize, l: usize, end: usize) -> Option<usize> {
+            let span = 1usize << (FAN_BITS * k);
+            for i in l.saturating_sub(first) / span..FAN {
+                let at = first + i * span;
+                if at >= end {
+                    break;
+                }
+                let Some(kid) = node.kids[i].get() else {
+                    continue;
+                };
+                if k == 0 {
+                    return Some(at);
+                }
+                if let Some(found) = below(kid, k - 1, at, l, end) {
+                    return Some(found);
                 }
             }
-            at = next_dir;
+            None
         }
-        None
+        below(&self.root, self.levels - 1, 0, l, end)
     }
 
     fn or_leaf(&self, l: usize, out: &mut Words) {
         if let Some(leaf) = self.leaf(l) {
-            for (o, w) in out.iter_mut().zip(leaf) {
+            for (o, w) in out.iter_mut().zip(leaf.words.iter()) {
                 *o |= w.load(Ordering::Acquire);
             }
         }
@@ -447,283 +521,4 @@ pub(crate) fn naive_runs(
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::BTreeSet;
-
-    use rand::rngs::SmallRng;
-    use rand::{Rng, SeedableRng};
-
-    use super::*;
-
-    #[test]
-    fn runs_equal_the_chunk_by_chunk_definition() {
-        let mut rng = SmallRng::seed_from_u64(20);
-        for _ in 0..2000 {
-            let g = 1u64 << rng.gen_range(0..4);
-            let chunks = rng.gen_range(1..300);
-            let mut b = Bits::new(chunks);
-            for _ in 0..rng.gen_range(0..6) {
-                let first = rng.gen_range(0..chunks);
-                let last = rng.gen_range(first..chunks.min(first + 80));
-                b.set(first, last);
-            }
-            let size = chunks * g;
-            let offset = rng.gen_range(0..size + 3);
-            let len = rng.gen_range(0..size + 10 - offset);
-            let max = rng.gen_range(1..6);
-            let got = runs(g, chunks, offset, len, max, &b);
-            let want = naive_runs(g, chunks, |c| b.get(c), offset, len, max);
-            assert_eq!(
-                got, want,
-                "g {g} chunks {chunks} off {offset} len {len} max {max}"
-            );
-            if len > 0 {
-                assert!(!got.is_empty());
-            }
-        }
-    }
-
-    /// Runs of `bits` against the same from the plain model `m`, over a
-    /// random window (or the whole target) with a random cap.
-    fn check_runs(rng: &mut SmallRng, g: u64, bits: &dyn Leaves, m: &[bool], whole: bool) {
-        let chunks = m.len() as u64;
-        let size = chunks * g;
-        let (offset, len, max) = if whole {
-            (0, size, usize::MAX)
-        } else {
-            let offset = rng.gen_range(0..size + 3);
-            let len = rng.gen_range(0..(size + 10 - offset).min(4 * LEAF_BITS * g));
-            (offset, len, rng.gen_range(1..8))
-        };
-        let got = runs(g, chunks, offset, len, max, bits);
-        let want = naive_runs(g, chunks, |c| m[c as usize], offset, len, max);
-        assert_eq!(
-            got, want,
-            "g {g} chunks {chunks} off {offset} len {len} max {max}"
-        );
-    }
-
-    fn leaves_with_bits(m: &[bool]) -> Vec<usize> {
-        m.chunks(LEAF_BITS as usize)
-            .enumerate()
-            .filter(|(_, l)| l.iter().any(|&b| b))
-            .map(|(i, _)| i)
-            .collect()
-    }
-
-    fn or_into(a: &mut [bool], b: &[bool]) {
-        for (x, y) in a.iter_mut().zip(b) {
-            *x |= y;
-        }
-    }
-
-    /// The sparse bitmaps against plain `Vec<bool>`s: random marks into U
-    /// (some spanning leaves), U taken (cleared) into the newest bitmap or
-    /// given back (a failed persist), the newest merged into an older one
-    /// and cleared (a delete, a new checkpoint), pages stored and loaded
-    /// back, and the runs of each and of their union equal chunk by chunk.
-    /// Leaves exist only where marks fell.
-    #[test]
-    fn sparse_bitmaps_equal_a_plain_model() {
-        let mut rng = SmallRng::seed_from_u64(30);
-        for _ in 0..24 {
-            let chunks = rng.gen_range(1..4 * LEAF_BITS + 100);
-            let n = chunks as usize;
-            let g = 1u64 << rng.gen_range(0..3);
-            let u = AtomicBits::new(chunks);
-            let (mut older, mut newest) = (Bits::new(chunks), Bits::new(chunks));
-            let (mut mu, mut mo, mut mn) = (vec![false; n], vec![false; n], vec![false; n]);
-            let mut touched = BTreeSet::new();
-            for _ in 0..30 {
-                match rng.gen_range(0..10) {
-                    0..=4 => {
-                        let first = rng.gen_range(0..chunks);
-                        let span = if rng.gen_bool(0.2) {
-                            2 * LEAF_BITS
-                        } else {
-                            130
-                        };
-                        let last = rng.gen_range(first..chunks.min(first + span));
-                        u.set(first, last);
-                        mu[first as usize..=last as usize].fill(true);
-                        touched.extend(first / LEAF_BITS..=last / LEAF_BITS);
-                    }
-                    5 | 6 => {
-                        let t = u.take();
-                        if rng.gen_bool(0.3) {
-                            u.give_back(&t);
-                            continue;
-                        }
-                        for (p, w) in &t.pages {
-                            newest.or_page(*p, w);
-                        }
-                        assert_eq!(u.take(), Taken::default(), "a take clears U");
-                        or_into(&mut mn, &mu);
-                        mu.fill(false);
-                    }
-                    7 => {
-                        older.or(&newest);
-                        newest = Bits::new(chunks);
-                        or_into(&mut mo, &mn);
-                        mn.fill(false);
-                    }
-                    _ => {
-                        let mut back = Bits::new(chunks);
-                        for p in newest.pages() {
-                            back.load_page(p, &newest.page(p));
-                        }
-                        assert_eq!(back, newest, "stored pages load back the same");
-                    }
-                }
-                let mut all = mo.clone();
-                or_into(&mut all, &mn);
-                let mut recent = mn.clone();
-                or_into(&mut recent, &mu);
-                or_into(&mut all, &mu);
-                check_runs(&mut rng, g, &Union(vec![&older, &newest, &u]), &all, false);
-                check_runs(&mut rng, g, &Union(vec![&newest, &u]), &recent, false);
-                check_runs(&mut rng, g, &older, &mo, false);
-                check_runs(&mut rng, g, &u, &mu, false);
-                assert_eq!(newest.pages(), leaves_with_bits(&mn));
-                assert_eq!(older.pages(), leaves_with_bits(&mo));
-                assert_eq!(u.leaves(), touched.len(), "U made leaves only where marked");
-            }
-            let mut all = mo.clone();
-            or_into(&mut all, &mn);
-            or_into(&mut all, &mu);
-            check_runs(&mut rng, g, &Union(vec![&older, &newest, &u]), &all, true);
-            assert!((0..chunks).all(|c| newest.get(c) == mn[c as usize]));
-            assert!((0..chunks).all(|c| older.get(c) == mo[c as usize]));
-        }
-    }
-
-    #[test]
-    fn a_huge_target_costs_what_was_marked() {
-        // 64 TiB at 64 KiB: 2^30 chunks, 32768 leaves of 4 KiB.
-        let (g, chunks) = (64 << 10, 1u64 << 30);
-        let u = AtomicBits::new(chunks);
-        let marks = [7, 12_345_678, chunks / 2, chunks - 1];
-        for c in marks {
-            u.set(c, c);
-        }
-        assert_eq!(u.leaves(), 4);
-        let mut b = Bits::new(chunks);
-        for (p, w) in &u.take().pages {
-            b.or_page(*p, w);
-        }
-        assert_eq!(b.pages().len(), 4);
-        u.set(100, 100);
-        let got = runs(g, chunks, 0, chunks * g, usize::MAX, &Union(vec![&b, &u]));
-        let mut want = Vec::new();
-        let mut at = 0;
-        for c in [7, 100, 12_345_678, chunks / 2, chunks - 1] {
-            if c > at {
-                want.push(((c - at) * g, false));
-            }
-            want.push((g, true));
-            at = c + 1;
-        }
-        assert_eq!(got, want);
-    }
-
-    /// The largest target (2^63 - 1 bytes) at the finest, the default and
-    /// the coarsest granularity: the first chunk and the last two, stored
-    /// and loaded back, found by runs at 0, at the last block, past the end
-    /// and across the whole. U only at 64 MiB: its fixed part (a summary bit
-    /// per leaf, a directory slot per 512 leaves) is gigabytes at 4 KiB.
-    #[test]
-    fn the_ends_of_a_2_63_byte_target() {
-        let size = i64::MAX as u64;
-        for g in [4 << 10, 64 << 10, 64 << 20] {
-            let chunks = size.div_ceil(g);
-            let last = chunks - 1;
-            let mut b = Bits::new(chunks);
-            b.set(0, 0);
-            b.set(last - 1, last);
-            let ends = vec![0, (last / LEAF_BITS) as usize];
-            assert_eq!(b.pages(), ends);
-            let mut back = Bits::new(chunks);
-            for p in b.pages() {
-                back.load_page(p, &b.page(p));
-            }
-            assert_eq!(back, b);
-            let mut bitmaps: Vec<Box<dyn Leaves>> = vec![Box::new(b.clone())];
-            if g == 64 << 20 {
-                let u = AtomicBits::new(chunks);
-                u.set(0, 0);
-                u.set(last - 1, last);
-                assert_eq!(u.leaves(), 2);
-                let t = u.take();
-                assert_eq!(t.pages.iter().map(|(p, _)| *p).collect::<Vec<_>>(), ends);
-                let mut taken = Bits::new(chunks);
-                for (p, w) in &t.pages {
-                    taken.or_page(*p, w);
-                }
-                assert_eq!(taken, b);
-                u.give_back(&t);
-                bitmaps.push(Box::new(u));
-            }
-            for bits in &bitmaps {
-                let runs = |offset, len, max| runs(g, chunks, offset, len, max, &**bits);
-                let tail = size - (last - 1) * g;
-                let whole = vec![(g, true), ((chunks - 3) * g, false), (tail, true)];
-                assert_eq!(runs(0, size, usize::MAX), whole, "g {g}");
-                assert_eq!(runs(0, size, 2), whole[..2]);
-                assert_eq!(runs(0, 1, 9), [(1, true)]);
-                assert_eq!(runs(g, 4096, 9), [(4096, false)]);
-                assert_eq!(runs(size - 4096, 4096, 9), [(4096, true)]);
-                assert_eq!(runs(size - 1, 1, 9), [(1, true)]);
-                assert_eq!(runs((last - 2) * g, g + 1, 9), [(g, false), (1, true)]);
-            }
-        }
-    }
-
-    #[test]
-    fn atomic_marks_are_taken_once_and_given_back() {
-        // Three leaves and a bit: marks in leaves 0, 1 and 3.
-        let chunks = 3 * LEAF_BITS + 1;
-        let page = LEAF_BITS;
-        let u = AtomicBits::new(chunks);
-        u.set(3, 130);
-        u.set(64, 100);
-        u.set(page + 5, page + 5);
-        u.set(chunks - 1, chunks - 1);
-        let t = u.take();
-        let idx: Vec<usize> = t.pages.iter().map(|(p, _)| *p).collect();
-        assert_eq!(idx, [0, 1, 3]);
-        let mut b = Bits::new(chunks);
-        for (p, w) in &t.pages {
-            assert!(b.or_page(*p, w));
-            assert!(!b.or_page(*p, w), "nothing new the second time");
-        }
-        let set: Vec<u64> = (0..chunks).filter(|&c| b.get(c)).collect();
-        let mut want: Vec<u64> = (3..=130).collect();
-        want.extend([page + 5, chunks - 1]);
-        assert_eq!(set, want);
-        assert_eq!(u.take(), Taken::default());
-        u.give_back(&t);
-        assert_eq!(u.take(), t);
-    }
-
-    #[test]
-    fn pages_and_bytes_round_trip() {
-        let mut b = Bits::new(100_000);
-        b.set(5, 5);
-        b.set(99_999, 99_999);
-        assert_eq!(b.pages(), vec![0, 3]);
-        let mut pages: Vec<Vec<u8>> = (0..4).map(|p| b.page(p)).collect();
-        assert_eq!(pages[0][0], 1 << 5);
-        let load = |pages: &[Vec<u8>]| {
-            let mut l = Bits::new(100_000);
-            for (p, bytes) in pages.iter().enumerate() {
-                l.load_page(p, bytes);
-            }
-            l
-        };
-        assert_eq!(load(&pages), b);
-        // Stray bits past the last chunk are not changes.
-        pages[3][100_000 / 8 - 3 * PAGE] |= 0x80;
-        pages[3][PAGE - 1] |= 0x80;
-        assert_eq!(load(&pages), b);
-    }
-}
+mod tests;
