@@ -3,9 +3,10 @@
 //! and walks follow what changed, not the target's size. [`Bits`] (a
 //! checkpoint's, behind the tracker's lock) maps leaf indexes to words;
 //! [`AtomicBits`] (U, marked without a lock) is a tree of leaves and the
-//! nodes above them, each allocated once, by the first mark below it. Chunk `c` is bit
-//! `c % 64` of word `c / 64`; stored little endian, that is bit `c % 8` of
-//! byte `c / 8` of a slot, and leaf `l` is page `l` of the slot.
+//! nodes above them, each allocated once, by the first mark below it.
+//! Chunk `c` is bit `c % 64` of word `c / 64`; stored little endian, that
+//! is bit `c % 8` of byte `c / 8` of a slot, and leaf `l` is page `l` of
+//! the slot.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

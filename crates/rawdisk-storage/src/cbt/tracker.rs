@@ -3,10 +3,10 @@
 //! Memory: the file's header and the bitmap of every consistent checkpoint
 //! as last read or written (`Mem`, behind a lock queries share), and U
 //! (atomic words, no lock); all sparse (bitmap.rs), so they cost what
-//! changed, not the target's size. "Changed since ck" is Bk | .. | Bn | U: U counts
-//! as part of whichever checkpoint is newest, also one another process
-//! created since the last persist, so a change that may be after it is
-//! never hidden. A persist moves U into Bn in memory and writes the pages
+//! changed, not the target's size. "Changed since ck" is Bk | .. | Bn | U:
+//! U counts as part of whichever checkpoint is newest, also one another
+//! process created since the last persist, so a change that may be after
+//! it is never hidden. A persist moves U into Bn in memory and writes the pages
 //! of slot n that gained bits; the state file's mutation lock is held from
 //! re-reading the header to the fdatasync, so no checkpoint can be created
 //! in between.
