@@ -278,18 +278,22 @@ impl Disk {
         self.write_at(&h.encode(), 0)
     }
 
-    /// A slot's bitmap; holes are skipped (SEEK_DATA), so a sparse slot of
-    /// a huge target reads little.
+    /// A slot's bitmap; holes are skipped (SEEK_DATA) and only pages with
+    /// bits kept, so a sparse slot of a huge target reads and costs little.
     pub(crate) fn read_slot(&self, h: &Header, slot: u32) -> Result<Bits, CbtError> {
+        /// Pages read at once.
+        const BATCH: u64 = 16;
         let chunks = h.chunks();
         let start = h.slot_offset(slot);
-        let bytes = chunks.div_ceil(64) * 8;
-        let mut buf = vec![0u8; bytes as usize];
-        let end = start + bytes;
+        // The pages holding the bitmap's words; the slot has no others.
+        let pages = (chunks.div_ceil(64) * 8).div_ceil(PAGE as u64);
+        let end = start + pages * PAGE as u64;
+        let mut bits = Bits::new(chunks);
+        let mut buf = vec![0u8; BATCH as usize * PAGE];
         let mut at = start;
         while at < end {
             let data = match retry(|| self.sys.seek_data(self.fd.as_fd(), at)) {
-                Ok(Some(d)) => d,
+                Ok(Some(d)) => d.max(at),
                 Ok(None) => break,
                 // No SEEK_DATA here: read it all.
                 Err(_) => at,
@@ -302,11 +306,21 @@ impl Disk {
                 _ => end,
             };
             let hole = hole.max(data + 1).min(end);
-            let (a, b) = ((data - start) as usize, (hole - start) as usize);
-            self.read_at(&mut buf[a..b], data)?;
-            at = hole;
+            // The whole pages around the data.
+            let mut p = (data - start) / PAGE as u64;
+            let stop = (hole - start).div_ceil(PAGE as u64);
+            while p < stop {
+                let n = (stop - p).min(BATCH);
+                let buf = &mut buf[..n as usize * PAGE];
+                self.read_at(buf, start + p * PAGE as u64)?;
+                for (i, page) in buf.chunks_exact(PAGE).enumerate() {
+                    bits.load_page(p as usize + i, page);
+                }
+                p += n;
+            }
+            at = start + stop * PAGE as u64;
         }
-        Ok(Bits::from_bytes(chunks, &buf))
+        Ok(bits)
     }
 
     /// Write the pages `pages` of `bits` into `slot`.
@@ -702,9 +716,7 @@ impl StateFile {
             let mut out = Vec::new();
             let mut at = 0;
             for (len, changed) in
-                bitmap::runs(h.granularity, h.chunks(), 0, size, usize::MAX, |w| {
-                    bits.words()[w]
-                })
+                bitmap::runs(h.granularity, h.chunks(), 0, size, usize::MAX, &bits)
             {
                 if changed {
                     out.push((at, len));

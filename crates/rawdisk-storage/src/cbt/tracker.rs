@@ -2,10 +2,11 @@
 //!
 //! Memory: the file's header and the bitmap of every consistent checkpoint
 //! as last read or written (`Mem`, behind a lock queries share), and U
-//! (atomic words, no lock). "Changed since ck" is Bk | .. | Bn | U: U counts
-//! as part of whichever checkpoint is newest, also one another process
-//! created since the last persist, so a change that may be after it is
-//! never hidden. A persist moves U into Bn in memory and writes the pages
+//! (atomic words, no lock); all sparse (bitmap.rs), so they cost what
+//! changed, not the target's size. "Changed since ck" is Bk | .. | Bn | U:
+//! U counts as part of whichever checkpoint is newest, also one another
+//! process created since the last persist, so a change that may be after
+//! it is never hidden. A persist moves U into Bn in memory and writes the pages
 //! of slot n that gained bits; the state file's mutation lock is held from
 //! re-reading the header to the fdatasync, so no checkpoint can be created
 //! in between.
@@ -16,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::bitmap::{self, AtomicBits, Bits};
+use super::bitmap::{self, AtomicBits, Bits, Leaves, Union};
 use super::file::{
     check_unserved, infos, new_header, open_target, repair, stat_fd, state_path_for, Disk, Read,
     MUTATION_BYTE, SERVED_BYTE,
@@ -378,21 +379,21 @@ impl Tracker {
         if len == 0 {
             return Some(Vec::new());
         }
-        let maps: Option<Vec<&Bits>> = mem.maps[k..].iter().map(|m| m.as_ref()).collect();
-        let Some(maps) = maps else {
+        let maps: Option<Vec<&dyn Leaves>> = mem.maps[k..]
+            .iter()
+            .map(|m| m.as_ref().map(|b| b as &dyn Leaves))
+            .collect();
+        let Some(mut maps) = maps else {
             return Some(vec![(len, true)]);
         };
-        let word = |w: usize| {
-            maps.iter()
-                .fold(self.u.word(w), |acc, m| acc | m.words()[w])
-        };
+        maps.push(&self.u);
         Some(bitmap::runs(
             self.granularity,
             self.chunks,
             offset,
             len,
             max_runs,
-            word,
+            &Union(maps),
         ))
     }
 
