@@ -35,7 +35,7 @@ mod writer;
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
-    execute, failure, read_cached, small_error, small_ok, validate, whole, Encoded,
+    execute, failure, quick_status, read_cached, small_error, small_ok, validate, whole, Encoded,
 };
 use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
@@ -724,11 +724,13 @@ where
         // depth 1) runs here: the pool and writer task would add two thread
         // wake-ups of latency (docs/benchmarks.md, Latency). Not a
         // zero, trim or flush, which may take milliseconds and would hold up
-        // a request the client sends a moment later.
+        // a request the client sends a moment later. A block status of
+        // base:allocation does too: `nbdinfo --map` sends one at a time.
         let idle = self.batch.jobs.is_empty()
             && self.slots.available_permits() + 1 == self.sh.cfg.max_requests_per_conn
-            && matches!(req.command, Command::Read | Command::Write)
-            && req.length <= INLINE_MAX_LEN;
+            && (matches!(req.command, Command::Read | Command::Write)
+                && req.length <= INLINE_MAX_LEN
+                || quick_status(&self.s, &req));
         // A mid-sized page-cache write runs here whatever else is in flight:
         // its payload is still in this CPU's cache, and buffered writes to
         // one inode serialize on its lock anyway (docs/benchmarks.md, Write
