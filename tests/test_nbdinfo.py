@@ -103,9 +103,9 @@ def test_map_matches_seek_hole(workdir, serve):
 @pytest.mark.rawdisk_only("the syscall bound is rawdisk's")
 def test_map_of_a_huge_file_costs_no_fstat_or_hand_off_per_request(workdir, serve):
     """`nbdinfo --map` of 1 TiB asks 257 BLOCK_STATUS of 4 GiB, one at a
-    time: each is a few lseeks on the connection's reader, with no fstat and
-    no trip to a blocking thread and back (6.5 futex calls a request
-    before, strace -c of the server)."""
+    time: each is a few lseeks on the connection's reader, with no fstat, no
+    trip to a blocking thread and back (6.5 futex calls a request before,
+    strace -c of the server) and one recv (two before)."""
     require_root()  # strace -p
     assert shutil.which("strace"), "strace is missing (scripts/deps.sh installs it)"
     path = os.path.join(workdir, "huge.img")
@@ -134,6 +134,8 @@ def test_map_of_a_huge_file_costs_no_fstat_or_hand_off_per_request(workdir, serv
     assert calls.get("lseek", 0) >= requests, calls
     assert calls.get("fstat", 0) + calls.get("newfstatat", 0) + calls.get("statx", 0) <= 4, calls
     assert calls.get("futex", 0) <= 64 + requests // 10, calls
+    # A short read drains the socket: no recv that meets EAGAIN per request.
+    assert calls.get("recvfrom", 0) + calls.get("recvmsg", 0) <= requests + 32, calls
 
 
 def test_list_shows_the_export(workdir, serve):

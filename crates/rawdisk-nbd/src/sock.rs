@@ -45,6 +45,13 @@ impl AsyncRead for SockRead {
             let dst = buf.initialize_unfilled();
             match guard.try_io(|fd| Ok(rustix::net::recv(fd, &mut *dst, RecvFlags::empty())?)) {
                 Ok(Ok((n, _))) => {
+                    // Less than asked: the socket is drained, so the next
+                    // read waits for an event instead of meeting EAGAIN
+                    // first, one recv per request saved (as tokio's own
+                    // streams do; an event that came meanwhile is kept).
+                    if n > 0 && n < dst.len() {
+                        guard.clear_ready();
+                    }
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
                 }
