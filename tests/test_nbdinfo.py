@@ -4,11 +4,16 @@ that tell the truth about the target (writable or read-only), block sizes
 and `--list` with the export name."""
 
 import json
+import os
+import re
+import shutil
 import subprocess
+import time
 
 import pytest
 
 import helpers
+from conftest import require_root
 from helpers import KiB, MiB, make_image, seek_hole_extents
 
 SIZE = 8 * MiB + 12345
@@ -93,6 +98,44 @@ def test_map_matches_seek_hole(workdir, serve):
     holes = sum(length for _, length, hole in truth if hole)
     reported = sum(e["length"] for e in extents if e["type"] & 1)
     assert reported == holes
+
+
+@pytest.mark.rawdisk_only("the syscall bound is rawdisk's")
+def test_map_of_a_huge_file_costs_no_fstat_or_hand_off_per_request(workdir, serve):
+    """`nbdinfo --map` of 1 TiB asks 257 BLOCK_STATUS of 4 GiB, one at a
+    time: each is a few lseeks on the connection's reader, with no fstat, no
+    trip to a blocking thread and back (6.5 futex calls a request before,
+    strace -c of the server) and one recv (two before)."""
+    require_root()  # strace -p
+    assert shutil.which("strace"), "strace is missing (scripts/deps.sh installs it)"
+    path = os.path.join(workdir, "huge.img")
+    size = 1 << 40
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for i in range(10):
+            f.seek(i * (size // 10) // 4096 * 4096)
+            f.write(b"x" * 4096)
+    srv = serve(path, read_only=True)
+    log = os.path.join(workdir, "strace.log")
+    tracer = subprocess.Popen(["strace", "-f", "-c", "-p", str(srv.pid), "-o", log],
+                              stderr=subprocess.PIPE)
+    time.sleep(1)  # attached to every thread
+    out = json.loads(nbdinfo("--map", "--json", srv.uri).stdout)
+    # strace detaches, writes the table, then dies of the same SIGINT.
+    tracer.send_signal(2)
+    tracer.wait(timeout=30)
+    assert sum(e["length"] for e in out) == size
+    data = [e for e in out if not e["type"] & 1]
+    assert len(data) == 10 and all(e["length"] == 4096 for e in data), data
+    with open(log) as f:
+        calls = {m[2]: int(m[1]) for m in re.finditer(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)$",
+                                                     f.read(), re.M)}
+    requests = size // (4 << 30) + 1
+    assert calls.get("lseek", 0) >= requests, calls
+    assert calls.get("fstat", 0) + calls.get("newfstatat", 0) + calls.get("statx", 0) <= 4, calls
+    assert calls.get("futex", 0) <= 64 + requests // 10, calls
+    # A short read drains the socket: no recv that meets EAGAIN per request.
+    assert calls.get("recvfrom", 0) + calls.get("recvmsg", 0) <= requests + 32, calls
 
 
 def test_list_shows_the_export(workdir, serve):

@@ -996,6 +996,48 @@ fn sparse_reads_df_and_block_status() {
     }
 }
 
+/// BLOCK_STATUS clips to the size of the handshake: no fstat per request
+/// (16,387 of them for `nbdinfo --map` of 64 TiB), only the lookups.
+#[test]
+fn block_status_does_no_fstat_per_request() {
+    let mut h = Harness::start(Setup {
+        fill: false,
+        fault: true,
+        ..Default::default()
+    });
+    let (mut c, info) = h.open(ReplyMode::Structured);
+    let d = random(64 * KIB as usize, 7);
+    for at in [0, 3 * MIB, 8 * MIB - 64 * KIB] {
+        c.write(at, &d);
+        h.model[at as usize..(at + 64 * KIB) as usize].copy_from_slice(&d);
+    }
+    let truth = seek_truth(&h.path, 0, info.size);
+    let f = h.fault.clone().unwrap();
+    f.reset_counts();
+    let step = 256 * KIB;
+    for off in (0..info.size).step_by(step as usize) {
+        let r = c.cmd(Command::BlockStatus, 0, off, step, &[]);
+        assert_eq!(r.error, 0, "{}", r.message);
+        let mut pos = off;
+        for d in &r.descriptors {
+            let hole = d.status & STATE_HOLE as u64 != 0;
+            for &(o, l, th) in &truth {
+                if o.max(pos) < (o + l).min(pos + d.length) {
+                    assert_eq!(hole, th, "descriptor at {pos}+{}", d.length);
+                }
+            }
+            pos += d.length;
+        }
+        assert_eq!(pos, off + step, "descriptors cover the request");
+    }
+    let requests = info.size / step;
+    assert_eq!(f.calls(CallKind::Fstat), 0, "fstat in {requests} requests");
+    assert!(f.calls(CallKind::SeekData) >= requests, "{:?}", f.counts());
+    c.disc();
+    h.stop().unwrap();
+    h.check_file();
+}
+
 /// Descriptors as (length, status) pairs.
 fn pairs(ds: &[Descriptor]) -> Vec<(u64, u64)> {
     ds.iter().map(|d| (d.length, d.status)).collect()

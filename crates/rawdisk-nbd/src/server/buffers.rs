@@ -17,6 +17,11 @@ use crate::sock::Pipe;
 pub(super) const DATA_ALIGN: usize = 4096;
 /// Read-ahead of the request reader.
 pub(super) const READ_AHEAD: usize = 64 << 10;
+/// The reader's buffer starts this small and doubles, up to READ_AHEAD,
+/// each time a read fills it: an idle connection holds little.
+const INPUT_MIN: usize = 4 << 10;
+/// A connection that sent nothing for this long lets its buffer go.
+const INPUT_IDLE: Duration = Duration::from_secs(1);
 /// Size of each pipe: /proc/sys/fs/pipe-max-size's default, the most a
 /// process without CAP_SYS_RESOURCE may ask for.
 pub(super) const PIPE_BYTES: usize = 1 << 20;
@@ -35,7 +40,7 @@ pub(super) const POOL_IDLE: Duration = Duration::from_secs(3);
 /// controls per read, so payloads land in their own buffer in one copy.
 pub(super) struct Input<R> {
     r: R,
-    buf: Box<[u8]>,
+    buf: Vec<u8>,
     pos: usize,
     end: usize,
 }
@@ -44,10 +49,54 @@ impl<R: AsyncRead + Unpin> Input<R> {
     pub(super) fn new(r: R) -> Self {
         Input {
             r,
-            buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
+            buf: Vec::new(),
             pos: 0,
             end: 0,
         }
+    }
+
+    /// Makes the buffer at least `n` bytes (INPUT_MIN at the least), the
+    /// buffered bytes moved to its start.
+    fn room(&mut self, n: usize) {
+        if self.buf.len() >= n.max(1) {
+            return;
+        }
+        let mut b = vec![0u8; n.max(INPUT_MIN)];
+        let held = self.end - self.pos;
+        b[..held].copy_from_slice(&self.buf[self.pos..self.end]);
+        (self.buf, self.pos, self.end) = (b, 0, held);
+    }
+
+    /// After a read that filled the buffer, doubles it (up to `want`) for
+    /// the next: the client sends more than fits.
+    fn grow_if_full(&mut self, want: usize) {
+        if self.end == self.buf.len() && self.buf.len() < want.min(READ_AHEAD) {
+            self.room((self.buf.len() * 2).min(READ_AHEAD));
+        }
+    }
+
+    /// [`Input::fill_to`] for the wait between requests: once nothing has
+    /// come for INPUT_IDLE, the empty buffer is let go (57 KiB of an idle
+    /// connection's memory were mostly this) until bytes arrive.
+    pub(super) async fn fill_idle(&mut self, n: usize, ahead: usize) -> io::Result<()> {
+        if self.buffered() > 0 || self.buf.is_empty() {
+            return self.fill_to(n, ahead).await;
+        }
+        if let Ok(r) = tokio::time::timeout(INPUT_IDLE, self.fill_to(n, ahead)).await {
+            return r;
+        }
+        if self.buffered() == 0 {
+            (self.buf, self.pos, self.end) = (Vec::new(), 0, 0);
+            let mut first = [0u8; 64];
+            let k = self.r.read(&mut first).await?;
+            if k == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            self.room(k);
+            self.buf[..k].copy_from_slice(&first[..k]);
+            self.end = k;
+        }
+        self.fill_to(n, ahead).await
     }
 
     /// The stream underneath; bytes read ahead and not consumed are dropped.
@@ -69,6 +118,8 @@ impl<R: AsyncRead + Unpin> Input<R> {
         }
         self.pos = 0;
         self.end = 0;
+        self.room(INPUT_MIN);
+        let want = limit;
         let limit = limit.min(self.buf.len());
         // One poll: a socket with nothing new since its last EAGAIN answers
         // Pending without a syscall.
@@ -78,7 +129,10 @@ impl<R: AsyncRead + Unpin> Input<R> {
             _ = std::future::ready(()) => None,
         };
         match r {
-            Some(Ok(n)) => self.end += n,
+            Some(Ok(n)) => {
+                self.end += n;
+                self.grow_if_full(want);
+            }
             Some(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
             Some(Err(e)) => return Err(e),
             None => {}
@@ -86,8 +140,8 @@ impl<R: AsyncRead + Unpin> Input<R> {
         Ok(())
     }
 
-    /// Reads until at least `n` bytes (at most the buffer's size) are
-    /// buffered, and at most `ahead` more. Cancel-safe, unlike
+    /// Reads until at least `n` bytes (at most READ_AHEAD) are buffered,
+    /// and at most `ahead` more. Cancel-safe, unlike
     /// [`Input::read_exact`]: what arrived stays buffered, so a wait for a
     /// request header can be given up (shutdown, idle) and resumed.
     pub(super) async fn fill_to(&mut self, n: usize, ahead: usize) -> io::Result<()> {
@@ -99,6 +153,7 @@ impl<R: AsyncRead + Unpin> Input<R> {
             self.end -= self.pos;
             self.pos = 0;
         }
+        self.room(n);
         let limit = (n + ahead).min(self.buf.len());
         while self.end < n {
             match self.r.read(&mut self.buf[self.end..limit]).await? {
@@ -106,6 +161,7 @@ impl<R: AsyncRead + Unpin> Input<R> {
                 k => self.end += k,
             }
         }
+        self.grow_if_full(n + ahead);
         Ok(())
     }
 
@@ -117,6 +173,7 @@ impl<R: AsyncRead + Unpin> Input<R> {
         while left > 0 {
             self.pos = 0;
             self.end = 0;
+            self.room(INPUT_MIN);
             let k = left.min(self.buf.len() as u64) as usize;
             match self.r.read(&mut self.buf[..k]).await? {
                 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
@@ -146,7 +203,7 @@ impl<R: AsyncRead + Unpin> Input<R> {
         let rest = dst.len() - done;
         // Big remainders go straight to `dst`: copying them through the
         // buffer would cost more than the syscall it saves.
-        if ahead == 0 || rest >= self.buf.len() / 2 {
+        if ahead == 0 || rest >= READ_AHEAD / 2 {
             while done < dst.len() {
                 match self.r.read(&mut dst[done..]).await? {
                     0 => return Err(io::ErrorKind::UnexpectedEof.into()),

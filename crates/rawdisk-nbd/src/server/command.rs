@@ -486,6 +486,13 @@ fn sparse_read(
     Encoded::bytes(buf, start, at)
 }
 
+/// A BLOCK_STATUS of base:allocation alone: a few lseeks at most (none on a
+/// block device), cheap enough to run where it is read, as nbdkit does,
+/// instead of a hand-off to the blocking pool and back per request.
+pub(super) fn quick_status(s: &Session, req: &Request) -> bool {
+    req.command == Command::BlockStatus && s.contexts.iter().all(|(_, c)| *c == Context::Allocation)
+}
+
 /// One block status chunk per selected context, each from the request's
 /// offset (spec: NBD_CMD_BLOCK_STATUS). A checkpoint deleted since the
 /// client selected its context fails the whole request.
@@ -527,7 +534,7 @@ fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
 
 /// base:allocation: holes (reading as zeros) and data.
 fn allocation(s: &Session, req: &Request, max_runs: usize) -> Vec<Descriptor> {
-    let ext = s.export.extents(req.offset, req.length, max_runs);
+    let ext = s.export.extents(req.offset, req.length, max_runs, s.size);
     let mut ds: Vec<Descriptor> = ext
         .unwrap_or_default()
         .iter()

@@ -337,7 +337,9 @@ impl Export {
             return None;
         }
         let t0 = Instant::now();
-        let found = self.target.extents(offset, len, SPARSE_READ_RUNS);
+        let found = self
+            .target
+            .extents_within(offset, len, SPARSE_READ_RUNS, size);
         self.note_caps();
         if let Ok(ext) = found {
             if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
@@ -435,11 +437,18 @@ impl Export {
         self.target.cache(offset, len).map_err(storage("cache"))
     }
 
-    /// base:allocation: at most `max_runs` extents from `offset`, or None
-    /// when the lookup failed; the caller then reports data (spec: a server
-    /// MAY, when the error is not the client's fault).
-    pub(super) fn extents(&self, offset: u64, len: u64, max_runs: usize) -> Option<Vec<Extent>> {
-        let found = self.target.extents(offset, len, max_runs);
+    /// base:allocation: at most `max_runs` extents from `offset` within an
+    /// export of `size` bytes, or None when the lookup failed; the caller
+    /// then reports data (spec: a server MAY, when the error is not the
+    /// client's fault). The size is the handshake's: no fstat per request.
+    pub(super) fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+        size: u64,
+    ) -> Option<Vec<Extent>> {
+        let found = self.target.extents_within(offset, len, max_runs, size);
         self.note_caps();
         match found {
             Ok(ext) => Some(ext),
@@ -536,7 +545,9 @@ mod tests {
         let g0 = target.caps().generation();
         assert_eq!(noted(), g0);
 
-        let ext = e.extents(0, 2 * MIB as u64, 16).expect("extents");
+        let ext = e
+            .extents(0, 2 * MIB as u64, 16, 2 * MIB as u64)
+            .expect("extents");
         assert_eq!(ext.last().map(|x| x.kind), Some(ExtentKind::Hole));
         let g1 = target.caps().generation();
         assert!(g1 > g0, "the hole lookup learned nothing");

@@ -324,6 +324,13 @@ impl Server {
                     sh.pool.release_idle(POOL_IDLE);
                     continue;
                 }
+                // A finished connection's task is freed only once joined.
+                _ = tasks.join_next(), if !tasks.is_empty() => {
+                    if tasks.is_empty() {
+                        crate::sock::trim_heap();
+                    }
+                    continue;
+                }
                 a = accept(&listener) => a,
             };
             while tasks.try_join_next().is_some() {}

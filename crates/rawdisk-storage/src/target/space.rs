@@ -82,6 +82,20 @@ impl Target {
                 .file_size()
                 .map_err(|e| Error::new("extents", offset, len, e))?,
         };
+        self.extents_within(offset, len, max_runs, size)
+    }
+
+    /// [`Target::extents`] clipped to a `size` the caller holds (an NBD
+    /// export's, fixed at its handshake) instead of an fstat per call. A
+    /// file shrunk below `size` since reports the part past its end as a
+    /// hole (SEEK_DATA finds no data there).
+    pub fn extents_within(
+        &self,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+        size: u64,
+    ) -> Result<Vec<Extent>> {
         let end = offset.saturating_add(len).min(size);
         if offset >= end || max_runs == 0 {
             return Ok(Vec::new());

@@ -26,7 +26,7 @@ pub(super) struct Out {
 /// several are ready, until every sender is gone.
 pub(super) async fn writer<W: AsyncWrite + Unpin>(
     wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
-    mut rx: mpsc::UnboundedReceiver<Out>,
+    mut rx: mpsc::UnboundedReceiver<Box<Out>>,
     sh: Arc<Shared>,
     sink: Option<RawSock>,
     counters: Arc<Counters>,
