@@ -5,6 +5,8 @@ client can use, a bad --bind as a usage error, and a second server on a
 socket in use leaving the first one's log clean."""
 
 import json
+import re
+import shutil
 import os
 import signal
 import stat
@@ -220,3 +222,41 @@ def test_second_server_on_a_live_socket(workdir, serve):
     assert first.stderr() == "", first.stderr()
     assert stat.S_ISSOCK(os.stat(first.sock).st_mode)
     assert_export_is(first.printed_uri, model)
+
+
+SYSLOG_READER = """
+import socket, subprocess, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind("/dev/log")
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+p.stdout.readline()
+p.terminate()
+assert p.wait() == 0 and p.stderr.read() == b"", "serve failed"
+s.settimeout(2)
+while True:
+    try:
+        sys.stdout.write(s.recv(65536).decode() + "\\n")
+    except socket.timeout:
+        break
+"""
+
+
+def test_syslog_lines(workdir):
+    """--log=syslog: one datagram a message on /dev/log, facility daemon,
+    the priority for the level. /dev/log is a private one, in a mount
+    namespace of its own (root only)."""
+    from conftest import require_root
+    require_root()
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare")
+    path, _ = make_image(workdir, "disk.img", MiB)
+    serve_argv = [servers.RAWDISK_BIN, "serve", "--log=syslog", "-U", f"{workdir}/s.sock", path]
+    script = ("mount -t tmpfs tmpfs /dev && mknod -m 666 /dev/null c 1 3 && "
+              'exec /usr/bin/python3 -c "$0" "$@"')
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script, SYSLOG_READER, *serve_argv],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(r"<30>rawdisk\[\d+\]: \S.*", x) for x in lines), \
+        lines
+    assert "SIGTERM" in lines[0] and "all connections closed" in lines[1], lines

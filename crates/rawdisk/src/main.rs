@@ -262,12 +262,13 @@ fn init_logging(verbose: u8, quiet: bool, dest: (cmd::serve::LogArg, bool)) {
         LogArg::Null => fmt
             .with_writer(BoxMakeWriter::new(std::io::sink))
             .with_ansi(false),
-        // The system log stamps the time itself.
+        // The system log stamps the time and the priority says the level.
         LogArg::Syslog => {
             return fmt
                 .with_writer(syslog::Syslog::connect(dest.1))
                 .with_ansi(false)
                 .without_time()
+                .with_level(false)
                 .init()
         }
     };
