@@ -200,10 +200,11 @@ def test_dir_says_how_to_list_the_exports(workdir):
         assert p.wait(30) == 0
 
 
-@pytest.mark.parametrize("bind", ["0.0.0.0:abc", "127.0.0.1:70000", "[::1", "99999"])
-def test_bad_bind_is_a_usage_error(workdir, bind):
+@pytest.mark.parametrize("bad", [("-b", "0.0.0.0:abc"), ("-b", "127.0.0.1:70000"),
+                                 ("-b", "[::1"), ("-b", "99999"), ("--handshake-timeout", "0")])
+def test_bad_values_are_usage_errors(workdir, bad):
     path, _ = make_image(workdir, "disk.img", MiB)
-    r = rawdisk("serve", "-b", bind, path)
+    r = rawdisk("serve", *bad, path)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count("\n") == 1 and "'rawdisk serve --help'" in r.stderr, r.stderr
     assert r.stdout == ""
@@ -217,7 +218,8 @@ def test_second_server_on_a_live_socket(workdir, serve):
     for _ in range(3):
         r = rawdisk("serve", "-U", first.sock, path)
         assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-        assert "in use" in r.stderr and r.stdout == "", r.stderr
+        assert f"cannot listen on '{first.sock}': another server" in r.stderr, r.stderr
+        assert r.stdout == ""
     time.sleep(0.3)
     assert first.stderr() == "", first.stderr()
     assert stat.S_ISSOCK(os.stat(first.sock).st_mode)

@@ -185,7 +185,11 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
         );
     }
     if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        bail!("'{}' is in use by another server", path.display());
+        bail!(
+            "cannot listen on '{}': another server is listening on it \
+             (stop that one first, or choose another socket)",
+            path.display()
+        );
     }
     fs::remove_file(path)
         .with_context(|| format!("cannot remove stale socket '{}'", path.display()))

@@ -54,7 +54,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         crate::cmd::local_only(t, "serve")?;
     }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
-        bail!("--handshake-timeout must be a positive number of seconds");
+        return Err(crate::cmd::UsageError(
+            "--handshake-timeout must be a positive number of seconds".into(),
+        )
+        .into());
     }
     let tls = match server_tls(&args) {
         Ok(t) => t,
