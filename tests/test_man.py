@@ -65,10 +65,11 @@ def help_options(path):
     out = run(*path, "--help").stdout
     opts = {}
     block = out.split("\nOptions:\n", 1)[1]
-    # "  -U, --socket <PATH>", "      --dir <DIR>", "  -v, --verbose...";
+    # "  -U, --socket <PATH>", "      --dir <DIR>", "  -v, --verbose...",
+    # "      --map[=<CONTEXT>]";
     # the text under them is indented further.
     for m in re.finditer(r"^  (?:(-\w)(?:, (--[a-z][a-z-]*))?|    (--[a-z][a-z-]*))"
-                         r"(?:\.\.\.)?( \[?<[^>]+>\]?)?", block, re.M):
+                         r"(?:\.\.\.)?( \[?<[^>]+>\]?|\[=<[^>]+>\])?", block, re.M):
         short, long, long_only, val = m.groups()
         for f in (short, long, long_only):
             if f:

@@ -199,6 +199,80 @@ impl Info {
     }
 }
 
+/// The properties `--can` tests, as nbdinfo names them (plus block-status
+/// and extended-headers, which rawdisk's handshake reports too).
+pub const CAN_FLAGS: &[&str] = &[
+    "block-status",
+    "cache",
+    "connect",
+    "df",
+    "extended-headers",
+    "fast-zero",
+    "flush",
+    "fua",
+    "multi-conn",
+    "read",
+    "structured-reply",
+    "trim",
+    "write",
+    "zero",
+];
+
+/// The properties `--is` tests, as nbdinfo names them.
+pub const IS_FLAGS: &[&str] = &["read-only", "rotational", "tls"];
+
+impl Info {
+    /// `--can FLAG` (`is` false) or `--is FLAG`: whether the property
+    /// holds. An unknown name, or one only an NBD export has asked of a
+    /// local target, is an error.
+    pub fn test_flag(&self, is: bool, flag: &str) -> Result<bool> {
+        let (opt, names) = if is {
+            ("--is", IS_FLAGS)
+        } else {
+            ("--can", CAN_FLAGS)
+        };
+        if !names.contains(&flag) {
+            return Err(Error::msg(format!(
+                "unknown {opt} flag '{flag}' (one of: {})",
+                names.join(", ")
+            )));
+        }
+        let local = match (is, flag) {
+            (true, "read-only") => Some(self.read_only),
+            (true, "rotational") => Some(self.rotational),
+            (false, "write") => Some(!self.read_only),
+            (false, "connect" | "read") => Some(true),
+            _ => None,
+        };
+        let Some(n) = &self.nbd else {
+            return match (is, flag) {
+                (true, "tls") => Ok(false),
+                _ => local.ok_or_else(|| {
+                    Error::msg(format!(
+                        "{opt} {flag} needs an NBD URI; '{}' is a local target",
+                        self.filename
+                    ))
+                }),
+            };
+        };
+        Ok(match flag {
+            "tls" => n.tls,
+            "block-status" => n.contexts.iter().any(|c| c == "base:allocation"),
+            "cache" => n.can_cache,
+            "df" => n.can_df,
+            "extended-headers" => n.extended_headers,
+            "fast-zero" => n.can_fast_zero,
+            "flush" => n.can_flush,
+            "fua" => n.can_fua,
+            "multi-conn" => n.can_multi_conn,
+            "structured-reply" => n.structured_replies,
+            "trim" => n.can_trim,
+            "zero" => n.can_zero,
+            _ => local.unwrap_or(false),
+        })
+    }
+}
+
 pub(crate) fn yes_no(b: bool) -> &'static str {
     if b {
         "yes"
@@ -225,6 +299,9 @@ pub struct NbdExport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     pub protocol: &'static str,
+    /// Whether the connection used TLS (nbdinfo --json's key).
+    #[serde(rename = "TLS")]
+    pub tls: bool,
     pub structured_replies: bool,
     pub extended_headers: bool,
     pub contexts: Vec<String>,
@@ -253,7 +330,12 @@ impl NbdExport {
         if let Some(d) = &self.description {
             f.add("description", d.clone());
         }
-        let mut proto = self.protocol.to_string();
+        // nbdinfo's words.
+        let mut proto = format!(
+            "{} {} TLS",
+            self.protocol,
+            if self.tls { "with" } else { "without" }
+        );
         if self.structured_replies {
             proto.push_str(", structured replies");
         }
@@ -317,12 +399,16 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
         .ok_or_else(|| Error::msg(format!("'{uri}' is not an NBD export")))?
         .clone();
     let size = ep.size();
+    // The client uses TLS exactly when the URI asks for it (nbds://), and
+    // then fails rather than go on without.
+    let tls = matches!(&ep, crate::endpoint::Endpoint::Nbd { uri, .. } if uri.tls.is_some());
     let _ = ep.close();
     let adv = i.block_size_advertised;
     let n = NbdExport {
         export_name: i.name.clone(),
         description: i.description.clone(),
         protocol: "newstyle-fixed",
+        tls,
         structured_replies: i.structured_replies,
         extended_headers: i.extended_headers,
         contexts: i.meta_context.iter().cloned().collect(),

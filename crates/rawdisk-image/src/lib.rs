@@ -13,6 +13,7 @@
 
 pub mod checksum;
 pub mod compare;
+pub mod context_map;
 pub mod copy;
 pub mod create;
 pub mod endpoint;

@@ -10,6 +10,7 @@ mod docs;
 mod out;
 #[allow(dead_code)] // used by the subcommands as they land
 mod size;
+mod syslog;
 
 #[derive(Parser)]
 #[command(
@@ -86,8 +87,11 @@ fn main() -> ExitCode {
     // The one-shot commands print their result themselves; the engine's
     // info-level notes (capabilities learned) would only clutter stderr,
     // where a failure must stay one line. The server keeps info.
-    let quiet = !matches!(cli.command, Command::Serve(_));
-    init_logging(cli.verbose, quiet);
+    let (quiet, dest) = match &cli.command {
+        Command::Serve(a) => (false, (a.log_dest(), a.log_named())),
+        _ => (true, (cmd::serve::LogArg::Stderr, false)),
+    };
+    init_logging(cli.verbose, quiet, dest);
     let result = match cli.command {
         Command::Serve(a) => cmd::serve::run(*a),
         Command::Create(a) => cmd::create::run(a),
@@ -231,7 +235,10 @@ fn help_of_typed() -> String {
     format!("{} --help", path.join(" "))
 }
 
-fn init_logging(verbose: u8, quiet: bool) {
+/// `dest`: where the messages go, and whether the user named it (--log).
+fn init_logging(verbose: u8, quiet: bool, dest: (cmd::serve::LogArg, bool)) {
+    use cmd::serve::LogArg;
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
     use tracing_subscriber::EnvFilter;
     let default = match verbose {
         0 if quiet => "warn",
@@ -246,10 +253,25 @@ fn init_logging(verbose: u8, quiet: bool) {
     let filter = env.unwrap_or_else(|| EnvFilter::new(default));
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Escape codes only for a person at a terminal, never in log files.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false);
+    let fmt = match dest.0 {
+        // Escape codes only for a person at a terminal, never in log files.
+        LogArg::Stderr => fmt
+            .with_writer(BoxMakeWriter::new(std::io::stderr))
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        LogArg::Null => fmt
+            .with_writer(BoxMakeWriter::new(std::io::sink))
+            .with_ansi(false),
+        // The system log stamps the time and the priority says the level.
+        LogArg::Syslog => {
+            return fmt
+                .with_writer(syslog::Syslog::connect(dest.1))
+                .with_ansi(false)
+                .without_time()
+                .with_level(false)
+                .init()
+        }
+    };
     if plain {
         fmt.event_format(Plain).init();
     } else {

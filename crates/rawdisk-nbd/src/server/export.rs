@@ -29,7 +29,7 @@ use rawdisk_storage::cbt::{CbtError, Tracker};
 use rawdisk_storage::{
     CacheMode, Extent, ExtentKind, Kind, MappedWrite, Method, Target, ZeroFlags,
 };
-use tracing::{debug, info, trace};
+use tracing::{debug, trace};
 
 use super::command::storage_errno;
 use super::writeback::{Policy, WriteBehind};
@@ -470,7 +470,7 @@ impl Export {
                 .compare_exchange(last, gen, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {
-            info!(
+            debug!(
                 "storage capabilities of {:?}: {}",
                 self.name,
                 caps.snapshot()

@@ -155,9 +155,9 @@ where
 {
     let mut out = Vec::with_capacity(512);
     encode_greeting(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
-    send(&mut wr, &mut out).await?;
+    send(&mut wr, &mut out).await.map_err(silent_close)?;
 
-    stop.bytes(&mut rd, 4).await?;
+    stop.bytes(&mut rd, 4).await.map_err(silent_close)?;
     let mut b4 = [0u8; 4];
     b4.copy_from_slice(rd.take(4));
     let cflags = u32::from_be_bytes(b4);
@@ -215,6 +215,18 @@ where
         Outcome::Aborted => Ok(None),
         Outcome::Session(s) => Ok(stop.slot.place().map(|p| (s, Link::Tls(rd, wr), p))),
         Outcome::StartTls => unreachable!("a second NBD_OPT_STARTTLS is refused"),
+    }
+}
+
+/// A peer that goes away before sending a byte (another server checking
+/// whether the socket is live, a port probe) closed the connection; it
+/// did not break a handshake, so it is not logged as one.
+fn silent_close(e: io::Error) -> io::Error {
+    match e.kind() {
+        io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted => io::Error::new(io::ErrorKind::UnexpectedEof, e),
+        _ => e,
     }
 }
 

@@ -585,18 +585,19 @@ impl Target {
         }
     }
 
-    /// Record what a call taught us; log changes at info.
+    /// Record what a call taught us; log changes at debug (`-v`): they are
+    /// the engine's business, not the user's.
     fn learn(&self, m: Method, t: Tri, why: Option<&io::Error>) {
         if self.caps.set(m, t) {
             match why {
-                Some(e) => tracing::info!(
+                Some(e) => tracing::debug!(
                     path = %self.path.display(),
                     method = m.name(),
                     state = t.name(),
                     "storage capability learned: {m} {} ({e})",
                     t.name()
                 ),
-                None => tracing::info!(
+                None => tracing::debug!(
                     path = %self.path.display(),
                     method = m.name(),
                     state = t.name(),

@@ -4,7 +4,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use anyhow::Context;
 
-use super::listen::{escape, Bound};
+use super::listen::{escape, tcp_uri, Bound, Listening};
 
 /// systemd socket activation (sd_listen_fds(3)): when LISTEN_PID names this
 /// process, the listening socket is fd 3 and --socket/--bind are ignored.
@@ -37,18 +37,23 @@ pub(super) fn take_activation_fd() -> Option<OwnedFd> {
 
 /// The activated socket as a listener, with the URI that reaches it. The
 /// socket file, if any, belongs to systemd: it is not removed at exit.
-pub(super) fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<(Bound, String)> {
+pub(super) fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<Listening> {
     let unix = std::os::unix::net::UnixListener::from(fd);
     match unix.local_addr() {
         Ok(addr) => {
             unix.set_nonblocking(true)
                 .context("socket activation: fd 3")?;
-            let path = addr
-                .as_pathname()
+            let path = addr.as_pathname().map(|p| p.to_path_buf());
+            let shown = path
+                .as_deref()
                 .map(|p| p.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            let uri = format!("nbd+unix:///{export}?socket={}", escape(&path, true));
-            Ok((Bound::Unix(unix), uri))
+            let uri = format!("nbd+unix:///{export}?socket={}", escape(&shown, true));
+            Ok(Listening {
+                bound: Bound::Unix(unix),
+                uri,
+                socket: path,
+            })
         }
         Err(_) => {
             // Not AF_UNIX: take it as TCP (getsockname tells us which).
@@ -58,7 +63,11 @@ pub(super) fn activated_listener(fd: OwnedFd, export: &str) -> anyhow::Result<(B
                 .context("socket activation: fd 3 is neither a Unix nor a TCP socket")?;
             tcp.set_nonblocking(true)
                 .context("socket activation: fd 3")?;
-            Ok((Bound::Tcp(tcp), format!("nbd://{addr}/{export}")))
+            Ok(Listening {
+                bound: Bound::Tcp(tcp),
+                uri: tcp_uri(addr, export),
+                socket: None,
+            })
         }
     }
 }

@@ -16,33 +16,42 @@ use rawdisk_nbd::tls::ServerTls;
     rawdisk serve --dir /var/lib/images -U /run/images.sock")]
 pub struct Args {
     /// Listen on this Unix socket (replaces a stale socket file). -U as
-    /// nbdkit, -k as qemu-nbd.
+    /// nbdkit, -k as qemu-nbd. `-U -`: a private socket in a new temporary
+    /// directory, both removed at exit (nbdkit's); --run gets its path as
+    /// $unixsocket.
     #[arg(short = 'U', short_alias = 'k', long, value_name = "PATH", conflicts_with_all = ["bind", "port"])]
     pub(super) socket: Option<PathBuf>,
     /// Listen on this TCP address: HOST:PORT, HOST (port from --port or
     /// 10809), or PORT alone, which listens on 127.0.0.1 only, like the
     /// default [default: 127.0.0.1:10809]. -b as qemu-nbd, -i as nbdkit.
-    #[arg(short = 'b', short_alias = 'i', long, value_name = "HOST[:PORT]")]
+    #[arg(short = 'b', short_alias = 'i', long, value_name = "HOST[:PORT]", value_parser = bind_arg)]
     pub(super) bind: Option<String>,
     /// TCP port to listen on [default: 10809].
     #[arg(short = 'p', long, value_name = "PORT")]
     pub(super) port: Option<u16>,
     /// Refuse writes (NBD_FLAG_READ_ONLY); opens the target read-only.
-    #[arg(short = 'r', long)]
+    /// --readonly as nbdkit.
+    #[arg(short = 'r', long, visible_alias = "readonly")]
     pub(super) read_only: bool,
     /// With --dir, exports that look like another image format are refused
     /// at NBD_OPT_GO unless this is given.
     #[command(flatten)]
     pub(super) format: crate::cmd::FormatOpt,
     /// Name of the export; clients asking for another name are refused.
+    /// -x as qemu-nbd.
     #[arg(
         short = 'e',
+        visible_short_alias = 'x',
         long,
         value_name = "NAME",
         default_value = "",
         conflicts_with = "dir"
     )]
     pub(super) export_name: String,
+    /// Description of the export, sent as NBD_INFO_DESCRIPTION and in the
+    /// export list (`rawdisk info --list`, `nbdinfo --list`); -D as qemu-nbd.
+    #[arg(short = 'D', long, value_name = "TEXT", conflicts_with = "dir")]
+    pub(super) description: Option<String>,
     /// Export every regular file and block device directly inside DIR, each
     /// under its file name (nbdkit's dir=); files added or removed are seen
     /// by the next connection. Symlinks are followed only inside DIR.
@@ -63,9 +72,14 @@ pub struct Args {
     pub(super) run: Option<String>,
     /// Go into the background once listening (nbdkit's --fork): the command
     /// prints the URI and exits 0 only when the server accepts connections;
-    /// the server keeps running, detached, and --pid-file gets its pid.
+    /// the server keeps running, detached, and --pid-file gets its pid. Its
+    /// messages then go where --log says (syslog unless told).
     #[arg(long)]
     pub(super) fork: bool,
+    /// Where messages go: stderr, syslog (facility daemon) or null
+    /// (nowhere) [default: stderr; syslog with --fork], as nbdkit's --log.
+    #[arg(long, value_enum, value_name = "DEST")]
+    pub(super) log: Option<LogArg>,
     /// Page cache or O_DIRECT.
     #[arg(long, value_enum, default_value = "writeback")]
     pub(super) cache: CacheArg,
@@ -158,6 +172,69 @@ pub struct Args {
     /// File or block device to export.
     #[arg(required_unless_present = "dir")]
     pub(super) target: Option<PathBuf>,
+}
+
+/// `--log`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum LogArg {
+    Stderr,
+    Syslog,
+    Null,
+}
+
+impl Args {
+    /// Where the server's messages go: --log, else syslog for a --fork
+    /// daemon (nbdkit's default) and stderr in the foreground.
+    pub fn log_dest(&self) -> LogArg {
+        self.log.unwrap_or(if self.fork {
+            LogArg::Syslog
+        } else {
+            LogArg::Stderr
+        })
+    }
+
+    /// Whether --log was given: a system log asked for by name and missing
+    /// is worth a warning, the --fork default is not (nbdkit's syslog(3)
+    /// drops the lines too).
+    pub fn log_named(&self) -> bool {
+        self.log.is_some()
+    }
+}
+
+/// `--bind`, checked as typed so a bad port is a usage error: HOST[:PORT],
+/// [V6][:PORT], a bare V6 address or PORT alone.
+pub(super) fn bind_arg(s: &str) -> Result<String, String> {
+    let bad_port = |p: &str| format!("invalid port '{p}' (a number from 0 to 65535)");
+    if s.is_empty() {
+        return Err("empty address".into());
+    }
+    let port = if let Some(rest) = s.strip_prefix('[') {
+        let Some((host, after)) = rest.split_once(']') else {
+            return Err("missing ']' after the IPv6 address".into());
+        };
+        if host.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(format!("'{host}' is not an IPv6 address"));
+        }
+        match after {
+            "" => None,
+            a => Some(a.strip_prefix(':').ok_or_else(|| bad_port(a))?),
+        }
+    } else if s.matches(':').count() == 1 {
+        s.split_once(':').map(|(_, p)| p)
+    } else if s.contains(':') {
+        if s.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err("not an IPv6 address (use [ADDR]:PORT)".into());
+        }
+        None
+    } else if s.bytes().all(|c| c.is_ascii_digit()) {
+        Some(s)
+    } else {
+        None
+    };
+    match port {
+        Some(p) if p.parse::<u16>().is_err() => Err(bad_port(p)),
+        _ => Ok(s.to_string()),
+    }
 }
 
 /// A duration: seconds, or a number with ms, s, m or h.

@@ -4,7 +4,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -12,7 +12,7 @@ use rawdisk_nbd::server::Server;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
-use super::args::Args;
+use super::args::{Args, LogArg};
 
 /// --fork: returns in the child, detached from the terminal, with the pipe
 /// its URI line goes to once it serves. The parent waits for that line,
@@ -48,13 +48,15 @@ pub(super) fn fork_into_background() -> anyhow::Result<fs::File> {
         }
         _child => {
             drop(wr);
-            let mut line = String::new();
-            let _ = rd.read_to_string(&mut line);
-            if line.ends_with('\n') {
+            let mut said = String::new();
+            let _ = rd.read_to_string(&mut said);
+            // The URI for stdout, then any note for the user (stderr).
+            if let Some((uri, note)) = said.split_once('\n') {
                 // The server runs either way; a closed stdout loses only
                 // the URI, which the caller chose not to read.
                 let mut out = io::stdout();
-                let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+                let _ = writeln!(out, "{uri}").and_then(|()| out.flush());
+                let _ = io::stderr().write_all(note.as_bytes());
                 std::process::exit(0);
             }
             std::process::exit(1);
@@ -62,11 +64,34 @@ pub(super) fn fork_into_background() -> anyhow::Result<fs::File> {
     }
 }
 
+/// --fork, once serving: the daemon's stderr leaves the caller's terminal
+/// for /dev/null unless --log=stderr asked to keep it; the log itself
+/// goes to syslog or nowhere. Until then a failure still reaches the
+/// caller, whose parent process is waiting.
+pub(super) fn detach_stderr(log: LogArg) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    if log == LogArg::Stderr {
+        return Ok(());
+    }
+    let null = fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/null")
+        .context("--fork: /dev/null")?;
+    // SAFETY: dup2 on descriptors this process owns; fd 2 is replaced
+    // atomically and is not held as an owned fd anywhere.
+    if unsafe { libc::dup2(null.as_raw_fd(), 2) } < 0 {
+        bail!("--fork: stderr: {}", io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Removes the socket and pid files at exit, also on error, and the image
 /// --create made if serving never started.
 #[derive(Default)]
 pub(super) struct Cleanup {
     pub(super) files: Vec<PathBuf>,
+    /// Directories made for `-U -`, removed once the files in them are.
+    pub(super) dirs: Vec<PathBuf>,
     pub(super) created: Option<PathBuf>,
     /// The --stats file, empty until the server has served.
     pub(super) stats: Option<PathBuf>,
@@ -76,6 +101,9 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         for f in self.files.iter().chain(&self.created).chain(&self.stats) {
             let _ = fs::remove_file(f);
+        }
+        for d in &self.dirs {
+            let _ = fs::remove_dir(d);
         }
     }
 }
@@ -95,21 +123,23 @@ pub(super) fn open_pid_file(
     Ok(Some(f))
 }
 
-/// Starts `sh -c CMD` with $uri set; when it exits the server is stopped as
+/// Starts `sh -c CMD` with $uri (and $unixsocket on a Unix socket) set; when it exits the server is stopped as
 /// by SIGTERM, and its exit status (128+signal when killed, as the shell
 /// reports it) is sent on the returned channel.
 pub(super) fn start_run(
     cmd: &str,
     uri: &str,
+    socket: Option<&Path>,
     stop: Arc<watch::Sender<bool>>,
 ) -> anyhow::Result<std::sync::mpsc::Receiver<u8>> {
     use std::os::unix::process::ExitStatusExt;
-    let mut child = std::process::Command::new("/bin/sh")
-        .arg("-c")
-        .arg(cmd)
-        .env("uri", uri)
-        .spawn()
-        .with_context(|| format!("cannot run '{cmd}'"))?;
+    let mut sh = std::process::Command::new("/bin/sh");
+    sh.arg("-c").arg(cmd).env("uri", uri);
+    // nbdkit's $unixsocket: the path, for clients that want no URI.
+    if let Some(p) = socket {
+        sh.env("unixsocket", p);
+    }
+    let mut child = sh.spawn().with_context(|| format!("cannot run '{cmd}'"))?;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let code = match child.wait() {

@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
@@ -35,30 +35,47 @@ pub(super) enum Bound {
     Tcp(std::net::TcpListener),
 }
 
+/// The socket the server listens on: the listener, the URI that reaches it
+/// and, for a Unix socket, its path ($unixsocket for --run).
+pub(super) struct Listening {
+    pub(super) bound: Bound,
+    pub(super) uri: String,
+    pub(super) socket: Option<PathBuf>,
+}
+
 /// Binds (or takes the activated socket) and returns it with the URI that
 /// reaches it.
 pub(super) fn listen(
     args: &Args,
     activated: Option<OwnedFd>,
     cleanup: &mut Cleanup,
-) -> anyhow::Result<(Bound, String)> {
+) -> anyhow::Result<Listening> {
     let export = escape(&args.export_name, false);
     if let Some(fd) = activated {
         return activated_listener(fd, &export);
     }
     if let Some(path) = &args.socket {
-        remove_stale_socket(path)?;
-        let l = std::os::unix::net::UnixListener::bind(path)
+        let path = if path.as_os_str() == "-" {
+            private_socket(cleanup)?
+        } else {
+            remove_stale_socket(path)?;
+            path.clone()
+        };
+        let l = std::os::unix::net::UnixListener::bind(&path)
             .with_context(|| format!("cannot listen on '{}'", path.display()))?;
         cleanup.files.push(path.clone());
         l.set_nonblocking(true)
             .with_context(|| format!("cannot listen on '{}'", path.display()))?;
-        let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+        let abs = std::path::absolute(&path).unwrap_or_else(|_| path.clone());
         let uri = format!(
             "nbd+unix:///{export}?socket={}",
             escape(&abs.to_string_lossy(), true)
         );
-        return Ok((Bound::Unix(l), uri));
+        return Ok(Listening {
+            bound: Bound::Unix(l),
+            uri,
+            socket: Some(abs),
+        });
     }
     let bind = &listen_address(args.bind.as_deref(), args.port)?;
     let l =
@@ -66,14 +83,52 @@ pub(super) fn listen(
     l.set_nonblocking(true)
         .with_context(|| format!("cannot listen on {bind}"))?;
     let addr = l.local_addr().context("local address")?;
+    Ok(Listening {
+        bound: Bound::Tcp(l),
+        uri: tcp_uri(addr, &export),
+        socket: None,
+    })
+}
+
+/// The URI a client uses to reach a TCP listener: a wildcard address
+/// (0.0.0.0, ::) is no address to connect to, so it is named localhost.
+pub(super) fn tcp_uri(addr: std::net::SocketAddr, export: &str) -> String {
     let host = match addr.ip() {
+        ip if ip.is_unspecified() => "localhost".to_string(),
         std::net::IpAddr::V6(ip) => format!("[{ip}]"),
         std::net::IpAddr::V4(ip) => ip.to_string(),
     };
-    Ok((
-        Bound::Tcp(l),
-        format!("nbd://{host}:{}/{export}", addr.port()),
-    ))
+    format!("nbd://{host}:{}/{export}", addr.port())
+}
+
+/// `-U -`: DIR/socket in a new directory only this user may enter, made
+/// under $TMPDIR; the directory is removed at exit after the socket.
+fn private_socket(cleanup: &mut Cleanup) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let base = std::env::temp_dir();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    for attempt in 0u32..100 {
+        let tag = (seed ^ std::process::id().rotate_left(16)).wrapping_add(attempt * 7919);
+        let dir = base.join(format!("rawdisk{tag:08x}"));
+        match fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {
+                cleanup.dirs.push(dir.clone());
+                return Ok(dir.join("socket"));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("-U -: cannot make a directory in '{}'", base.display())
+                })
+            }
+        }
+    }
+    bail!(
+        "-U -: cannot make a directory in '{}': every name tried exists",
+        base.display()
+    )
 }
 
 /// The TCP address to listen on from --bind and --port. A bare PORT means
@@ -130,7 +185,11 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
         );
     }
     if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        bail!("'{}' is in use by another server", path.display());
+        bail!(
+            "cannot listen on '{}': another server is listening on it \
+             (stop that one first, or choose another socket)",
+            path.display()
+        );
     }
     fs::remove_file(path)
         .with_context(|| format!("cannot remove stale socket '{}'", path.display()))

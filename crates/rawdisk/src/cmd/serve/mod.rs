@@ -1,5 +1,7 @@
 //! `rawdisk serve [-U|-k|--socket PATH | -b|-i|--bind HOST[:PORT] -p|--port PORT]
-//! [-r|--read-only] [-f raw] [-e|--export-name NAME] [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--cache writeback|none] [--write-behind] [--map-writes]
+//! [-r|--read-only|--readonly] [-f raw] [-e|-x|--export-name NAME] [-D|--description TEXT]
+//! [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--log stderr|syslog|null]
+//! [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
 //! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer]
@@ -35,9 +37,12 @@ use tokio::sync::watch;
 use crate::cmd::CacheArg;
 use activation::take_activation_fd;
 pub use args::Args;
+pub use args::LogArg;
 use args::{server_tls, TlsSetup, WriteBehindArg};
-use daemon::{fork_into_background, handle_signals, open_pid_file, start_run, Cleanup};
-use listen::{listen, Bound};
+use daemon::{
+    detach_stderr, fork_into_background, handle_signals, open_pid_file, start_run, Cleanup,
+};
+use listen::{listen, Bound, Listening};
 use open::open_target;
 use stats::stats_json;
 
@@ -49,7 +54,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         crate::cmd::local_only(t, "serve")?;
     }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
-        bail!("--handshake-timeout must be a positive number of seconds");
+        return Err(crate::cmd::UsageError(
+            "--handshake-timeout must be a positive number of seconds".into(),
+        )
+        .into());
     }
     let tls = match server_tls(&args) {
         Ok(t) => t,
@@ -87,6 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let cfg = ServerConfig {
         export_name: args.export_name.clone(),
+        description: args.description.clone().unwrap_or_default(),
         read_only: args.read_only,
         max_connections: args.max_connections.max(1),
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
@@ -119,16 +128,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     bail!("{}", rawdisk_storage::format::refusal(&shown, f));
                 }
             }
-            let what = format!(
-                "'{}' ({} bytes, {:?})",
-                path.display(),
-                target.size(),
-                target.kind()
-            );
+            let kind = match target.kind() {
+                rawdisk_storage::Kind::File => "regular file",
+                rawdisk_storage::Kind::Block => "block device",
+            };
+            let what = format!("'{}' ({} bytes, {kind})", path.display(), target.size());
             let caps = target.caps().snapshot();
             let server = Server::open(target, cfg)
                 .map_err(|e| anyhow::anyhow!("cannot serve '{}': {e}", path.display()))?;
-            tracing::info!("storage capabilities: {caps}");
+            tracing::debug!("storage capabilities: {caps}");
             (server, what)
         }
         (None, None) => unreachable!("clap requires TARGET or --dir"),
@@ -180,7 +188,7 @@ async fn serve(
     args: Args,
     server: Server,
     what: String,
-    (bound, uri): (Bound, String),
+    Listening { bound, uri, socket }: Listening,
     pid_file: Option<fs::File>,
     mut cleanup: Cleanup,
     ready: Option<fs::File>,
@@ -201,11 +209,12 @@ async fn serve(
     };
     if let Some(t) = server.tls() {
         let mode = if t.required() { "required" } else { "offered" };
-        tracing::info!("TLS {mode}: {}", t.describe());
+        tracing::debug!("TLS {mode}: {}", t.describe());
     }
     let read_only = server.read_only();
     let (min, pref, max) = server.block_sizes();
-    tracing::info!(
+    // At start only the URI is said; what is served, and how, is for -v.
+    tracing::debug!(
         "serving {what} (cache={}{}{}{}) block sizes {min}/{pref}/{max}",
         match args.cache {
             CacheArg::Writeback => "writeback",
@@ -236,15 +245,27 @@ async fn serve(
     cleanup.created = None;
     cleanup.stats = None;
     let run = match &args.run {
-        Some(cmd) => Some(start_run(cmd, &uri, stop_tx)?),
+        Some(cmd) => Some(start_run(cmd, &uri, socket.as_deref(), stop_tx)?),
         None => {
+            // With --dir the URI names no export: say how to see them.
+            let note = match &args.dir {
+                Some(_) => format!(
+                    "rawdisk: list the exports with: rawdisk info --list '{uri}' \
+                     (or nbdinfo --list '{uri}')\n"
+                ),
+                None => String::new(),
+            };
             match ready {
-                // --fork: the parent prints it and exits.
-                Some(mut pipe) => writeln!(pipe, "{uri}").context("--fork: telling the parent")?,
+                // --fork: the parent prints them and exits.
+                Some(mut pipe) => {
+                    detach_stderr(args.log_dest())?;
+                    write!(pipe, "{uri}\n{note}").context("--fork: telling the parent")?
+                }
                 None => {
                     let mut out = io::stdout().lock();
                     writeln!(out, "{uri}").context("stdout")?;
                     out.flush().context("stdout")?;
+                    eprint!("{note}");
                 }
             }
             None
@@ -275,8 +296,9 @@ async fn serve(
 
 #[cfg(test)]
 mod tests {
+    use super::args::bind_arg;
     use super::args::duration_arg;
-    use super::listen::listen_address;
+    use super::listen::{listen_address, tcp_uri};
     use std::time::Duration;
 
     #[test]
@@ -292,6 +314,34 @@ mod tests {
         assert_eq!(la(Some("[::1]:5"), None).as_deref(), Some("[::1]:5"));
         assert_eq!(la(Some("h:1"), Some(2)), None);
         assert_eq!(la(Some("1"), Some(2)), None);
+        for ok in [
+            "0.0.0.0",
+            "0.0.0.0:1",
+            "h:65535",
+            "::1",
+            "[::1]",
+            "[::]:5",
+            "99",
+            "h",
+        ] {
+            assert_eq!(bind_arg(ok).as_deref(), Ok(ok));
+        }
+        for bad in [
+            "0.0.0.0:abc",
+            "h:65536",
+            "99999",
+            "[::1]x",
+            "[h]:1",
+            "1:2:x",
+            "",
+        ] {
+            assert!(bind_arg(bad).is_err(), "{bad:?} accepted");
+        }
+        let uri = |a: &str| tcp_uri(a.parse().unwrap(), "vm");
+        assert_eq!(uri("0.0.0.0:7"), "nbd://localhost:7/vm");
+        assert_eq!(uri("[::]:7"), "nbd://localhost:7/vm");
+        assert_eq!(uri("[::1]:7"), "nbd://[::1]:7/vm");
+        assert_eq!(uri("10.1.2.3:7"), "nbd://10.1.2.3:7/vm");
         assert_eq!(duration_arg("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(duration_arg("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(duration_arg("15m"), Ok(Duration::from_secs(900)));
