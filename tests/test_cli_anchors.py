@@ -28,6 +28,39 @@ def ok(r):
     return r
 
 
+def test_copy_n_uses_an_existing_destination_and_creates_none(workdir):
+    src, model = make_image(workdir, "src.img", 3 * MiB + 512, seed=3, sparse=True)
+    dst = os.path.join(workdir, "dst.img")
+    with open(dst, "wb") as f:
+        f.write(b"\xaa" * (3 * MiB + 512))
+    ok(rawdisk("copy", "-q", "-n", src, dst))
+    assert_target_is(dst, model)
+    missing = os.path.join(workdir, "missing.img")
+    r = rawdisk("copy", "-n", src, missing, text=True)
+    assert r.returncode == 1 and "-n" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.exists(missing)
+
+
+@pytest.mark.parametrize("cmd", ["create", "copy"])
+def test_o_preallocation_is_qemu_imgs_spelling(workdir, cmd):
+    src, model = make_image(workdir, "src.img", 2 * MiB, seed=4, sparse=True)
+    out = os.path.join(workdir, "out.img")
+    args = [out, "2M"] if cmd == "create" else [src, out]
+    ok(rawdisk(cmd, "-q", "-o", "preallocation=full", *args))
+    assert os.path.getsize(out) == 2 * MiB
+    assert allocated_bytes(out) >= 2 * MiB
+    assert_target_is(out, model if cmd == "copy" else bytes(2 * MiB))
+    os.unlink(out)
+    for bad, word in [("cluster_size=64k", "'cluster_size'"),
+                      ("preallocation=full,compat=1.1", "'compat'"),
+                      ("preallocation=metadata", "'metadata'")]:
+        r = rawdisk(cmd, "-o", bad, *args, text=True)
+        assert r.returncode == 2 and word in r.stderr, (bad, r.returncode, r.stderr)
+        assert not os.path.exists(out)
+    r = rawdisk(cmd, "-o", "preallocation=off", "--preallocation", "full", *args, text=True)
+    assert r.returncode == 2 and "different" in r.stderr, r.stderr
+
+
 def as_nobody(args):
     """Run as an unprivileged user: root reads any file."""
     if os.geteuid() == 0:

@@ -78,9 +78,18 @@ pub struct Args {
     /// The destination already reads as zeros: skip zero runs entirely.
     #[arg(long, visible_alias = "destination-is-zero")]
     target_is_zero: bool,
-    /// Preallocation of a file destination that is created or grown.
-    #[arg(long, value_enum, default_value = "off")]
-    preallocation: PreallocArg,
+    /// Preallocation of a file destination that is created or grown
+    /// [default: off].
+    #[arg(long, value_enum)]
+    preallocation: Option<PreallocArg>,
+    /// Destination options as qemu-img convert takes them:
+    /// preallocation=off|falloc|full (the only option of a raw image).
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    options: Vec<String>,
+    /// The destination exists: do not create it (qemu-img convert -n); a
+    /// missing file is an error instead of a new image.
+    #[arg(short = 'n')]
+    no_create: bool,
     /// Do not flush the destination at the end.
     #[arg(long)]
     no_flush: bool,
@@ -113,7 +122,7 @@ pub struct Args {
     #[arg(
         long,
         value_name = "NAME",
-        conflicts_with_all = ["target_is_zero", "force", "preallocation"]
+        conflicts_with_all = ["target_is_zero", "force", "preallocation", "options"]
     )]
     changed_since: Option<String>,
     /// With --changed-since and a local source: the directory of its state
@@ -139,6 +148,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         }
     }
     let sink = matches!(a.destination.as_str(), "null:" | "-");
+    let preallocation = super::prealloc_option(a.preallocation, &a.options)?;
+    if a.no_create && !sink && !rawdisk_image::endpoint::is_nbd(&a.destination) {
+        let d = std::path::Path::new(&a.destination);
+        if let Err(e) = std::fs::symlink_metadata(d) {
+            anyhow::bail!("destination {}: {e} (-n: it is not created)", a.destination);
+        }
+    }
     if a.verify && sink {
         anyhow::bail!(
             "--verify needs a destination that can be read back, not {}",
@@ -175,7 +191,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         } else {
             ZeroMode::MayTrim
         },
-        preallocation: a.preallocation.into(),
+        preallocation: preallocation.into(),
         flush: !a.no_flush,
         cache: a.cache.into(),
         progress: a.progress,
