@@ -87,3 +87,58 @@ def test_only_a_readable_file_is_told_to_serve_read_only(workdir):
     with open(img, "rb") as f:
         assert f.read() == b"\x07" * 4096
 
+
+def test_rate_limit_paces_the_copy(workdir):
+    """qemu-img convert -r: 8 MiB at 4M/s takes about 2 s (at least 1.5),
+    every byte still copied."""
+    src, model = make_image(workdir, "src.img", 8 * MiB, seed=5)
+    dst = os.path.join(workdir, "dst.img")
+    t0 = time.monotonic()
+    ok(rawdisk("copy", "-q", "--rate-limit", "4M", src, dst))
+    took = time.monotonic() - t0
+    assert took >= 1.5, took
+    assert_target_is(dst, model)
+    r = rawdisk("copy", "-r", "0", src, dst, text=True)
+    assert r.returncode == 2, r.stderr
+
+
+def test_progress_fd_writes_nbdcopys_lines(workdir):
+    """--progress=FD: "N/100" lines only, rising from 0 to 100."""
+    src, model = make_image(workdir, "src.img", 8 * MiB, seed=6)
+    dst = os.path.join(workdir, "dst.img")
+    rfd, wfd = os.pipe()
+    try:
+        p = subprocess.Popen([BIN, "copy", "-q", f"--progress={wfd}", "-r", "8M", src, dst],
+                             pass_fds=(wfd,), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        os.close(wfd)
+        with os.fdopen(rfd, "r") as f:
+            text = f.read()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    assert (out, err) == (b"", b"")
+    lines = text.splitlines()
+    assert all(re.fullmatch(r"(\d+)/100", x) for x in lines), text
+    pcts = [int(x.split("/")[0]) for x in lines]
+    assert pcts[0] == 0 and pcts[-1] == 100 and pcts == sorted(set(pcts)), pcts
+    assert len(pcts) >= 4, pcts
+    assert_target_is(dst, model)
+    r = rawdisk("copy", "--progress=99", src, dst, text=True)
+    assert r.returncode == 1 and "--progress=99" in r.stderr, r.stderr
+
+
+def test_p_reports_in_lines_when_stderr_is_not_a_terminal(workdir):
+    """-p into a log: a plain line every few seconds, no redraws."""
+    src, model = make_image(workdir, "src.img", 8 * MiB, seed=7)
+    dst = os.path.join(workdir, "dst.img")
+    r = ok(rawdisk("copy", "-p", "-r", "2M", src, dst, text=True))
+    lines = r.stderr.splitlines()
+    assert 1 <= len(lines) <= 3, r.stderr
+    for x in lines:
+        assert re.fullmatch(r"rawdisk: copy: \d+% \([\d.]+ of 8\.0 MiB\), [\d.]+ MiB/s, "
+                            r"ETA \d+ s", x), x
+    assert "\r" not in r.stderr and "\x1b" not in r.stderr
+    assert r.stdout.startswith("copied 8.0 MiB"), r.stdout
+    assert_target_is(dst, model)

@@ -65,10 +65,10 @@ def help_options(path):
     out = run(*path, "--help").stdout
     opts = {}
     block = out.split("\nOptions:\n", 1)[1]
-    # "  -U, --socket <PATH>", "      --dir <DIR>", "  -v, --verbose...";
-    # the text under them is indented further.
+    # "  -U, --socket <PATH>", "      --dir <DIR>", "  -v, --verbose...",
+    # "  -p, --progress[=<FD>]"; the text under them is indented further.
     for m in re.finditer(r"^  (?:(-\w)(?:, (--[a-z][a-z-]*))?|    (--[a-z][a-z-]*))"
-                         r"(?:\.\.\.)?( \[?<[^>]+>\]?)?", block, re.M):
+                         r"(?:\.\.\.)?( \[?<[^>]+>\]?|\[=<[^>]+>\])?", block, re.M):
         short, long, long_only, val = m.groups()
         for f in (short, long, long_only):
             if f:

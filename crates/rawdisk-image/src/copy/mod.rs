@@ -16,7 +16,6 @@
 //! write errors).
 
 use std::collections::VecDeque;
-use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,6 +28,7 @@ mod changed;
 mod dst;
 mod offload;
 mod open;
+mod pace;
 mod retry;
 mod verify;
 
@@ -37,6 +37,7 @@ pub use dst::Stream;
 use dst::{Dst, To};
 pub use offload::OffloadMode;
 pub use open::{open_destination, open_pair, open_source, Destination};
+pub use pace::Report;
 use retry::Link;
 pub use verify::{verify, VerifyStats};
 
@@ -72,8 +73,11 @@ pub struct CopyOptions {
     pub preallocation: Prealloc,
     pub flush: bool,
     pub cache: CacheMode,
-    /// Draw a progress bar (only when stderr is a terminal).
-    pub progress: bool,
+    /// Progress: none, `-p` (a bar on a terminal, else a line every few
+    /// seconds) or `--progress=FD`.
+    pub report: Report,
+    /// Bytes of data per second at most (qemu-img convert -r); 0: no limit.
+    pub rate_limit: u64,
     /// Reflink or copy_file_range between local files (see offload.rs).
     pub offload: OffloadMode,
     /// Shrink an existing regular file larger than the source.
@@ -122,7 +126,8 @@ impl Default for CopyOptions {
             preallocation: Prealloc::Off,
             flush: true,
             cache: CacheMode::Writeback,
-            progress: false,
+            report: Report::None,
+            rate_limit: 0,
             offload: OffloadMode::Auto,
             force: false,
             cancel: None,
@@ -423,7 +428,9 @@ fn run(
         _ => None,
     };
     let changed = only.map(|r| r.iter().map(|r| r.1).sum::<u64>());
-    let bar = progress_bar(opts.progress, changed.unwrap_or(src.size()));
+    let pace = pace::Pace::new(opts, changed.unwrap_or(src.size()))
+        .map_err(|e| CopyError::Setup(e.to_string()))?;
+    let bar = pace.bar.clone();
     src_link.set_bar(bar.as_ref());
     if let Some(l) = &mut dst_link {
         l.set_bar(bar.as_ref());
@@ -492,8 +499,10 @@ fn run(
         dst.name()
     );
 
+    // A rate limit paces every byte this process moves: no kernel copy.
     let offload = dst
         .endpoint()
+        .filter(|_| opts.rate_limit == 0)
         .and_then(|d| offload::Offload::new(src, d, opts, sparse));
     // Locally a zero run is one fallocate however long. An NBD server
     // punches a long run on one thread while the other workers idle at the
@@ -533,6 +542,7 @@ fn run(
                         }
                         .map(|_| len),
                         Work::Data { offset, len } => {
+                            pace.throttle(len);
                             worker.data(&mut buf, offset, len).map(|_| {
                                 if opts.flush {
                                     dst.start_writeback(offset, len);
@@ -544,9 +554,7 @@ fn run(
                     match r {
                         Ok(n) => {
                             counters.done.fetch_add(n, Ordering::Relaxed);
-                            if let Some(b) = &bar {
-                                b.inc(n);
-                            }
+                            pace.advance(n);
                         }
                         Err(e) => {
                             errors.set(e);
@@ -589,6 +597,7 @@ fn run(
         l.close_reconnected()
             .map_err(CopyError::io(Side::Destination))?;
     }
+    pace.complete();
     let reconnects = src_link.reconnects() + dst_link.as_ref().map_or(0, |l| l.reconnects());
     Ok(CopyStats {
         size,
@@ -619,6 +628,12 @@ fn request_size(src: &Endpoint, dst: &Dst<'_>, opts: &CopyOptions) -> u64 {
         // lock round trips (one worker per CPU keeps the bytes in flight low).
         0 => 2 << 20,
         n => n,
+    };
+    // Under a rate limit, requests of a quarter second's bytes keep the
+    // pace even and a signal answered soon.
+    let wanted = match opts.rate_limit {
+        0 => wanted,
+        rate => wanted.min((rate / 4).max(64 << 10)),
     };
     let r = wanted.clamp(align.max(4096), max_io.max(align));
     r - r % align
@@ -731,20 +746,6 @@ pub fn is_zero(b: &[u8]) -> bool {
         }
     }
     chunks.remainder().iter().all(|&x| x == 0)
-}
-
-fn progress_bar(wanted: bool, size: u64) -> Option<indicatif::ProgressBar> {
-    if !wanted || !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let b = indicatif::ProgressBar::new(size);
-    b.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    Some(b)
 }
 
 #[cfg(test)]

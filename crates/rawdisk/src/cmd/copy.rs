@@ -20,7 +20,9 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, Side, ZeroMode};
+use rawdisk_image::copy::{
+    self, CopyError, CopyOptions, CopyStats, OffloadMode, Report, Side, ZeroMode,
+};
 use rawdisk_image::endpoint::Endpoint;
 
 use crate::size::size_arg;
@@ -42,9 +44,23 @@ pub struct Args {
     /// File (created or resized to the source size), block device, NBD URI,
     /// `null:` (read the source, write nothing) or `-` (standard output).
     destination: String,
-    /// Progress bar with throughput and ETA (only when stderr is a terminal).
-    #[arg(short, long)]
-    progress: bool,
+    /// Progress on stderr: a bar with throughput and ETA on a terminal,
+    /// else a line every few seconds. --progress=FD writes "N/100" lines
+    /// to the open descriptor FD instead, as nbdcopy.
+    #[arg(
+        short,
+        long,
+        value_name = "FD",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "-",
+        value_parser = progress_arg
+    )]
+    progress: Option<Report>,
+    /// Bytes of data per second at most, with size suffixes (10M: 10 MiB/s),
+    /// for a copy that must not saturate a link (qemu-img convert -r).
+    #[arg(short = 'r', long, value_name = "RATE", value_parser = rate_arg)]
+    rate_limit: Option<u64>,
     /// Source format (the destination is not looked at: it is overwritten).
     #[command(flatten)]
     format: FormatOpt,
@@ -194,7 +210,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         preallocation: preallocation.into(),
         flush: !a.no_flush,
         cache: a.cache.into(),
-        progress: a.progress,
+        report: a.progress.unwrap_or(Report::None),
+        rate_limit: a.rate_limit.unwrap_or(0),
         offload: match a.copy_offload {
             OffloadArg::Never => OffloadMode::Never,
             OffloadArg::Auto => OffloadMode::Auto,
@@ -391,6 +408,26 @@ fn close_quietly(src: &Endpoint, dst: Option<&Endpoint>) {
     let _ = src.close();
     if let Some(d) = dst {
         let _ = d.close();
+    }
+}
+
+/// `-p` (given as `-`) or `--progress=FD`.
+fn progress_arg(v: &str) -> Result<Report, String> {
+    if v == "-" {
+        return Ok(Report::Stderr);
+    }
+    v.parse::<i32>()
+        .ok()
+        .filter(|&fd| fd >= 0)
+        .map(Report::Fd)
+        .ok_or_else(|| format!("{v:?} is not a file descriptor number"))
+}
+
+/// `--rate-limit`: a size per second, at least one byte.
+fn rate_arg(v: &str) -> Result<u64, String> {
+    match size_arg(v)? {
+        0 => Err("a rate limit of 0 would copy nothing".into()),
+        n => Ok(n),
     }
 }
 
