@@ -34,7 +34,7 @@ mod verify;
 
 pub use changed::{copy_changed, open_changed, verify_changed, Incremental};
 pub use dst::Stream;
-use dst::{Dst, To};
+use dst::{Dst, Store, To};
 pub use offload::OffloadMode;
 pub use open::{open_destination, open_pair, open_source, Destination};
 pub use pace::Report;
@@ -374,15 +374,15 @@ impl<'a> Planner<'a> {
 }
 
 #[derive(Default)]
-struct Counters {
+pub(super) struct Counters {
     /// Work items finished, in bytes of the source.
-    done: AtomicU64,
-    read: AtomicU64,
-    written: AtomicU64,
-    reflinked: AtomicU64,
-    copy_range: AtomicU64,
-    zeroed: AtomicU64,
-    skipped: AtomicU64,
+    pub(super) done: AtomicU64,
+    pub(super) read: AtomicU64,
+    pub(super) written: AtomicU64,
+    pub(super) reflinked: AtomicU64,
+    pub(super) copy_range: AtomicU64,
+    pub(super) zeroed: AtomicU64,
+    pub(super) skipped: AtomicU64,
 }
 
 /// Copies `src` onto `dst` (already open, `dst` at least as large).
@@ -686,45 +686,14 @@ impl Worker<'_> {
         src.with(|e| e.read_buf(buf, offset))
             .map_err(CopyError::io(Side::Source))?;
         c.read.fetch_add(len, Ordering::Relaxed);
-        let data = buf.as_slice();
-        if sparse == 0 {
-            dst.write_at(data, offset)
-                .map_err(CopyError::io(Side::Destination))?;
-            c.written.fetch_add(len, Ordering::Relaxed);
-            return Ok(());
+        Store {
+            dst,
+            sparse,
+            skip_zero,
+            may_trim,
+            c,
         }
-        // Runs of whole zero blocks (aligned in the export) vs the rest.
-        let mut pos = 0usize;
-        while pos < data.len() {
-            let abs = offset + pos as u64;
-            let blk = (sparse - abs % sparse) as usize;
-            let first_end = (pos + blk).min(data.len());
-            let zero = is_zero(&data[pos..first_end]);
-            let mut end = first_end;
-            while end < data.len() {
-                let e = (end + sparse as usize).min(data.len());
-                if is_zero(&data[end..e]) != zero {
-                    break;
-                }
-                end = e;
-            }
-            let (o, l) = (offset + pos as u64, (end - pos) as u64);
-            if zero {
-                if skip_zero {
-                    c.skipped.fetch_add(l, Ordering::Relaxed);
-                } else {
-                    dst.zero(o, l, may_trim)
-                        .map_err(CopyError::io(Side::Destination))?;
-                    c.zeroed.fetch_add(l, Ordering::Relaxed);
-                }
-            } else {
-                dst.write_at(&data[pos..end], o)
-                    .map_err(CopyError::io(Side::Destination))?;
-                c.written.fetch_add(l, Ordering::Relaxed);
-            }
-            pos = end;
-        }
-        Ok(())
+        .put(buf.as_slice(), offset)
     }
 }
 
