@@ -11,7 +11,7 @@ import time
 import pytest
 
 import servers
-from helpers import MiB, allocated_bytes, assert_target_is, make_image
+from helpers import MiB, allocated_bytes, assert_target_is, make_image, random_bytes
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
 
@@ -142,3 +142,62 @@ def test_p_reports_in_lines_when_stderr_is_not_a_terminal(workdir):
     assert "\r" not in r.stderr and "\x1b" not in r.stderr
     assert r.stdout.startswith("copied 8.0 MiB"), r.stdout
     assert_target_is(dst, model)
+
+
+def stream_data():
+    """Zeros, data, zeros and a short data tail: holes and a size that is
+    no multiple of a block."""
+    return bytes(MiB) + random_bytes(3 * MiB + 1237, 8) + bytes(2 * MiB) + random_bytes(5000, 9)
+
+
+def copy_from_pipe(data, *args):
+    """`producer | rawdisk copy ARGS`, standard input a pipe (no size)."""
+    p = subprocess.Popen([BIN, "copy", *args], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(data, timeout=120)
+    return p.returncode, out.decode(), err.decode()
+
+
+def test_copy_reads_standard_input_onto_a_file(workdir):
+    data = stream_data()
+    dst = os.path.join(workdir, "dst.img")
+    rc, out, err = copy_from_pipe(data, "-", dst)
+    assert rc == 0 and err == "", err
+    assert out.startswith(f"copied {len(data) / MiB:.1f} MiB"), out
+    assert_target_is(dst, data)
+    # The zero runs were not written.
+    assert allocated_bytes(dst) <= len(data) - 2 * MiB, allocated_bytes(dst)
+    # An existing file with data: only with --force, then just the stream.
+    with open(dst, "wb") as f:
+        f.write(b"\x55" * (9 * MiB))
+    rc, _, err = copy_from_pipe(data, "-q", "-", dst)
+    assert rc == 1 and "--force" in err and err.count("\n") == 1, err
+    assert_target_is(dst, b"\x55" * (9 * MiB))
+    rc, _, err = copy_from_pipe(data[:MiB + 7], "-q", "--force", "-", dst)
+    assert rc == 0, err
+    assert_target_is(dst, data[:MiB + 7])
+    rc, _, err = copy_from_pipe(b"", "-q", "-", os.path.join(workdir, "empty.img"))
+    assert rc == 0 and os.path.getsize(os.path.join(workdir, "empty.img")) == 0, err
+    for bad in [["-", "-"], ["-", "null:"], ["--verify", "-", dst]]:
+        rc, _, err = copy_from_pipe(data, *bad)
+        assert rc == 2 and "standard input" in err, (bad, err)
+
+
+def test_copy_reads_standard_input_onto_an_export(workdir, serve):
+    """The stream's bytes, the rest of the export as it was; a stream
+    longer than the export is an error."""
+    size = 12 * MiB
+    img = os.path.join(workdir, "exp.img")
+    with open(img, "wb") as f:
+        f.write(b"\xaa" * size)
+    srv = serve(img)
+    data = stream_data()
+    rc, _, err = copy_from_pipe(data, "-q", "--progress=2", "-", srv.uri)
+    assert rc == 0, err
+    assert err == "0/100\n100/100\n", err
+    srv.terminate()
+    assert_target_is(img, data + b"\xaa" * (size - len(data)))
+    srv = serve(img)
+    rc, _, err = copy_from_pipe(bytes(size) + b"x", "-q", "-", srv.uri)
+    assert rc == 1 and "longer than" in err and err.count("\n") == 1, err
+    srv.terminate()

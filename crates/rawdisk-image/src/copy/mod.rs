@@ -26,6 +26,7 @@ use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
 mod changed;
 mod dst;
+mod from_stream;
 mod offload;
 mod open;
 mod pace;
@@ -35,6 +36,7 @@ mod verify;
 pub use changed::{copy_changed, open_changed, verify_changed, Incremental};
 pub use dst::Stream;
 use dst::{Dst, Store, To};
+pub use from_stream::{copy_from_stream, open_for_stream, StreamDestination};
 pub use offload::OffloadMode;
 pub use open::{open_destination, open_pair, open_source, Destination};
 pub use pace::Report;

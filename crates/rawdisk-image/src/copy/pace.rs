@@ -146,13 +146,21 @@ fn open_fd(n: i32) -> std::io::Result<std::fs::File> {
         .map_err(|e| std::io::Error::new(e.kind(), format!("--progress={n}: descriptor {n}: {e}")))
 }
 
+/// A bar, or for a size not known (a stream) a counter of bytes.
 fn bar(size: u64) -> indicatif::ProgressBar {
-    let b = indicatif::ProgressBar::new(size);
-    b.set_style(
-        indicatif::ProgressStyle::with_template(
+    let (b, template) = match size {
+        0 => (
+            indicatif::ProgressBar::new_spinner(),
+            "{spinner} {bytes} {binary_bytes_per_sec} {msg}",
+        ),
+        _ => (
+            indicatif::ProgressBar::new(size),
             "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        ),
+    };
+    b.set_style(
+        indicatif::ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     b
 }

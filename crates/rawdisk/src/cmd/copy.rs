@@ -1,7 +1,8 @@
 //! `rawdisk copy [options] SOURCE DESTINATION`
 //!
-//! Each side is a file, a block device or an NBD URI; the destination may
-//! also be `null:` or `-` (standard output), as with nbdcopy. Prints one
+//! Each side is a file, a block device or an NBD URI; the source may also
+//! be `-` (standard input, copy/from_stream.rs), the destination `null:` or
+//! `-` (standard output), as with nbdcopy. Prints one
 //! summary line on stdout (stderr when stdout is the destination) when done
 //! (suppressed by `-q`): bytes read, written, zeroed and skipped, time and
 //! throughput, and the bytes the kernel moved (reflink, copy_file_range)
@@ -38,8 +39,10 @@ use crate::size::size_arg;
     rawdisk copy --changed-since c1 nbd+unix:///?socket=/run/vm.sock backup.img")]
 pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
-    /// nbd+unix:///export?socket=PATH). Not a stream: a FIFO, socket or
-    /// character device is refused (its size is not known).
+    /// nbd+unix:///export?socket=PATH), or `-`: standard input, read in
+    /// order to its end (a file destination then holds just what it held;
+    /// an existing one with data needs --force). A FIFO, socket or
+    /// character device named by path is refused (its size is not known).
     source: String,
     /// File (created or resized to the source size), block device, NBD URI,
     /// `null:` (read the source, write nothing) or `-` (standard output).
@@ -193,6 +196,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             .into());
         }
     }
+    if a.source == "-" {
+        refuse_for_stdin(&a)?;
+    }
     let signal = Arc::new(AtomicI32::new(0));
     let cancel = cancel_on_signal(signal.clone());
     let opts = CopyOptions {
@@ -224,6 +230,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     };
     if let Some(name) = &a.changed_since {
         return run_changed(&a, name, &opts, &signal);
+    }
+    if a.source == "-" {
+        return run_from_stdin(&a, &opts, &signal);
     }
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
@@ -291,6 +300,44 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         } else {
             crate::out::println(&line)?;
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What a stream source cannot do: be read twice, or go to another stream.
+fn refuse_for_stdin(a: &Args) -> Result<(), super::UsageError> {
+    let why = if matches!(a.destination.as_str(), "-" | "null:") {
+        "a file, block device or NBD destination"
+    } else if a.verify {
+        "no --verify (standard input cannot be read again)"
+    } else if a.changed_since.is_some() {
+        "no --changed-since (standard input has no checkpoints)"
+    } else {
+        return Ok(());
+    };
+    Err(super::UsageError(format!(
+        "copying from standard input (-) needs {why}"
+    )))
+}
+
+/// `copy - DESTINATION`: standard input, in order, to its end.
+fn run_from_stdin(a: &Args, opts: &CopyOptions, signal: &AtomicI32) -> anyhow::Result<ExitCode> {
+    let to = copy::open_for_stream(&a.destination, opts)?;
+    let stdin = std::io::stdin();
+    let stats = match copy::copy_from_stream("-", &mut stdin.lock(), &to, opts) {
+        Ok(s) => s,
+        Err(CopyError::Interrupted { done, size }) => {
+            let _ = to.dst.endpoint.close();
+            return Ok(interrupted(signal, done, size, &a.destination));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    to.dst
+        .endpoint
+        .close()
+        .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+    if !a.quiet {
+        crate::out::println(summary(&stats))?;
     }
     Ok(ExitCode::SUCCESS)
 }
