@@ -99,7 +99,13 @@ impl Pace {
     }
 
     /// The copy is complete: 100/100 on the descriptor, the bar cleared.
+    /// Under a rate limit, only once the last request's share of time has
+    /// passed, so the whole copy keeps to the rate, not all but one request.
     pub(super) fn complete(&self) {
+        if self.rate > 0 {
+            let next = *self.next.lock().unwrap_or_else(|p| p.into_inner());
+            std::thread::sleep(next.saturating_duration_since(Instant::now()));
+        }
         self.to_fd(100);
         if let Some(b) = &self.bar {
             b.finish_and_clear();
