@@ -127,8 +127,10 @@ def test_progress_fd_writes_nbdcopys_lines(workdir):
     assert pcts[0] == 0 and pcts[-1] == 100 and pcts == sorted(set(pcts)), pcts
     assert len(pcts) >= 4, pcts
     assert_target_is(dst, model)
-    r = rawdisk("copy", "--progress=99", src, dst, text=True)
+    new = os.path.join(workdir, "new.img")
+    r = rawdisk("copy", "--progress=99", src, new, text=True)
     assert r.returncode == 1 and "--progress=99" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not os.path.exists(new), r.stderr
 
 
 def test_p_reports_in_lines_when_stderr_is_not_a_terminal(workdir):

@@ -39,7 +39,7 @@ use dst::{Dst, Store, To};
 pub use from_stream::{copy_from_stream, open_for_stream, StreamDestination};
 pub use offload::OffloadMode;
 pub use open::{open_destination, open_pair, open_source, Destination};
-pub use pace::Report;
+pub use pace::{check_progress_fd, Report};
 use retry::Link;
 pub use verify::{verify, VerifyStats};
 

@@ -143,6 +143,12 @@ impl Pace {
     }
 }
 
+/// Fails as a copy with `--progress=FD` would, before anything is opened:
+/// a destination is not created for a copy that cannot start.
+pub fn check_progress_fd(n: i32) -> std::io::Result<()> {
+    open_fd(n).map(drop)
+}
+
 /// The descriptor the caller opened, through /proc (no unsafe adoption of
 /// a raw descriptor): a pipe or a file, written at its end.
 fn open_fd(n: i32) -> std::io::Result<std::fs::File> {

@@ -199,6 +199,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if a.source == "-" {
         refuse_for_stdin(&a)?;
     }
+    if let Some(Report::Fd(n)) = a.progress {
+        copy::check_progress_fd(n)?;
+    }
     let signal = Arc::new(AtomicI32::new(0));
     let cancel = cancel_on_signal(signal.clone());
     let opts = CopyOptions {
