@@ -142,3 +142,65 @@ def test_block_device(request, dev):
     dev = request.getfixturevalue(dev)
     write_target(dev, random_bytes(3 * MiB, 7), 5 * MiB + 4096)
     assert rawdisk_checksum(dev) == blkhash(dev)
+
+
+def new_file(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("digest", ["sha512", "sha384", "blake2s256", "sha3-256",
+                                    "sha512-256", "SHA224"])
+def test_any_digest_openssl_offers(workdir, digest):
+    """blksum's names beyond the first four: blkhash's construction with
+    the chosen digest, the model's from hashlib (OpenSSL's too)."""
+    path = os.path.join(workdir, "d.img")
+    new_file(path, random_bytes(3 * BLOCK + 777, 23))
+    assert rawdisk_checksum(path, "--digest", digest) == blkhash(path, digest.lower())
+
+
+def test_list_digests_names_each_one_that_works(workdir):
+    r = subprocess.run([servers.RAWDISK_BIN, "checksum", "--list-digests"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    names = r.stdout.splitlines()
+    for n in ["sha256", "sha512", "sha384", "blake2b512", "blake2s256", "sha1", "md5"]:
+        assert n in names, names
+    assert not any(n.startswith("shake") for n in names), names
+    path = os.path.join(workdir, "l.img")
+    new_file(path, random_bytes(BLOCK + 5, 24))
+    for n in names:
+        try:
+            want = blkhash(path, n)
+        except ValueError:
+            continue  # a digest this Python's hashlib lacks
+        assert rawdisk_checksum(path, "-d", n) == want, n
+    bad = subprocess.run([servers.RAWDISK_BIN, "checksum", "-d", "shake128", path],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--list-digests" in bad.stderr, bad.stderr
+
+
+def test_the_name_as_given_and_standard_input(workdir):
+    """`./a.img` stays `./a.img`, as sha256sum and blksum print it; `-`
+    reads standard input to its end (zeros, data and a short last block)."""
+    path = os.path.join(workdir, "a.img")
+    data = bytes(2 * BLOCK) + random_bytes(5 * MiB + 3, 25) + bytes(BLOCK)
+    new_file(path, data)
+    want = blkhash(path)
+    r = subprocess.run([servers.RAWDISK_BIN, "checksum", "./a.img"], cwd=workdir,
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, f"{want}  ./a.img\n"), r.stderr
+    for digest in ["sha256", "blake2b512"]:
+        with open(path, "rb") as f:
+            r = subprocess.run([servers.RAWDISK_BIN, "checksum", "-d", digest, "-"],
+                               stdin=f, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (0, f"{blkhash(path, digest)}  -\n"), r.stderr
+    cat = subprocess.Popen(["cat", path], stdout=subprocess.PIPE)
+    r = subprocess.run([servers.RAWDISK_BIN, "checksum", "--output", "json", "-"],
+                       stdin=cat.stdout, capture_output=True, text=True, timeout=60)
+    cat.wait()
+    j = json.loads(r.stdout)
+    assert (j["checksum"], j["size"], j["target"]) == (want, len(data), "-"), j
+    r = subprocess.run([servers.RAWDISK_BIN, "checksum", "-"], input=b"",
+                       capture_output=True, timeout=30)
+    assert r.stdout.decode() == f"{blkhash(os.devnull)}  -\n"

@@ -66,7 +66,7 @@ def help_options(path):
     opts = {}
     block = out.split("\nOptions:\n", 1)[1]
     # "  -U, --socket <PATH>", "      --dir <DIR>", "  -v, --verbose...",
-    # "      --map[=<CONTEXT>]";
+    # "      --map[=<CONTEXT>]", "  -p, --progress[=<FD>]";
     # the text under them is indented further.
     for m in re.finditer(r"^  (?:(-\w)(?:, (--[a-z][a-z-]*))?|    (--[a-z][a-z-]*))"
                          r"(?:\.\.\.)?( \[?<[^>]+>\]?|\[=<[^>]+>\])?", block, re.M):

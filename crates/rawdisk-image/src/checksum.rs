@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use digest::DynDigest;
+use openssl::hash::{Hasher, MessageDigest};
 use serde::Serialize;
 
 use crate::copy::is_zero;
@@ -47,51 +47,111 @@ const WINDOW: u64 = 256;
 /// Zero runs are handed out in pieces this large (progress granularity).
 const ZERO_PIECE: u64 = 1 << 30;
 
-/// Digests by their OpenSSL names, as blksum takes them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DigestAlg {
-    #[default]
-    Sha256,
-    Sha1,
-    Md5,
-    Blake2b512,
+/// Names `--list-digests` tries: OpenSSL has no listing call in the
+/// bindings, so these are the fixed-size digests OpenSSL 1.1 and 3 ship
+/// (blksum takes the same names); the ones this OpenSSL cannot run are left
+/// out. Any other name OpenSSL knows is accepted all the same.
+const KNOWN: [&str; 19] = [
+    "blake2b512",
+    "blake2s256",
+    "md4",
+    "md5",
+    "md5-sha1",
+    "mdc2",
+    "ripemd160",
+    "sha1",
+    "sha224",
+    "sha256",
+    "sha3-224",
+    "sha3-256",
+    "sha3-384",
+    "sha3-512",
+    "sha384",
+    "sha512",
+    "sha512-224",
+    "sha512-256",
+    "sm3",
+];
+
+/// A digest OpenSSL offers, by the name the user gave (lower case), as
+/// blksum takes it.
+#[derive(Clone)]
+pub struct DigestAlg {
+    name: String,
+    md: MessageDigest,
+}
+
+impl std::fmt::Debug for DigestAlg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+impl PartialEq for DigestAlg {
+    fn eq(&self, other: &Self) -> bool {
+        self.md.type_() == other.md.type_()
+    }
+}
+
+impl Serialize for DigestAlg {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name)
+    }
+}
+
+impl Default for DigestAlg {
+    fn default() -> Self {
+        DigestAlg::from_name("sha256").expect("OpenSSL has sha256")
+    }
 }
 
 impl DigestAlg {
-    pub const ALL: [DigestAlg; 4] = [
-        DigestAlg::Sha256,
-        DigestAlg::Sha1,
-        DigestAlg::Md5,
-        DigestAlg::Blake2b512,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DigestAlg::Sha256 => "sha256",
-            DigestAlg::Sha1 => "sha1",
-            DigestAlg::Md5 => "md5",
-            DigestAlg::Blake2b512 => "blake2b512",
-        }
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
+    /// The digest OpenSSL knows by this name (any case) and can compute; None
+    /// for an unknown one and for extendable-output functions (shake128,
+    /// shake256: no fixed size for blkhash to chain).
     pub fn from_name(s: &str) -> Option<DigestAlg> {
-        DigestAlg::ALL
-            .into_iter()
-            .find(|d| d.name().eq_ignore_ascii_case(s))
-    }
-
-    pub fn hasher(self) -> Box<dyn DynDigest + Send> {
-        match self {
-            DigestAlg::Sha256 => Box::new(sha2::Sha256::default()),
-            DigestAlg::Sha1 => Box::new(sha1::Sha1::default()),
-            DigestAlg::Md5 => Box::new(md5::Md5::default()),
-            DigestAlg::Blake2b512 => Box::new(blake2::Blake2b512::default()),
+        let name = s.to_ascii_lowercase();
+        if name.starts_with("shake") {
+            return None;
         }
+        let md = MessageDigest::from_name(&name)?;
+        // A name of the legacy table may have no implementation loaded.
+        Hasher::new(md).ok()?;
+        Some(DigestAlg { name, md })
     }
 
-    pub fn output_size(self) -> usize {
-        self.hasher().output_size()
+    /// The digests of [`KNOWN`] this OpenSSL can compute.
+    pub fn available() -> Vec<DigestAlg> {
+        KNOWN
+            .iter()
+            .filter_map(|n| DigestAlg::from_name(n))
+            .collect()
+    }
+
+    pub fn hasher(&self) -> Digester {
+        Digester(Hasher::new(self.md).expect("checked by from_name"))
+    }
+
+    pub fn output_size(&self) -> usize {
+        self.md.size()
+    }
+}
+
+/// One running digest; `finish` resets it for the next block.
+pub struct Digester(Hasher);
+
+impl Digester {
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data).expect("OpenSSL digest update");
+    }
+
+    pub fn finish_into(&mut self, out: &mut [u8]) {
+        let d = self.0.finish().expect("OpenSSL digest final");
+        out.copy_from_slice(&d);
     }
 }
 
@@ -112,7 +172,7 @@ pub struct ChecksumOptions {
 impl Default for ChecksumOptions {
     fn default() -> Self {
         ChecksumOptions {
-            digest: DigestAlg::Sha256,
+            digest: DigestAlg::default(),
             block_size: DEFAULT_BLOCK_SIZE,
             threads: 0,
             read_size: 0,
@@ -175,6 +235,11 @@ pub fn checksum(
     progress: &dyn Progress,
 ) -> Result<ChecksumReport> {
     check_block_size(opts.block_size).map_err(Error::msg)?;
+    if spec == "-" {
+        let stdin = std::io::stdin();
+        return checksum_stream(spec, &mut stdin.lock(), opts)
+            .map_err(|e| Error::with("checksum", e));
+    }
     let ep = Endpoint::open_with(
         spec,
         &EndpointOptions {
@@ -187,7 +252,72 @@ pub fn checksum(
     .map_err(|e| Error::with("checksum", e))?;
     let r = checksum_endpoint(&ep, opts, progress).map_err(|e| Error::with("checksum", e))?;
     ep.close().map_err(|e| Error::with("checksum", e))?;
-    Ok(r)
+    // The name as the user gave it, as sha256sum and blksum print it.
+    Ok(ChecksumReport {
+        target: spec.to_string(),
+        ..r
+    })
+}
+
+/// The digest of a stream (`-`: standard input), read in order to its end:
+/// its size is what it held. One thread; every byte is read.
+pub fn checksum_stream(
+    name: &str,
+    input: &mut dyn std::io::Read,
+    opts: &ChecksumOptions,
+) -> std::result::Result<ChecksumReport, endpoint::Error> {
+    let t0 = Instant::now();
+    let bs = opts.block_size as usize;
+    let alg = &opts.digest;
+    let (mut inner, mut outer) = (alg.hasher(), alg.hasher());
+    let mut md = vec![0u8; alg.output_size()];
+    inner.update(&vec![0u8; bs]);
+    inner.finish_into(&mut md);
+    let zero_md = md.clone();
+    let mut buf = vec![0u8; (2 << 20).max(bs)];
+    let (mut size, mut zero_read) = (0u64, 0u64);
+    loop {
+        let n = crate::stream::read_full(input, &mut buf)
+            .map_err(|e| crate::stream::error(name, "read", size, e))?;
+        if size == 0 && !opts.raw {
+            if let Some(f) = rawdisk_storage::format::detect(&buf[..n], None) {
+                return Err(endpoint::Error {
+                    endpoint: name.to_string(),
+                    errno: None,
+                    message: rawdisk_storage::format::refusal(name, f),
+                    nbd: None,
+                });
+            }
+        }
+        for block in buf[..n].chunks(bs) {
+            if block.len() == bs && is_zero(block) {
+                zero_read += bs as u64;
+                outer.update(&zero_md);
+                continue;
+            }
+            inner.update(block);
+            inner.finish_into(&mut md);
+            outer.update(&md);
+        }
+        size += n as u64;
+        if n < buf.len() {
+            break;
+        }
+    }
+    outer.update(&size.to_le_bytes());
+    outer.finish_into(&mut md);
+    Ok(ChecksumReport {
+        target: name.to_string(),
+        checksum: hex(&md),
+        digest: alg.clone(),
+        block_size: opts.block_size,
+        size,
+        bytes_read: size,
+        bytes_skipped: 0,
+        bytes_zero_read: zero_read,
+        threads: 1,
+        elapsed: t0.elapsed(),
+    })
 }
 
 /// One piece of the plan: `count` full zero blocks from block `first`, or
@@ -255,7 +385,7 @@ impl Planner<'_> {
 struct Ordered {
     next: u64,
     done: BTreeMap<u64, Done>,
-    outer: Box<dyn DynDigest + Send>,
+    outer: Digester,
 }
 
 enum Done {
@@ -351,13 +481,12 @@ pub fn checksum_endpoint(
     let t0 = Instant::now();
     let bs = opts.block_size;
     let size = ep.size();
-    let alg = opts.digest;
+    let alg = &opts.digest;
     let md_len = alg.output_size();
     let mut h = alg.hasher();
     let mut zero_md = vec![0u8; md_len];
     h.update(&vec![0u8; bs as usize]);
-    h.finalize_into_reset(&mut zero_md)
-        .expect("digest output size");
+    h.finish_into(&mut zero_md);
     let read_size = {
         let want = if opts.read_size == 0 {
             2 << 20
@@ -428,9 +557,7 @@ pub fn checksum_endpoint(
                                     out.extend_from_slice(&zero_md);
                                 } else {
                                     hasher.update(block);
-                                    hasher
-                                        .finalize_into_reset(&mut md)
-                                        .expect("digest output size");
+                                    hasher.finish_into(&mut md);
                                     out.extend_from_slice(&md);
                                 }
                             }
@@ -456,13 +583,11 @@ pub fn checksum_endpoint(
     );
     o.outer.update(&size.to_le_bytes());
     let mut out = vec![0u8; md_len];
-    o.outer
-        .finalize_into_reset(&mut out)
-        .expect("digest output size");
+    o.outer.finish_into(&mut out);
     Ok(ChecksumReport {
         target: ep.name(),
         checksum: hex(&out),
-        digest: alg,
+        digest: alg.clone(),
         block_size: bs,
         size,
         bytes_read: shared.read.into_inner(),
@@ -487,14 +612,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn digest_names_round_trip() {
-        for d in DigestAlg::ALL {
-            assert_eq!(DigestAlg::from_name(d.name()), Some(d));
+    fn digest_names() {
+        let all = DigestAlg::available();
+        for d in &all {
+            assert_eq!(DigestAlg::from_name(d.name()).as_ref(), Some(d));
         }
-        assert_eq!(DigestAlg::from_name("SHA256"), Some(DigestAlg::Sha256));
-        assert_eq!(DigestAlg::from_name("sha3-256"), None);
-        assert_eq!(DigestAlg::Blake2b512.output_size(), 64);
-        assert_eq!(DigestAlg::Md5.output_size(), 16);
+        for n in [
+            "sha256",
+            "sha1",
+            "md5",
+            "blake2b512",
+            "sha512",
+            "blake2s256",
+        ] {
+            assert!(all.iter().any(|d| d.name() == n), "{n}");
+        }
+        let upper = DigestAlg::from_name("SHA256").unwrap();
+        assert_eq!(upper.name(), "sha256");
+        assert!(DigestAlg::from_name("shake128").is_none());
+        assert!(DigestAlg::from_name("sha257").is_none());
+        assert_eq!(
+            DigestAlg::from_name("blake2b512").unwrap().output_size(),
+            64
+        );
+        assert_eq!(DigestAlg::from_name("md5").unwrap().output_size(), 16);
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod probe;
 pub mod progress;
 pub mod resize;
 mod scan;
+pub mod stream;
 pub mod sysinfo;
 
 pub use error::{Error, Result};

@@ -15,17 +15,36 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const BS: u64 = 64 * KIB;
 
+/// The digests the reference has from another implementation.
+const REFERENCE_DIGESTS: [&str; 7] = [
+    "sha256",
+    "sha384",
+    "sha512",
+    "sha1",
+    "md5",
+    "blake2b512",
+    "blake2s256",
+];
+
+fn sha256() -> DigestAlg {
+    DigestAlg::from_name("sha256").unwrap()
+}
+
 /// H(H(block 1) || ... || H(block N) || size as u64 LE), straight from the
 /// definition: every byte read, every block hashed (the digest of an
 /// all-zero block is remembered by length only because debug builds hash
 /// slowly; which blocks are zero is decided by reading them).
-fn reference(path: &Path, alg: DigestAlg, bs: u64) -> String {
-    let new = |a: DigestAlg| -> Box<dyn DynDigest> {
-        match a {
-            DigestAlg::Sha256 => Box::new(sha2::Sha256::default()),
-            DigestAlg::Sha1 => Box::new(sha1::Sha1::default()),
-            DigestAlg::Md5 => Box::new(md5::Md5::default()),
-            DigestAlg::Blake2b512 => Box::new(blake2::Blake2b512::default()),
+fn reference(path: &Path, alg: &DigestAlg, bs: u64) -> String {
+    let new = |a: &DigestAlg| -> Box<dyn DynDigest> {
+        match a.name() {
+            "sha256" => Box::new(sha2::Sha256::default()),
+            "sha384" => Box::new(sha2::Sha384::default()),
+            "sha512" => Box::new(sha2::Sha512::default()),
+            "sha1" => Box::new(sha1::Sha1::default()),
+            "md5" => Box::new(md5::Md5::default()),
+            "blake2b512" => Box::new(blake2::Blake2b512::default()),
+            "blake2s256" => Box::new(blake2::Blake2s256::default()),
+            n => panic!("no reference for {n}"),
         }
     };
     let mut f = std::fs::File::open(path).unwrap();
@@ -67,9 +86,9 @@ fn reference(path: &Path, alg: DigestAlg, bs: u64) -> String {
     hex(&outer.finalize())
 }
 
-fn ours(path: &Path, alg: DigestAlg, bs: u64) -> ChecksumReport {
+fn ours(path: &Path, alg: &DigestAlg, bs: u64) -> ChecksumReport {
     let opts = ChecksumOptions {
-        digest: alg,
+        digest: alg.clone(),
         block_size: bs,
         ..Default::default()
     };
@@ -152,11 +171,7 @@ fn published_blkhash_vectors() {
             off += n as u64;
         }
         f.set_len(off).unwrap();
-        assert_eq!(
-            ours(&p, DigestAlg::Sha256, BS).checksum,
-            *want,
-            "vector {i}"
-        );
+        assert_eq!(ours(&p, &sha256(), BS).checksum, *want, "vector {i}");
     }
 }
 
@@ -166,7 +181,8 @@ fn small_sizes_agree_with_the_reference() {
     for size in [0, 1, BS - 1, BS, BS + 1, 3 * BS + 17] {
         let data = rawdisk_testkit::pattern_vec(size, 0, size as usize);
         let p = file_of(d.path(), &format!("s{size}.img"), &data);
-        for alg in DigestAlg::ALL {
+        for name in REFERENCE_DIGESTS {
+            let alg = &DigestAlg::from_name(name).unwrap();
             let r = ours(&p, alg, BS);
             assert_eq!(r.checksum, reference(&p, alg, BS), "{size} {alg:?}");
             assert_eq!(r.checksum.len(), alg.output_size() * 2);
@@ -176,9 +192,9 @@ fn small_sizes_agree_with_the_reference() {
     // Another block size is another checksum, and still the definition's.
     let data = rawdisk_testkit::pattern_vec(9, 0, (5 * BS + 3) as usize);
     let p = file_of(d.path(), "bs.img", &data);
-    let r4 = ours(&p, DigestAlg::Sha256, 4 * KIB);
-    assert_eq!(r4.checksum, reference(&p, DigestAlg::Sha256, 4 * KIB));
-    assert_ne!(r4.checksum, ours(&p, DigestAlg::Sha256, BS).checksum);
+    let r4 = ours(&p, &sha256(), 4 * KIB);
+    assert_eq!(r4.checksum, reference(&p, &sha256(), 4 * KIB));
+    assert_ne!(r4.checksum, ours(&p, &sha256(), BS).checksum);
 }
 
 /// A sparse image: data at offsets that cut blocks in the middle, a block of
@@ -210,8 +226,8 @@ fn sparse_image_agrees_and_holes_are_not_read() {
     let p = d.path().join("sparse.img");
     let size = 512 * MIB + 4321;
     sparse_image(&p, size);
-    let r = ours(&p, DigestAlg::Sha256, BS);
-    assert_eq!(r.checksum, reference(&p, DigestAlg::Sha256, BS));
+    let r = ours(&p, &sha256(), BS);
+    assert_eq!(r.checksum, reference(&p, &sha256(), BS));
     // Only blocks touching data are read (a little more where the file
     // system allocates in larger units), the rest is skipped.
     assert!(r.bytes_read < 32 * MIB, "read {} bytes", r.bytes_read);
@@ -229,7 +245,7 @@ fn a_changed_byte_anywhere_changes_the_digest() {
     let p = d.path().join("c.img");
     let size = 8 * MIB + 999;
     sparse_image(&p, size);
-    let base = ours(&p, DigestAlg::Sha256, BS).checksum;
+    let base = ours(&p, &sha256(), BS).checksum;
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     // In data, in a hole, on block edges, the last byte.
     for off in [0, 1, BS - 1, BS, 5 * MIB + 7, size / 2, size - 1] {
@@ -239,15 +255,15 @@ fn a_changed_byte_anywhere_changes_the_digest() {
             .read_exact_at(&mut old, off)
             .unwrap();
         f.write_all_at(&[old[0] ^ 0x5a], off).unwrap();
-        let r = ours(&p, DigestAlg::Sha256, BS).checksum;
+        let r = ours(&p, &sha256(), BS).checksum;
         assert_ne!(r, base, "byte {off} changed, digest did not");
-        assert_eq!(r, reference(&p, DigestAlg::Sha256, BS), "{off}");
+        assert_eq!(r, reference(&p, &sha256(), BS), "{off}");
         f.write_all_at(&old, off).unwrap();
-        assert_eq!(ours(&p, DigestAlg::Sha256, BS).checksum, base);
+        assert_eq!(ours(&p, &sha256(), BS).checksum, base);
     }
     // One more byte of zeros is another image.
     f.set_len(size + 1).unwrap();
-    assert_ne!(ours(&p, DigestAlg::Sha256, BS).checksum, base);
+    assert_ne!(ours(&p, &sha256(), BS).checksum, base);
 }
 
 #[test]
@@ -256,7 +272,7 @@ fn all_holes_are_never_read() {
     let p = d.path().join("holes.img");
     let size = 64 * GIB;
     std::fs::File::create(&p).unwrap().set_len(size).unwrap();
-    let r = ours(&p, DigestAlg::Sha256, BS);
+    let r = ours(&p, &sha256(), BS);
     assert_eq!(r.bytes_read, 0, "{r:?}");
     assert_eq!(r.bytes_skipped, size);
     // The digest of 2^20 zero blocks, by folding the zero-block digest.
@@ -280,8 +296,8 @@ fn block_devices_agree_with_the_reference() {
         let p = dev.path().to_path_buf();
         rawdisk_testkit::write_pattern(&p, MIB + 512, 3 * MIB, 7);
         rawdisk_testkit::write_pattern(&p, 40 * MIB, 4096, 8);
-        let r = ours(&p, DigestAlg::Sha256, BS);
-        assert_eq!(r.checksum, reference(&p, DigestAlg::Sha256, BS), "{sector}");
+        let r = ours(&p, &sha256(), BS);
+        assert_eq!(r.checksum, reference(&p, &sha256(), BS), "{sector}");
         assert_eq!(r.size, 48 * MIB);
         // A device has no holes to skip: everything is read.
         assert_eq!(r.bytes_read, 48 * MIB);

@@ -6,9 +6,11 @@
 //! request would be a bug of the engine and is refused, not written.
 
 use std::io::Write;
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use super::retry::Link;
+use super::{is_zero, CopyError, Counters, Result, Side};
 use crate::endpoint::{self, Endpoint};
 
 /// A byte stream destination and the offset it has reached.
@@ -149,5 +151,55 @@ impl<'a> Dst<'a> {
             Dst::Null => Ok(()),
             Dst::Stream(s) => s.flush(),
         }
+    }
+}
+
+/// How data read from the source lands on the destination: runs of whole
+/// zero blocks of `sparse` bytes (aligned in the export; 0: no scan) become
+/// zero requests, or nothing when the destination already reads as zeros.
+pub(super) struct Store<'a> {
+    pub(super) dst: Dst<'a>,
+    pub(super) sparse: u64,
+    pub(super) skip_zero: bool,
+    pub(super) may_trim: bool,
+    pub(super) c: &'a Counters,
+}
+
+impl Store<'_> {
+    pub(super) fn put(&self, data: &[u8], offset: u64) -> Result<()> {
+        let (dst, c, sparse) = (self.dst, self.c, self.sparse);
+        let io = CopyError::io(Side::Destination);
+        if sparse == 0 {
+            dst.write_at(data, offset).map_err(&io)?;
+            c.written.fetch_add(data.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let abs = offset + pos as u64;
+            let blk = (sparse - abs % sparse) as usize;
+            let first_end = (pos + blk).min(data.len());
+            let zero = is_zero(&data[pos..first_end]);
+            let mut end = first_end;
+            while end < data.len() {
+                let e = (end + sparse as usize).min(data.len());
+                if is_zero(&data[end..e]) != zero {
+                    break;
+                }
+                end = e;
+            }
+            let (o, l) = (offset + pos as u64, (end - pos) as u64);
+            if zero && self.skip_zero {
+                c.skipped.fetch_add(l, Ordering::Relaxed);
+            } else if zero {
+                dst.zero(o, l, self.may_trim).map_err(&io)?;
+                c.zeroed.fetch_add(l, Ordering::Relaxed);
+            } else {
+                dst.write_at(&data[pos..end], o).map_err(&io)?;
+                c.written.fetch_add(l, Ordering::Relaxed);
+            }
+            pos = end;
+        }
+        Ok(())
     }
 }

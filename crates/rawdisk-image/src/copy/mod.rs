@@ -16,7 +16,6 @@
 //! write errors).
 
 use std::collections::VecDeque;
-use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,16 +26,20 @@ use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf, MapExtent};
 
 mod changed;
 mod dst;
+mod from_stream;
 mod offload;
 mod open;
+mod pace;
 mod retry;
 mod verify;
 
 pub use changed::{copy_changed, open_changed, verify_changed, Incremental};
 pub use dst::Stream;
-use dst::{Dst, To};
+use dst::{Dst, Store, To};
+pub use from_stream::{copy_from_stream, open_for_stream, StreamDestination};
 pub use offload::OffloadMode;
 pub use open::{open_destination, open_pair, open_source, Destination};
+pub use pace::{check_progress_fd, Report};
 use retry::Link;
 pub use verify::{verify, VerifyStats};
 
@@ -72,8 +75,11 @@ pub struct CopyOptions {
     pub preallocation: Prealloc,
     pub flush: bool,
     pub cache: CacheMode,
-    /// Draw a progress bar (only when stderr is a terminal).
-    pub progress: bool,
+    /// Progress: none, `-p` (a bar on a terminal, else a line every few
+    /// seconds) or `--progress=FD`.
+    pub report: Report,
+    /// Bytes of data per second at most (qemu-img convert -r); 0: no limit.
+    pub rate_limit: u64,
     /// Reflink or copy_file_range between local files (see offload.rs).
     pub offload: OffloadMode,
     /// Shrink an existing regular file larger than the source.
@@ -122,7 +128,8 @@ impl Default for CopyOptions {
             preallocation: Prealloc::Off,
             flush: true,
             cache: CacheMode::Writeback,
-            progress: false,
+            report: Report::None,
+            rate_limit: 0,
             offload: OffloadMode::Auto,
             force: false,
             cancel: None,
@@ -369,15 +376,15 @@ impl<'a> Planner<'a> {
 }
 
 #[derive(Default)]
-struct Counters {
+pub(super) struct Counters {
     /// Work items finished, in bytes of the source.
-    done: AtomicU64,
-    read: AtomicU64,
-    written: AtomicU64,
-    reflinked: AtomicU64,
-    copy_range: AtomicU64,
-    zeroed: AtomicU64,
-    skipped: AtomicU64,
+    pub(super) done: AtomicU64,
+    pub(super) read: AtomicU64,
+    pub(super) written: AtomicU64,
+    pub(super) reflinked: AtomicU64,
+    pub(super) copy_range: AtomicU64,
+    pub(super) zeroed: AtomicU64,
+    pub(super) skipped: AtomicU64,
 }
 
 /// Copies `src` onto `dst` (already open, `dst` at least as large).
@@ -423,7 +430,9 @@ fn run(
         _ => None,
     };
     let changed = only.map(|r| r.iter().map(|r| r.1).sum::<u64>());
-    let bar = progress_bar(opts.progress, changed.unwrap_or(src.size()));
+    let pace = pace::Pace::new(opts, changed.unwrap_or(src.size()))
+        .map_err(|e| CopyError::Setup(e.to_string()))?;
+    let bar = pace.bar.clone();
     src_link.set_bar(bar.as_ref());
     if let Some(l) = &mut dst_link {
         l.set_bar(bar.as_ref());
@@ -492,8 +501,10 @@ fn run(
         dst.name()
     );
 
+    // A rate limit paces every byte this process moves: no kernel copy.
     let offload = dst
         .endpoint()
+        .filter(|_| opts.rate_limit == 0)
         .and_then(|d| offload::Offload::new(src, d, opts, sparse));
     // Locally a zero run is one fallocate however long. An NBD server
     // punches a long run on one thread while the other workers idle at the
@@ -533,6 +544,7 @@ fn run(
                         }
                         .map(|_| len),
                         Work::Data { offset, len } => {
+                            pace.throttle(len);
                             worker.data(&mut buf, offset, len).map(|_| {
                                 if opts.flush {
                                     dst.start_writeback(offset, len);
@@ -544,9 +556,7 @@ fn run(
                     match r {
                         Ok(n) => {
                             counters.done.fetch_add(n, Ordering::Relaxed);
-                            if let Some(b) = &bar {
-                                b.inc(n);
-                            }
+                            pace.advance(n);
                         }
                         Err(e) => {
                             errors.set(e);
@@ -589,6 +599,7 @@ fn run(
         l.close_reconnected()
             .map_err(CopyError::io(Side::Destination))?;
     }
+    pace.complete();
     let reconnects = src_link.reconnects() + dst_link.as_ref().map_or(0, |l| l.reconnects());
     Ok(CopyStats {
         size,
@@ -619,6 +630,12 @@ fn request_size(src: &Endpoint, dst: &Dst<'_>, opts: &CopyOptions) -> u64 {
         // lock round trips (one worker per CPU keeps the bytes in flight low).
         0 => 2 << 20,
         n => n,
+    };
+    // Under a rate limit, requests of a quarter second's bytes keep the
+    // pace even and a signal answered soon.
+    let wanted = match opts.rate_limit {
+        0 => wanted,
+        rate => wanted.min((rate / 4).max(64 << 10)),
     };
     let r = wanted.clamp(align.max(4096), max_io.max(align));
     r - r % align
@@ -671,45 +688,14 @@ impl Worker<'_> {
         src.with(|e| e.read_buf(buf, offset))
             .map_err(CopyError::io(Side::Source))?;
         c.read.fetch_add(len, Ordering::Relaxed);
-        let data = buf.as_slice();
-        if sparse == 0 {
-            dst.write_at(data, offset)
-                .map_err(CopyError::io(Side::Destination))?;
-            c.written.fetch_add(len, Ordering::Relaxed);
-            return Ok(());
+        Store {
+            dst,
+            sparse,
+            skip_zero,
+            may_trim,
+            c,
         }
-        // Runs of whole zero blocks (aligned in the export) vs the rest.
-        let mut pos = 0usize;
-        while pos < data.len() {
-            let abs = offset + pos as u64;
-            let blk = (sparse - abs % sparse) as usize;
-            let first_end = (pos + blk).min(data.len());
-            let zero = is_zero(&data[pos..first_end]);
-            let mut end = first_end;
-            while end < data.len() {
-                let e = (end + sparse as usize).min(data.len());
-                if is_zero(&data[end..e]) != zero {
-                    break;
-                }
-                end = e;
-            }
-            let (o, l) = (offset + pos as u64, (end - pos) as u64);
-            if zero {
-                if skip_zero {
-                    c.skipped.fetch_add(l, Ordering::Relaxed);
-                } else {
-                    dst.zero(o, l, may_trim)
-                        .map_err(CopyError::io(Side::Destination))?;
-                    c.zeroed.fetch_add(l, Ordering::Relaxed);
-                }
-            } else {
-                dst.write_at(&data[pos..end], o)
-                    .map_err(CopyError::io(Side::Destination))?;
-                c.written.fetch_add(l, Ordering::Relaxed);
-            }
-            pos = end;
-        }
-        Ok(())
+        .put(buf.as_slice(), offset)
     }
 }
 
@@ -731,20 +717,6 @@ pub fn is_zero(b: &[u8]) -> bool {
         }
     }
     chunks.remainder().iter().all(|&x| x == 0)
-}
-
-fn progress_bar(wanted: bool, size: u64) -> Option<indicatif::ProgressBar> {
-    if !wanted || !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let b = indicatif::ProgressBar::new(size);
-    b.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    Some(b)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
-//! `rawdisk checksum [--digest sha256|sha1|md5|blake2b512] [--block-size 64K]
-//! [-p] [--output human|json] TARGET|NBD-URI`
+//! `rawdisk checksum [--digest NAME] [--block-size 64K] [-p]
+//! [--output human|json] TARGET|NBD-URI|-` and `rawdisk checksum
+//! --list-digests`
 
 use std::process::ExitCode;
 
@@ -9,23 +10,11 @@ use rawdisk_image::progress::Bar;
 use super::{FormatOpt, OutputArg};
 use crate::size::size_arg;
 
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum DigestArg {
-    Sha256,
-    Sha1,
-    Md5,
-    Blake2b512,
-}
-
-impl From<DigestArg> for DigestAlg {
-    fn from(d: DigestArg) -> DigestAlg {
-        match d {
-            DigestArg::Sha256 => DigestAlg::Sha256,
-            DigestArg::Sha1 => DigestAlg::Sha1,
-            DigestArg::Md5 => DigestAlg::Md5,
-            DigestArg::Blake2b512 => DigestAlg::Blake2b512,
-        }
-    }
+/// A digest OpenSSL offers, by name (sha256, blake2b512, sha3-256...).
+fn digest_arg(s: &str) -> Result<DigestAlg, String> {
+    DigestAlg::from_name(s).ok_or_else(|| {
+        format!("OpenSSL offers no digest named {s:?} (rawdisk checksum --list-digests)")
+    })
 }
 
 /// Print the blkhash checksum (blksum's value) of a target or NBD export.
@@ -42,11 +31,16 @@ impl From<DigestArg> for DigestAlg {
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
     rawdisk checksum disk.img\n  \
-    rawdisk checksum --digest blake2b512 nbd+unix:///?socket=/tmp/nbd.sock")]
+    rawdisk checksum --digest blake2b512 nbd+unix:///?socket=/tmp/nbd.sock\n  \
+    xzcat disk.img.xz | rawdisk checksum -")]
 pub struct Args {
-    /// Digest algorithm (blksum's names).
-    #[arg(short, long, value_enum, default_value = "sha256")]
-    digest: DigestArg,
+    /// Digest algorithm: any OpenSSL offers, by blksum's names (sha256,
+    /// sha512, sha384, sha3-256, blake2b512, blake2s256, sha1, md5...).
+    #[arg(short, long, default_value = "sha256", value_parser = digest_arg)]
+    digest: DigestAlg,
+    /// Print the digests this OpenSSL offers, one a line, and exit.
+    #[arg(long, exclusive = true)]
+    list_digests: bool,
     /// Bytes hashed per block; other values give other checksums.
     #[arg(long, default_value = "64K", allow_hyphen_values = true, value_parser = block_size)]
     block_size: u64,
@@ -57,8 +51,11 @@ pub struct Args {
     output: OutputArg,
     #[command(flatten)]
     format: FormatOpt,
-    /// File, block device, or NBD URI (nbd://host/export, nbd+unix:///export?socket=PATH).
-    target: String,
+    /// File, block device, NBD URI (nbd://host/export,
+    /// nbd+unix:///export?socket=PATH) or `-` (standard input, read to its
+    /// end). Printed as given.
+    #[arg(required_unless_present = "list_digests")]
+    target: Option<String>,
 }
 
 fn block_size(s: &str) -> Result<u64, String> {
@@ -68,8 +65,16 @@ fn block_size(s: &str) -> Result<u64, String> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    let Some(target) = a.target else {
+        let names: String = DigestAlg::available()
+            .iter()
+            .map(|d| format!("{}\n", d.name()))
+            .collect();
+        crate::out::print(&names)?;
+        return Ok(ExitCode::SUCCESS);
+    };
     let opts = ChecksumOptions {
-        digest: a.digest.into(),
+        digest: a.digest,
         block_size: a.block_size,
         raw: a.format.raw(),
         ..Default::default()
@@ -79,7 +84,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         Bar::hidden()
     };
-    let r = checksum::checksum(&a.target, &opts, &bar)?;
+    let r = checksum::checksum(&target, &opts, &bar)?;
     match a.output {
         OutputArg::Human => crate::out::print(&r.to_human())?,
         OutputArg::Json => crate::out::print(&r.to_json())?,

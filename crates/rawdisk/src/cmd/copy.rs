@@ -1,7 +1,8 @@
 //! `rawdisk copy [options] SOURCE DESTINATION`
 //!
-//! Each side is a file, a block device or an NBD URI; the destination may
-//! also be `null:` or `-` (standard output), as with nbdcopy. Prints one
+//! Each side is a file, a block device or an NBD URI; the source may also
+//! be `-` (standard input, copy/from_stream.rs), the destination `null:` or
+//! `-` (standard output), as with nbdcopy. Prints one
 //! summary line on stdout (stderr when stdout is the destination) when done
 //! (suppressed by `-q`): bytes read, written, zeroed and skipped, time and
 //! throughput, and the bytes the kernel moved (reflink, copy_file_range)
@@ -20,7 +21,9 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, Side, ZeroMode};
+use rawdisk_image::copy::{
+    self, CopyError, CopyOptions, CopyStats, OffloadMode, Report, Side, ZeroMode,
+};
 use rawdisk_image::endpoint::Endpoint;
 
 use crate::size::size_arg;
@@ -36,15 +39,31 @@ use crate::size::size_arg;
     rawdisk copy --changed-since c1 nbd+unix:///?socket=/run/vm.sock backup.img")]
 pub struct Args {
     /// File, block device or NBD URI (nbd://host[:port]/export,
-    /// nbd+unix:///export?socket=PATH). Not a stream: a FIFO, socket or
-    /// character device is refused (its size is not known).
+    /// nbd+unix:///export?socket=PATH), or `-`: standard input, read in
+    /// order to its end (a file destination then holds just what it held;
+    /// an existing one with data needs --force). A FIFO, socket or
+    /// character device named by path is refused (its size is not known).
     source: String,
     /// File (created or resized to the source size), block device, NBD URI,
     /// `null:` (read the source, write nothing) or `-` (standard output).
     destination: String,
-    /// Progress bar with throughput and ETA (only when stderr is a terminal).
-    #[arg(short, long)]
-    progress: bool,
+    /// Progress on stderr: a bar with throughput and ETA on a terminal,
+    /// else a line every few seconds. --progress=FD writes "N/100" lines
+    /// to the open descriptor FD instead, as nbdcopy.
+    #[arg(
+        short,
+        long,
+        value_name = "FD",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "-",
+        value_parser = progress_arg
+    )]
+    progress: Option<Report>,
+    /// Bytes of data per second at most, with size suffixes (10M: 10 MiB/s),
+    /// for a copy that must not saturate a link (qemu-img convert -r).
+    #[arg(short = 'r', long, value_name = "RATE", value_parser = rate_arg)]
+    rate_limit: Option<u64>,
     /// Source format (the destination is not looked at: it is overwritten).
     #[command(flatten)]
     format: FormatOpt,
@@ -78,9 +97,18 @@ pub struct Args {
     /// The destination already reads as zeros: skip zero runs entirely.
     #[arg(long, visible_alias = "destination-is-zero")]
     target_is_zero: bool,
-    /// Preallocation of a file destination that is created or grown.
-    #[arg(long, value_enum, default_value = "off")]
-    preallocation: PreallocArg,
+    /// Preallocation of a file destination that is created or grown
+    /// [default: off].
+    #[arg(long, value_enum)]
+    preallocation: Option<PreallocArg>,
+    /// Destination options as qemu-img convert takes them:
+    /// preallocation=off|falloc|full (the only option of a raw image).
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    options: Vec<String>,
+    /// The destination exists: do not create it (qemu-img convert -n); a
+    /// missing file is an error instead of a new image.
+    #[arg(short = 'n')]
+    no_create: bool,
     /// Do not flush the destination at the end.
     #[arg(long)]
     no_flush: bool,
@@ -113,7 +141,7 @@ pub struct Args {
     #[arg(
         long,
         value_name = "NAME",
-        conflicts_with_all = ["target_is_zero", "force", "preallocation"]
+        conflicts_with_all = ["target_is_zero", "force", "preallocation", "options"]
     )]
     changed_since: Option<String>,
     /// With --changed-since and a local source: the directory of its state
@@ -139,6 +167,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         }
     }
     let sink = matches!(a.destination.as_str(), "null:" | "-");
+    let preallocation = super::prealloc_option(a.preallocation, &a.options)?;
+    if a.no_create && !sink && !rawdisk_image::endpoint::is_nbd(&a.destination) {
+        let d = std::path::Path::new(&a.destination);
+        if let Err(e) = std::fs::symlink_metadata(d) {
+            anyhow::bail!("destination {}: {e} (-n: it is not created)", a.destination);
+        }
+    }
     if a.verify && sink {
         anyhow::bail!(
             "--verify needs a destination that can be read back, not {}",
@@ -161,6 +196,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             .into());
         }
     }
+    if a.source == "-" {
+        refuse_for_stdin(&a)?;
+    }
+    if let Some(Report::Fd(n)) = a.progress {
+        copy::check_progress_fd(n)?;
+    }
     let signal = Arc::new(AtomicI32::new(0));
     let cancel = cancel_on_signal(signal.clone());
     let opts = CopyOptions {
@@ -175,10 +216,11 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         } else {
             ZeroMode::MayTrim
         },
-        preallocation: a.preallocation.into(),
+        preallocation: preallocation.into(),
         flush: !a.no_flush,
         cache: a.cache.into(),
-        progress: a.progress,
+        report: a.progress.unwrap_or(Report::None),
+        rate_limit: a.rate_limit.unwrap_or(0),
         offload: match a.copy_offload {
             OffloadArg::Never => OffloadMode::Never,
             OffloadArg::Auto => OffloadMode::Auto,
@@ -191,6 +233,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     };
     if let Some(name) = &a.changed_since {
         return run_changed(&a, name, &opts, &signal);
+    }
+    if a.source == "-" {
+        return run_from_stdin(&a, &opts, &signal);
     }
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
@@ -258,6 +303,44 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         } else {
             crate::out::println(&line)?;
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What a stream source cannot do: be read twice, or go to another stream.
+fn refuse_for_stdin(a: &Args) -> Result<(), super::UsageError> {
+    let why = if matches!(a.destination.as_str(), "-" | "null:") {
+        "a file, block device or NBD destination"
+    } else if a.verify {
+        "no --verify (standard input cannot be read again)"
+    } else if a.changed_since.is_some() {
+        "no --changed-since (standard input has no checkpoints)"
+    } else {
+        return Ok(());
+    };
+    Err(super::UsageError(format!(
+        "copying from standard input (-) needs {why}"
+    )))
+}
+
+/// `copy - DESTINATION`: standard input, in order, to its end.
+fn run_from_stdin(a: &Args, opts: &CopyOptions, signal: &AtomicI32) -> anyhow::Result<ExitCode> {
+    let to = copy::open_for_stream(&a.destination, opts)?;
+    let stdin = std::io::stdin();
+    let stats = match copy::copy_from_stream("-", &mut stdin.lock(), &to, opts) {
+        Ok(s) => s,
+        Err(CopyError::Interrupted { done, size }) => {
+            let _ = to.dst.endpoint.close();
+            return Ok(interrupted(signal, done, size, &a.destination));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    to.dst
+        .endpoint
+        .close()
+        .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+    if !a.quiet {
+        crate::out::println(summary(&stats))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -375,6 +458,26 @@ fn close_quietly(src: &Endpoint, dst: Option<&Endpoint>) {
     let _ = src.close();
     if let Some(d) = dst {
         let _ = d.close();
+    }
+}
+
+/// `-p` (given as `-`) or `--progress=FD`.
+fn progress_arg(v: &str) -> Result<Report, String> {
+    if v == "-" {
+        return Ok(Report::Stderr);
+    }
+    v.parse::<i32>()
+        .ok()
+        .filter(|&fd| fd >= 0)
+        .map(Report::Fd)
+        .ok_or_else(|| format!("{v:?} is not a file descriptor number"))
+}
+
+/// `--rate-limit`: a size per second, at least one byte.
+fn rate_arg(v: &str) -> Result<u64, String> {
+    match size_arg(v)? {
+        0 => Err("a rate limit of 0 would copy nothing".into()),
+        n => Ok(n),
     }
 }
 

@@ -1,4 +1,5 @@
-//! `rawdisk create [--preallocation off|falloc|full] [--force] [--zero]
+//! `rawdisk create [--preallocation off|falloc|full | -o preallocation=MODE]
+//! [--force] [--zero]
 //! [--cache writeback|none] TARGET SIZE`
 //!
 //! Prints one line on stdout when done (suppressed by `-q`), e.g.
@@ -26,9 +27,13 @@ use rawdisk_image::progress::Bar;
     rawdisk create disk.img 10G\n  \
     rawdisk create --preallocation falloc vm.img 20G")]
 pub struct Args {
-    /// How to allocate the image's space.
-    #[arg(long, value_enum, default_value = "off")]
-    preallocation: PreallocArg,
+    /// How to allocate the image's space [default: off].
+    #[arg(long, value_enum)]
+    preallocation: Option<PreallocArg>,
+    /// Image options as qemu-img takes them: preallocation=off|falloc|full
+    /// (the only option of a raw image).
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    options: Vec<String>,
     /// Overwrite an existing file.
     #[arg(long)]
     force: bool,
@@ -56,6 +61,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let prealloc = super::prealloc_option(args.preallocation, &args.options)?;
     super::local_only(&args.target, "create")?;
     if args.zero {
         super::block_device_only(
@@ -68,7 +74,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let opts = CreateOptions {
         path: args.target,
         size: args.size,
-        prealloc: args.preallocation.into(),
+        prealloc: prealloc.into(),
         force: args.force,
         zero: args.zero,
         cache: args.cache.into(),

@@ -68,7 +68,7 @@ pub fn block_device_only(
 }
 
 /// `--preallocation`, shared by create, serve --create and copy.
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PreallocArg {
     /// Sparse: set the size only.
     Off,
@@ -86,6 +86,37 @@ impl From<PreallocArg> for Prealloc {
             PreallocArg::Full => Prealloc::Full,
         }
     }
+}
+
+/// `-o KEY=VALUE[,KEY=VALUE...]`, qemu-img's spelling of image options, next
+/// to `--preallocation` (`flag`). Raw has one option, `preallocation`; any
+/// other key, a bad value or two different answers is a usage error.
+pub fn prealloc_option(
+    flag: Option<PreallocArg>,
+    options: &[String],
+) -> Result<PreallocArg, UsageError> {
+    use clap::ValueEnum;
+    let mut chosen = flag;
+    for kv in options.iter().flat_map(|o| o.split(',')) {
+        let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
+        if key != "preallocation" {
+            return Err(UsageError(format!(
+                "-o: unknown option '{key}' (a raw image has one: preallocation=off|falloc|full)"
+            )));
+        }
+        let mode = PreallocArg::from_str(value, false).map_err(|_| {
+            UsageError(format!(
+                "-o: preallocation '{value}' is not one of off, falloc, full"
+            ))
+        })?;
+        if chosen.is_some_and(|c| c != mode) {
+            return Err(UsageError(
+                "--preallocation and -o preallocation= ask for different modes".into(),
+            ));
+        }
+        chosen = Some(mode);
+    }
+    Ok(chosen.unwrap_or(PreallocArg::Off))
 }
 
 /// `--cache`, shared by serve, create and copy (qemu-nbd's and qemu-img's

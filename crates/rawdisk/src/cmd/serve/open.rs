@@ -35,14 +35,15 @@ pub(super) fn open_target(
             let open = format!("open {}: ", path.display());
             let msg = msg.strip_prefix(&open).unwrap_or(&msg);
             // Opened for writing by default (qemu-nbd and nbdkit do the same):
-            // a file the user may only read needs the flag, so say which.
+            // a file the user may only read needs the flag, so say which. One
+            // that cannot be read either would fail with it too: no advice.
             let denied = e
                 .errno()
                 .map(|n| std::io::Error::from_raw_os_error(n).kind());
             let hint = match denied {
                 Some(
                     std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem,
-                ) if !args.read_only => {
+                ) if !args.read_only && fs::File::open(path).is_ok() => {
                     "; it cannot be opened for writing: serve it with --read-only"
                 }
                 _ => "",
