@@ -132,7 +132,7 @@ def test_json_has_the_parameters(workdir):
                          capture_output=True, text=True, check=True)
     j = json.loads(res.stdout)
     assert j["checksum"] == blkhash(path)
-    assert (j["digest"], j["block-size"], j["size"], j["target"]) == \
+    assert (j["digest"], j["block-size"], j["virtual-size"], j["filename"]) == \
         ("sha256", BLOCK, 4 * MiB, path)
     assert j["bytes-read"] + j["bytes-skipped"] == 4 * MiB
 
