@@ -98,8 +98,8 @@ pub struct Args {
     /// Write the server's pid here once it is ready; removed at exit.
     #[arg(short = 'P', long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
-    /// Write the server's totals here as JSON when it exits (what SIGUSR1
-    /// logs): uptime-seconds; connections: accepted, negotiated, open,
+    /// Write the server's totals here as JSON when it exits (SIGUSR1 logs
+    /// the same document; docs/json.md): uptime-seconds; connections: accepted, negotiated, open,
     /// refused-at-cap, closed-in-handshake, unknown-export, tls-required;
     /// requests: per command (read, write, flush, trim, cache,
     /// write-zeroes, block-status, disc, other) its requests and bytes;
@@ -844,7 +844,7 @@ fn start_run(
 /// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
 /// otherwise end the process without a flush): stop accepting, finish
 /// in-flight requests, flush, exit 0; a second one exits at once with
-/// status 1. SIGUSR1: log the totals and go on.
+/// status 1. SIGUSR1: log the totals (the `--stats` document) and go on.
 fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Result<()> {
     let kinds = [
         (SignalKind::terminate(), "SIGTERM"),
@@ -880,7 +880,8 @@ fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Res
     let mut usr1 = signal(SignalKind::user_defined1()).context("SIGUSR1 handler")?;
     tokio::spawn(async move {
         while usr1.recv().await.is_some() {
-            tracing::info!("SIGUSR1: {}", server.stats());
+            // The --stats document, so one set of names serves both.
+            tracing::info!("SIGUSR1: totals {}", stats_json(&server.totals()));
         }
     });
     Ok(())
