@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 import servers
-from helpers import MiB, make_image, wait_for_line
+from helpers import KiB, MiB, connect, make_image, read_target, wait_for_line
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
 
@@ -195,3 +195,20 @@ def test_nbd_info_and_list_are_nbdinfos(workdir, serve):
     # No connection after the signal: the same counts, none open now.
     assert final["connections"]["accepted"] == logged["connections"]["accepted"] >= 4, final
     assert final["connections"]["open"] == 0, final
+
+
+def test_an_incremental_copy_names_its_checkpoint(workdir, serve):
+    src, _ = make_image(workdir, "disk.img", 4 * MiB, seed=94, sparse=True)
+    backup = os.path.join(workdir, "backup.img")
+    valid("checkpoint-create", json_of("checkpoint", "create", "--name", "c0", src))
+    valid("copy", json_of("copy", src, backup))
+    srv = serve(src, extra=["--track-changes"])
+    h = connect(srv.uri)
+    h.pwrite(b"\x77" * (4 * KiB), MiB + 8 * KiB)
+    h.flush()
+    h.shutdown()
+    j = valid("copy", json_of("copy", "--verify", "--changed-since", "c0", srv.uri, backup))
+    # One chunk of the default 64 KiB granularity changed.
+    assert (j["changed-since"], j["virtual-size"], j["bytes-copied"]) == \
+        ("c0", 4 * MiB, 64 * KiB), j
+    assert read_target(backup) == read_target(src)
