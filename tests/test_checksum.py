@@ -132,7 +132,7 @@ def test_json_has_the_parameters(workdir):
                          capture_output=True, text=True, check=True)
     j = json.loads(res.stdout)
     assert j["checksum"] == blkhash(path)
-    assert (j["digest"], j["block-size"], j["size"], j["target"]) == \
+    assert (j["digest"], j["block-size"], j["virtual-size"], j["filename"]) == \
         ("sha256", BLOCK, 4 * MiB, path)
     assert j["bytes-read"] + j["bytes-skipped"] == 4 * MiB
 
@@ -200,7 +200,7 @@ def test_the_name_as_given_and_standard_input(workdir):
                        stdin=cat.stdout, capture_output=True, text=True, timeout=60)
     cat.wait()
     j = json.loads(r.stdout)
-    assert (j["checksum"], j["size"], j["target"]) == (want, len(data), "-"), j
+    assert (j["checksum"], j["virtual-size"], j["filename"]) == (want, len(data), "-"), j
     r = subprocess.run([servers.RAWDISK_BIN, "checksum", "-"], input=b"",
                        capture_output=True, timeout=30)
     assert r.stdout.decode() == f"{blkhash(os.devnull)}  -\n"

@@ -401,10 +401,10 @@ def test_rawdisk_commands_against_a_dir_server(workdir, serve):
                               capture_output=True, text=True).stdout
 
     listing = json.loads(rawdisk("info", "--list", "--output", "json", uri_for(srv, "")))
-    assert {e["export-name"]: e["virtual-size"] for e in listing["exports"]} == {
+    assert {e["export-name"]: e["export-size"] for e in listing["exports"]} == {
         "a.img": 2 * MiB, "b.img": MiB}
     info = json.loads(rawdisk("info", "--output", "json", uri_for(srv, "b.img")))
-    assert info["virtual-size"] == MiB
+    assert info["exports"][0]["export-size"] == MiB
     extents = json.loads(rawdisk("map", "--output", "json", uri_for(srv, "b.img")))
     assert sum(e["length"] for e in extents) == MiB
     # An export by name to a file, and a file into an export by name.

@@ -243,7 +243,7 @@ def test_nbd_source(workdir, serve):
         srv = serve(path, read_only=True, extra=("-f", "raw"))
         uri = srv.uri
         i = rawdisk("info", "--output", "json", uri)
-        assert json.loads(i.stdout)["looks-like"] == fmt, i
+        assert json.loads(i.stdout)["exports"][0]["looks-like"] == fmt, i
         out = os.path.join(workdir, "out-" + name)
         assert_refused(rawdisk("copy", uri, out), uri, fmt)
         assert not os.path.exists(out)

@@ -139,7 +139,7 @@ def test_says_whether_the_connection_used_tls(workdir, serve, pki):
     for uri, used in ((plain, False), (tls, True)):
         r = rawdisk("info", "--output", "json", uri)
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["nbd"]["TLS"] is used
+        assert json.loads(r.stdout)["TLS"] is used
         human = rawdisk("info", uri).stdout
         words = "with TLS" if used else "without TLS"
         assert f"protocol:             newstyle-fixed {words}," in human, human

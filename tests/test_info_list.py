@@ -27,8 +27,11 @@ def listed(uri):
     r = rawdisk("info", "--list", "--output", "json", uri)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["server"] == uri
-    got = {e["export-name"]: (e.get("virtual-size"), e.get("read-only"), e.get("description"))
+    # nbdinfo --json --list's keys, so its users' scripts keep working.
+    assert (doc["protocol"], doc["TLS"]) == ("newstyle-fixed", uri.startswith("nbds"))
+    for e in doc["exports"]:
+        assert e["uri"].startswith(uri.split(":", 1)[0] + ":"), e
+    got = {e["export-name"]: (e.get("export-size"), e.get("is_read_only"), e.get("description"))
            for e in doc["exports"]}
     assert len(got) == len(doc["exports"]), "an export listed twice"
     human = rawdisk("info", "--list", uri)

@@ -43,9 +43,9 @@ def test_qemu_nbd_and_nbdkit_spellings(workdir, serve):
     r = rawdisk("info", "--list", "--output", "json", base)
     assert r.returncode == 0, r.stderr
     [e] = json.loads(r.stdout)["exports"]
-    assert (e["export-name"], e["description"], e["read-only"]) == ("vm", "the test disk", True)
+    assert (e["export-name"], e["description"], e["is_read_only"]) == ("vm", "the test disk", True)
     r = rawdisk("info", "--output", "json", srv.printed_uri)
-    assert json.loads(r.stdout)["nbd"]["description"] == "the test disk", r.stdout
+    assert json.loads(r.stdout)["exports"][0]["description"] == "the test disk", r.stdout
     assert_export_is(srv.printed_uri, model)
     with connected(srv.printed_uri) as h:
         assert h.is_read_only()

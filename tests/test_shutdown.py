@@ -4,6 +4,7 @@ exits 0; every write it acknowledged is in the file, and nothing else
 changed. SIGUSR1 logs the server's totals and changes nothing."""
 
 import errno
+import json
 import os
 import signal
 import struct
@@ -149,10 +150,12 @@ def test_sigusr1_logs_totals_and_serving_goes_on(workdir, serve):
         assert time.monotonic() < deadline, srv.stderr()
         time.sleep(0.05)
     line = next(x for x in srv.stderr().splitlines() if "SIGUSR1" in x)
-    assert "2 accepted" in line, line
-    assert "read 4 (200704 bytes)" in line, line
-    assert "write 1 (131072 bytes)" in line, line
-    assert "NBD_EINVAL 1" in line, line
+    # The --stats document on one line.
+    got = json.loads(line[line.index("{"):])
+    assert got["connections"]["accepted"] == 2, line
+    assert got["requests"]["read"] == {"requests": 4, "bytes": 200704}, line
+    assert got["requests"]["write"] == {"requests": 1, "bytes": 131072}, line
+    assert got["errors"]["einval"] == 1, line
     srv.assert_alive()
     assert h.pread(len(data), 5 * MiB) == data
     h2.shutdown()

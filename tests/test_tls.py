@@ -338,12 +338,13 @@ def test_rawdisk_client_against_nbdkit(workdir, pki, ref_server, kind):
 
     r = rawdisk("info", "--output", "json", uri)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["virtual-size"] == SIZE, r.stdout
+    doc = json.loads(r.stdout)
+    assert (doc["TLS"], doc["exports"][0]["export-size"]) == (True, SIZE), r.stdout
     r = rawdisk("map", uri)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
     r = rawdisk("info", "--list", "--output", "json", uri)
     assert r.returncode == 0, r.stderr
-    assert [(e["export-name"], e["virtual-size"])
+    assert [(e["export-name"], e["export-size"])
             for e in json.loads(r.stdout)["exports"]] == [("", SIZE)], r.stdout
     r = rawdisk("info", "--list", f"nbd+unix:///?socket={sock}")
     assert r.returncode == 1 and "requires TLS" in r.stderr, r.stderr

@@ -185,12 +185,15 @@ impl Default for ChecksumOptions {
 /// What `checksum` computed and how.
 #[derive(Debug, Clone, Serialize)]
 pub struct ChecksumReport {
+    /// The target's name, under the key `info` uses.
+    #[serde(rename = "filename")]
     pub target: String,
     /// Hex, lower case, as sha256sum and blksum print it.
     pub checksum: String,
     pub digest: DigestAlg,
     #[serde(rename = "block-size")]
     pub block_size: u64,
+    #[serde(rename = "virtual-size")]
     pub size: u64,
     /// Bytes read from the target.
     #[serde(rename = "bytes-read")]

@@ -59,24 +59,19 @@ pub enum Outcome {
     SizeMismatch,
 }
 
-/// What `compare` found; `--output json` prints it with qemu-img's
-/// kebab-case names (`outcome` is "identical", "size-mismatch" or
-/// `{"mismatch": SECTOR_OFFSET}`).
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "kebab-case")]
+/// What `compare` found; `--output json` prints it in the vocabulary of
+/// docs/json.md (`outcome` always a string, each image as `info` names it).
+#[derive(Debug, Clone)]
 pub struct CompareReport {
     pub outcome: Outcome,
+    pub filename_a: String,
+    pub filename_b: String,
     pub size_a: u64,
     pub size_b: u64,
     /// The first byte that differs, when there is a mismatch.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub first_byte: Option<u64>,
     pub bytes_read: u64,
     pub bytes_skipped: u64,
-    #[serde(
-        rename = "elapsed-seconds",
-        serialize_with = "crate::output::serialize_secs"
-    )]
     pub elapsed: Duration,
 }
 
@@ -98,11 +93,29 @@ impl CompareReport {
         s
     }
 
-    /// The exit status qemu-img uses: 0 identical, 1 different.
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+        let mut v = serde_json::json!({
+            "outcome": match self.outcome {
+                Outcome::Identical => "identical",
+                Outcome::Mismatch(_) => "mismatch",
+                Outcome::SizeMismatch => "size-mismatch",
+            },
+            "a": { "filename": self.filename_a, "virtual-size": self.size_a },
+            "b": { "filename": self.filename_b, "virtual-size": self.size_b },
+            "bytes-read": self.bytes_read,
+            "bytes-skipped": self.bytes_skipped,
+            "elapsed-seconds": crate::output::secs(self.elapsed),
+        });
+        if let Outcome::Mismatch(o) = self.outcome {
+            v["mismatch-offset"] = o.into();
+        }
+        if let Some(b) = self.first_byte {
+            v["first-byte"] = b.into();
+        }
+        serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
     }
 
+    /// The exit status qemu-img uses: 0 identical, 1 different.
     pub fn exit_code(&self) -> u8 {
         match self.outcome {
             Outcome::Identical => 0,
@@ -238,6 +251,8 @@ pub fn compare_endpoints(
     };
     let mut report = CompareReport {
         outcome: Outcome::Identical,
+        filename_a: a.name(),
+        filename_b: b.name(),
         size_a,
         size_b,
         first_byte: None,

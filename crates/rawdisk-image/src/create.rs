@@ -140,6 +140,35 @@ impl CreateReport {
     }
 }
 
+impl CreateReport {
+    /// `create --output json` (docs/json.md).
+    pub fn to_json(&self) -> String {
+        let mut v = serde_json::json!({
+            "filename": self.path.display().to_string(),
+            "kind": match self.kind {
+                Kind::File => "file",
+                Kind::Block => "block",
+            },
+            "virtual-size": self.size,
+            "preallocation": prealloc_name(self.prealloc),
+            "fell-back": self.fell_back,
+            "bytes-written": self.bytes_written,
+            "replaced": self.replaced,
+            "elapsed-seconds": crate::output::secs(self.elapsed),
+        });
+        if let Some(m) = self.method {
+            v["method"] = m.name().into();
+        }
+        if let Some(d) = self.device_size {
+            v["device-size"] = d.into();
+        }
+        if let Some(m) = &self.zeroed_with {
+            v["zeroed-with"] = m.iter().map(|m| m.name()).collect::<Vec<_>>().into();
+        }
+        serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+    }
+}
+
 fn method_list(m: &[Method]) -> String {
     if m.is_empty() {
         "nothing (empty device)".into()

@@ -28,6 +28,9 @@ pub struct Info {
     /// Bytes allocated (st_blocks × 512); absent where it cannot be known.
     #[serde(rename = "actual-size", skip_serializing_if = "Option::is_none")]
     pub actual_size: Option<u64>,
+    /// Always false, as qemu-img prints it for raw: no format to mark dirty.
+    #[serde(rename = "dirty-flag")]
+    pub dirty_flag: bool,
     /// "file", "block" or "nbd".
     pub kind: &'static str,
     #[serde(
@@ -47,8 +50,9 @@ pub struct Info {
     pub rotational: bool,
     #[serde(rename = "read-only")]
     pub read_only: bool,
-    /// For an NBD URI: what the handshake told, with nbdinfo's key names.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// For an NBD URI: what the handshake told; its JSON is nbdinfo's
+    /// instead of this one's (`to_json`).
+    #[serde(skip)]
     pub nbd: Option<NbdExport>,
     /// Alignment O_DIRECT (`--cache none`) needs; absent where O_DIRECT is
     /// not known to work.
@@ -100,6 +104,7 @@ pub fn info_path(path: &Path) -> Result<Info> {
         looks_like,
         virtual_size: t.size(),
         actual_size: actual,
+        dirty_flag: false,
         kind,
         logical_sector_size: Some(g.logical_sector),
         physical_sector_size: Some(g.physical_sector),
@@ -117,8 +122,40 @@ pub fn info_path(path: &Path) -> Result<Info> {
 }
 
 impl Info {
+    /// qemu-img's keys for a file or block device, `nbdinfo --json`'s for
+    /// an NBD export, so scripts written for either keep working.
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+        let text = match &self.nbd {
+            Some(n) => serde_json::to_string_pretty(&NbdInfoJson {
+                protocol: n.protocol,
+                tls: n.tls,
+                structured: Some(n.structured_replies),
+                extended_headers: Some(n.extended_headers),
+                exports: vec![NbdExportJson {
+                    export_name: n.export_name.clone(),
+                    description: n.description.clone(),
+                    uri: self.filename.clone(),
+                    contexts: Some(n.contexts.clone()),
+                    is_rotational: Some(self.rotational),
+                    is_read_only: Some(self.read_only),
+                    can_cache: Some(n.can_cache),
+                    can_df: Some(n.can_df),
+                    can_fast_zero: Some(n.can_fast_zero),
+                    can_flush: Some(n.can_flush),
+                    can_fua: Some(n.can_fua),
+                    can_multi_conn: Some(n.can_multi_conn),
+                    can_trim: Some(n.can_trim),
+                    can_zero: Some(n.can_zero),
+                    block_size_minimum: n.block_size_minimum,
+                    block_size_preferred: n.block_size_preferred,
+                    block_size_maximum: n.block_size_maximum,
+                    export_size: Some(self.virtual_size),
+                    looks_like: self.looks_like,
+                }],
+            }),
+            None => serde_json::to_string_pretty(self),
+        };
+        text.unwrap_or_default() + "\n"
     }
 
     /// qemu-img's first four lines, then the rest aligned.
@@ -289,24 +326,76 @@ pub fn info_target_or_uri(target: &str) -> Result<Info> {
     info_path(Path::new(target))
 }
 
-/// An NBD export as the handshake described it: what `nbdinfo --json` shows,
-/// in qemu-img's kebab-case, without what the top level already says (size,
-/// rotational, read-only).
+/// `info --output json` on an NBD URI and `info --list`: `nbdinfo --json`'s
+/// document, key for key (docs/json.md).
 #[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct NbdExport {
+pub struct NbdInfoJson {
+    pub protocol: &'static str,
+    #[serde(rename = "TLS")]
+    pub tls: bool,
+    /// Absent from a listing, which negotiates nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub structured: Option<bool>,
+    /// Not in nbdinfo's document: whether extended headers were negotiated.
+    #[serde(rename = "extended-headers", skip_serializing_if = "Option::is_none")]
+    pub extended_headers: Option<bool>,
+    pub exports: Vec<NbdExportJson>,
+}
+
+/// One export in nbdinfo's words; what a listing could not learn is absent.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NbdExportJson {
+    #[serde(rename = "export-name")]
     pub export_name: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    pub uri: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub contexts: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub is_rotational: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub is_read_only: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_cache: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_df: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_fast_zero: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_flush: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_fua: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_multi_conn: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_trim: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub can_zero: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size_minimum: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size_preferred: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size_maximum: Option<u32>,
+    #[serde(rename = "export-size", skip_serializing_if = "Option::is_none")]
+    pub export_size: Option<u64>,
+    /// Not in nbdinfo's document: the image format the export's bytes show.
+    #[serde(rename = "looks-like", skip_serializing_if = "Option::is_none")]
+    pub looks_like: Option<&'static str>,
+}
+
+/// An NBD export as the handshake described it (the human form's fields).
+#[derive(Debug, Clone)]
+pub struct NbdExport {
+    pub export_name: String,
+    pub description: Option<String>,
     pub protocol: &'static str,
-    /// Whether the connection used TLS (nbdinfo --json's key).
-    #[serde(rename = "TLS")]
+    /// Whether the connection used TLS.
     pub tls: bool,
     pub structured_replies: bool,
     pub extended_headers: bool,
     pub contexts: Vec<String>,
-    /// Transmission flags that are set (NBD_FLAG_* names).
-    pub flags: Vec<&'static str>,
     pub can_cache: bool,
     pub can_df: bool,
     pub can_fast_zero: bool,
@@ -316,11 +405,8 @@ pub struct NbdExport {
     pub can_trim: bool,
     pub can_zero: bool,
     /// Only when the server sent NBD_INFO_BLOCK_SIZE (as nbdinfo).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size_minimum: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size_preferred: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size_maximum: Option<u32>,
 }
 
@@ -412,7 +498,6 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
         structured_replies: i.structured_replies,
         extended_headers: i.extended_headers,
         contexts: i.meta_context.iter().cloned().collect(),
-        flags: i.flag_names(),
         can_cache: i.can_cache(),
         can_df: i.can_df(),
         can_fast_zero: i.can_fast_zero(),
@@ -431,6 +516,7 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
         looks_like,
         virtual_size: size,
         actual_size: None,
+        dirty_flag: false,
         kind: "nbd",
         logical_sector_size: None,
         physical_sector_size: None,
@@ -447,23 +533,22 @@ pub fn info_nbd(uri: &str) -> Result<Info> {
 
 /// The exports an NBD server offers (`rawdisk info --list`), as NBD_OPT_LIST
 /// names them and NBD_OPT_INFO sizes them.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct ExportList {
     pub server: String,
+    pub tls: bool,
     pub exports: Vec<ListedExport>,
 }
 
-/// One listed export, with the key names `info` uses.
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "kebab-case")]
+/// One listed export.
+#[derive(Debug, Clone)]
 pub struct ListedExport {
     pub export_name: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The URI that connects to this export.
+    pub uri: String,
     pub description: Option<String>,
     /// Absent when the server would not describe the export.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub virtual_size: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub read_only: Option<bool>,
 }
 
@@ -476,7 +561,8 @@ pub fn list_nbd(uri: &str) -> Result<ExportList> {
             "cannot list exports of '{uri}': not an NBD URI (--list asks an NBD server, e.g. nbd://host or nbd+unix:///?socket=PATH)"
         )));
     }
-    let parsed = rawdisk_nbd::uri::NbdUri::parse(uri)
+    use rawdisk_nbd::uri::NbdUri;
+    let parsed = NbdUri::parse(uri)
         .map_err(|e| Error::msg(format!("cannot list exports of '{uri}': {e}")))?;
     let timeout = std::time::Duration::from_secs(30);
     let listed = crate::endpoint::runtime()
@@ -492,9 +578,15 @@ pub fn list_nbd(uri: &str) -> Result<ExportList> {
         })?;
     Ok(ExportList {
         server: uri.to_string(),
+        tls: parsed.tls.is_some(),
         exports: listed
             .into_iter()
             .map(|e| ListedExport {
+                uri: NbdUri {
+                    export: e.name.clone(),
+                    ..parsed.clone()
+                }
+                .to_string(),
                 export_name: e.name,
                 description: e.description,
                 virtual_size: e.info.as_ref().map(|i| i.size),
@@ -505,8 +597,27 @@ pub fn list_nbd(uri: &str) -> Result<ExportList> {
 }
 
 impl ExportList {
+    /// `nbdinfo --json --list`'s document, with what the listing learned.
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).unwrap_or_default() + "\n"
+        let doc = NbdInfoJson {
+            protocol: "newstyle-fixed",
+            tls: self.tls,
+            structured: None,
+            extended_headers: None,
+            exports: self
+                .exports
+                .iter()
+                .map(|e| NbdExportJson {
+                    export_name: e.export_name.clone(),
+                    description: e.description.clone(),
+                    uri: e.uri.clone(),
+                    is_read_only: e.read_only,
+                    export_size: e.virtual_size,
+                    ..NbdExportJson::default()
+                })
+                .collect(),
+        };
+        serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
     }
 
     /// One row per export: name, size, access, description.

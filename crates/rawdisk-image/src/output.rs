@@ -50,12 +50,18 @@ pub fn human_rate(bytes: u64, secs: f64) -> String {
     format!("{}/s", human_size((bytes as f64 / secs) as u64))
 }
 
-/// A duration in JSON summaries: seconds, to the millisecond.
+/// A duration in JSON summaries (`elapsed-seconds`): seconds, to the
+/// millisecond.
+pub fn secs(d: std::time::Duration) -> f64 {
+    (d.as_secs_f64() * 1000.0).round() / 1000.0
+}
+
+/// [`secs`] for serde's `serialize_with`.
 pub fn serialize_secs<S: serde::Serializer>(
     d: &std::time::Duration,
     s: S,
 ) -> Result<S::Ok, S::Error> {
-    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
+    s.serialize_f64(secs(*d))
 }
 
 /// Prints `key: value` lines with the values aligned in one column.

@@ -95,9 +95,10 @@ pub struct ResizeReport {
     pub filename: String,
     /// "file" or "block".
     pub kind: &'static str,
-    #[serde(rename = "old-size")]
+    #[serde(rename = "old-virtual-size")]
     pub old_size: u64,
-    #[serde(rename = "new-size")]
+    /// The size now, under the key every command uses for a target's size.
+    #[serde(rename = "virtual-size")]
     pub new_size: u64,
     pub preallocation: &'static str,
     /// What allocated the new tail: "fallocate" or "write-zeros".

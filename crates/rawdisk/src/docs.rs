@@ -113,7 +113,7 @@ const SIGNALS_SERVE: &[(&str, &str)] = &[
     (
         "SIGUSR1",
         "Log the server's totals (connections, requests and bytes per command, \
-         errors) and go on serving.",
+         errors) as one line of JSON, the document --stats writes, and go on serving.",
     ),
 ];
 

@@ -39,8 +39,8 @@ fn output_like_sha256sum_and_json_with_the_parameters() {
     assert_eq!(j["checksum"], digest);
     assert_eq!(j["digest"], "sha256");
     assert_eq!(j["block-size"], 65536);
-    assert_eq!(j["size"], 20 * MIB + 5);
-    assert_eq!(j["target"], ps);
+    assert_eq!(j["virtual-size"], 20 * MIB + 5);
+    assert_eq!(j["filename"], ps);
 
     for (alg, hexlen) in [("sha1", 40), ("md5", 32), ("blake2b512", 128)] {
         let j = run_rawdisk(&["checksum", "-d", alg, "--output", "json", ps])

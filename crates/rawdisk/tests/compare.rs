@@ -258,14 +258,21 @@ fn json_output_names_outcome_sizes_and_first_byte() {
     let j: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
     assert_eq!(code, 0, "{out}");
     assert_eq!(j["outcome"], "identical", "{j}");
-    assert_eq!(j["size-a"], 4 * MIB);
+    assert_eq!(
+        j["a"],
+        serde_json::json!({"filename": a, "virtual-size": 4 * MIB})
+    );
     assert!(j.get("first-byte").is_none(), "{j}");
 
     poke(Path::new(b), 3 * MIB + 1234, b"!");
     let (code, out) = ours(a, b, &["--output", "json"]);
     let j: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
     assert_eq!(code, 1, "{out}");
-    assert_eq!(j["outcome"]["mismatch"], 3 * MIB + 1024, "{j}");
+    assert_eq!(j["outcome"], "mismatch", "{j}");
+    assert_eq!(j["mismatch-offset"], 3 * MIB + 1024, "{j}");
     assert_eq!(j["first-byte"], 3 * MIB + 1234, "{j}");
-    assert_eq!(j["size-b"], 4 * MIB);
+    assert_eq!(
+        j["b"],
+        serde_json::json!({"filename": b, "virtual-size": 4 * MIB})
+    );
 }

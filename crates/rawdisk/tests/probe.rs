@@ -83,7 +83,7 @@ fn probe_file_unchanged(path: &Path) -> serde_json::Value {
     }
     assert_eq!(j["kind"], "file");
     assert_eq!(j["tested-on"], "scratch-file");
-    assert_eq!(j["size"].as_u64().unwrap(), md.len());
+    assert_eq!(j["virtual-size"].as_u64().unwrap(), md.len());
     j
 }
 

@@ -46,8 +46,8 @@ fn relative_and_absolute_sizes() {
     ])
     .ok()
     .json();
-    assert_eq!(j["old-size"], 3 * MIB - 512 * 1024);
-    assert_eq!(j["new-size"], 4 * MIB);
+    assert_eq!(j["old-virtual-size"], 3 * MIB - 512 * 1024);
+    assert_eq!(j["virtual-size"], 4 * MIB);
     assert_eq!(j["preallocation"], "full");
     assert_eq!(j["method"], "write-zeros");
     assert_eq!(j["bytes-written"], MIB + 512 * 1024);

@@ -60,9 +60,10 @@ fn short_flags_of_qemu_nbd_and_nbdkit() {
         assert!(uri.starts_with("nbd+unix:///foo?socket="), "{uri}");
         let j = run_rawdisk(&["info", "--output", "json", &uri]).ok().json();
         stop(c);
-        assert_eq!(j["read-only"], true, "{j}");
-        assert_eq!(j["nbd"]["export-name"], "foo", "{j}");
-        assert_eq!(j["virtual-size"], 1 << 20, "{j}");
+        let e = &j["exports"][0];
+        assert_eq!(e["is_read_only"], true, "{j}");
+        assert_eq!(e["export-name"], "foo", "{j}");
+        assert_eq!(e["export-size"], 1 << 20, "{j}");
     }
     // --bind PORT alone: loopback; -b/-i HOST with -p PORT.
     for args in [
@@ -79,7 +80,7 @@ fn short_flags_of_qemu_nbd_and_nbdkit() {
         let j = run_rawdisk(&["info", "--output", "json", &uri]).ok().json();
         stop(c);
         assert_eq!(uri, format!("nbd://127.0.0.1:{port}/"), "{a:?}");
-        assert_eq!(j["read-only"], false, "{j}");
+        assert_eq!(j["exports"][0]["is_read_only"], false, "{j}");
     }
     // A port given twice, and a TCP port with a Unix socket, are usage errors.
     run_rawdisk(&["serve", "-b", "127.0.0.1:1", "-p", "2", img]).fails_one_line(2);

@@ -116,9 +116,12 @@ pub struct ZeroReport {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ProbeReport {
+    /// The target's name, under the key `info` uses.
+    #[serde(rename = "filename")]
     pub target: String,
     /// "file" or "block".
     pub kind: &'static str,
+    #[serde(rename = "virtual-size")]
     pub size: u64,
     #[serde(rename = "logical-sector-size")]
     pub logical_sector_size: u32,

@@ -1,4 +1,4 @@
-//! `rawdisk checkpoint create [--name NAME] [--state-dir DIR] TARGET`,
+//! `rawdisk checkpoint create [--name NAME] [--output human|json] [--state-dir DIR] TARGET`,
 //! `rawdisk checkpoint list [--output human|json] [--state-dir DIR] TARGET`,
 //! `rawdisk checkpoint delete --name NAME [--state-dir DIR] TARGET`
 
@@ -20,9 +20,10 @@ use super::{OutputArg, UsageError};
 /// --state-dir DIR in DIR (required for block devices). All three work while
 /// a server tracks the target.
 ///
-/// create [--name NAME] [--state-dir DIR] TARGET: a new checkpoint (NAME:
-/// 1 to 63 of A-Z a-z 0-9 . _ -, not starting with . or -; default cp-N),
-/// printing its name.
+/// create [--name NAME] [--output human|json] [--state-dir DIR] TARGET: a
+/// new checkpoint (NAME: 1 to 63 of A-Z a-z 0-9 . _ -, not starting with .
+/// or -; default cp-N), printing its name (--output json: the checkpoint
+/// as list prints it, with the target's filename).
 ///
 /// list [--output human|json] [--state-dir DIR] TARGET: one line per
 /// checkpoint, oldest first: name, creation time (UTC), and `consistent` or
@@ -53,6 +54,9 @@ enum Action {
         /// The checkpoint's name (default: cp-N, N one more than the highest).
         #[arg(long)]
         name: Option<String>,
+        /// The name alone, or a JSON object (docs/json.md).
+        #[arg(long, value_enum, default_value = "human")]
+        output: OutputArg,
         #[command(flatten)]
         common: Common,
     },
@@ -90,11 +94,22 @@ struct Common {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.action {
-        Action::Create { name, common } => {
+        Action::Create {
+            name,
+            output,
+            common,
+        } => {
             check_name(name.as_deref())?;
             let mut f = open(&common, true)?;
             let cp = f.create_checkpoint(name.as_deref())?;
-            crate::out::println(&cp.name)?;
+            match output {
+                OutputArg::Human => crate::out::println(&cp.name)?,
+                OutputArg::Json => {
+                    let mut v = checkpoint_json(&cp);
+                    v["filename"] = common.target.display().to_string().into();
+                    crate::out::println(serde_json::to_string_pretty(&v).unwrap_or_default())?;
+                }
+            }
         }
         Action::List { output, common } => {
             let cps = match state_exists(&common)? {
@@ -166,18 +181,19 @@ fn to_human(cps: &[CheckpointInfo]) -> String {
         .collect()
 }
 
+/// One checkpoint in the JSON of `list` and `create`: its time in RFC 3339,
+/// as the human form prints it.
+fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
+    serde_json::json!({
+        "name": c.name,
+        "created": utc(c.created),
+        "consistent": c.consistent,
+        "reason": c.reason,
+    })
+}
+
 fn to_json(cps: &[CheckpointInfo]) -> String {
-    let v: Vec<serde_json::Value> = cps
-        .iter()
-        .map(|c| {
-            serde_json::json!({
-                "name": c.name,
-                "created": c.created,
-                "consistent": c.consistent,
-                "reason": c.reason,
-            })
-        })
-        .collect();
+    let v: Vec<serde_json::Value> = cps.iter().map(checkpoint_json).collect();
     serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
 }
 

@@ -15,14 +15,14 @@
 //! `--changed-since NAME` copies only the ranges changed since a checkpoint
 //! onto the previous backup (an incremental backup; copy/changed.rs).
 
-use super::{CacheArg, FormatArg, FormatOpt, PreallocArg};
+use super::{CacheArg, FormatArg, FormatOpt, OutputArg, PreallocArg};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rawdisk_image::copy::{
-    self, CopyError, CopyOptions, CopyStats, OffloadMode, Report, Side, ZeroMode,
+    self, CopyError, CopyOptions, CopyStats, OffloadMode, Report, Side, VerifyStats, ZeroMode,
 };
 use rawdisk_image::endpoint::Endpoint;
 
@@ -158,6 +158,9 @@ pub struct Args {
     /// No summary line.
     #[arg(short, long)]
     quiet: bool,
+    /// The summary as a line, or as a JSON object (docs/json.md).
+    #[arg(long, value_enum, default_value = "human")]
+    output: OutputArg,
 }
 
 pub fn run(a: Args) -> anyhow::Result<ExitCode> {
@@ -288,7 +291,14 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             .close()
             .map_err(|e| anyhow::anyhow!("destination {e}"))?;
     }
-    if !a.quiet {
+    if !a.quiet && matches!(a.output, OutputArg::Json) {
+        let doc = summary_json(&a, &stats, None, verified.as_ref());
+        if a.destination == "-" {
+            eprint!("{doc}");
+        } else {
+            print!("{doc}");
+        }
+    } else if !a.quiet {
         let mut line = summary(&stats);
         if let Some(v) = verified {
             line.push_str(&format!(
@@ -411,7 +421,9 @@ fn run_changed(
     inc.dst
         .close()
         .map_err(|e| anyhow::anyhow!("destination {e}"))?;
-    if !a.quiet {
+    if !a.quiet && matches!(a.output, OutputArg::Json) {
+        print!("{}", summary_json(a, &stats, Some(name), verified.as_ref()));
+    } else if !a.quiet {
         let mut line = format!(
             "changed since {name}: {} of {} ({} of {} bytes); {}",
             human(inc.changed()),
@@ -426,6 +438,39 @@ fn run_changed(
         crate::out::println(&line)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `copy --output json`: the summary's figures, bytes by method.
+fn summary_json(
+    a: &Args,
+    stats: &CopyStats,
+    changed_since: Option<&str>,
+    verified: Option<&VerifyStats>,
+) -> String {
+    let mut v = serde_json::json!({
+        "source": a.source,
+        "destination": a.destination,
+        "virtual-size": stats.size,
+        "bytes-copied": stats.changed.unwrap_or(stats.size),
+        "bytes-read": stats.bytes_read,
+        "bytes-written": stats.bytes_written,
+        "bytes-zeroed": stats.bytes_zeroed,
+        "bytes-skipped": stats.bytes_skipped,
+        "bytes-reflinked": stats.bytes_reflinked,
+        "bytes-copy-file-range": stats.bytes_copy_range,
+        "reconnects": stats.reconnects,
+        "elapsed-seconds": rawdisk_image::output::secs(stats.elapsed),
+    });
+    if let Some(n) = changed_since {
+        v["changed-since"] = n.into();
+    }
+    if let Some(s) = verified {
+        v["verified"] = serde_json::json!({
+            "bytes-compared": s.bytes_compared,
+            "bytes-skipped": s.bytes_skipped,
+        });
+    }
+    serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
 }
 
 fn summary(stats: &CopyStats) -> String {

@@ -8,7 +8,7 @@
 //! how much it wrote instead. Progress (bytes/s, ETA) goes to stderr while
 //! data is written, only when stderr is a terminal.
 
-use super::{CacheArg, FormatArg, PreallocArg};
+use super::{CacheArg, FormatArg, OutputArg, PreallocArg};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +53,9 @@ pub struct Args {
     /// Print nothing on success and no progress.
     #[arg(short, long)]
     quiet: bool,
+    /// The line on success, or a JSON object (docs/json.md).
+    #[arg(long, value_enum, default_value = "human")]
+    output: OutputArg,
     /// File to create, or block device.
     target: PathBuf,
     /// Size, with qemu-img suffixes: 512, 64K, 10G, 1.5T.
@@ -88,7 +91,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let report = create(&opts, &bar)?;
     if !args.quiet {
-        crate::out::println(report.summary())?;
+        match args.output {
+            OutputArg::Human => crate::out::println(report.summary())?,
+            OutputArg::Json => crate::out::print(&report.to_json())?,
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -164,7 +164,7 @@ impl FormatOpt {
     }
 }
 
-/// `--output`, shared by info, map, probe and checkpoint list (qemu-img's `--output=json`).
+/// `--output`, shared by the commands that print a report (qemu-img's `--output=json`).
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum OutputArg {
     Human,

@@ -93,8 +93,8 @@ pub struct Args {
     /// Write the server's pid here once it is ready; removed at exit.
     #[arg(short = 'P', long, value_name = "PATH")]
     pub(super) pid_file: Option<PathBuf>,
-    /// Write the server's totals here as JSON when it exits (what SIGUSR1
-    /// logs): uptime-seconds; connections: accepted, negotiated, open,
+    /// Write the server's totals here as JSON when it exits (SIGUSR1 logs
+    /// the same document; docs/json.md): uptime-seconds; connections: accepted, negotiated, open,
     /// refused-at-cap, closed-in-handshake, unknown-export, tls-required;
     /// requests: per command (read, write, flush, trim, cache,
     /// write-zeroes, block-status, disc, other) its requests and bytes;

@@ -160,7 +160,7 @@ pub(super) fn start_run(
 /// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
 /// otherwise end the process without a flush): stop accepting, finish
 /// in-flight requests, flush, exit 0; a second one exits at once with
-/// status 1. SIGUSR1: log the totals and go on.
+/// status 1. SIGUSR1: log the totals (the `--stats` document) and go on.
 pub(super) fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Result<()> {
     let kinds = [
         (SignalKind::terminate(), "SIGTERM"),
@@ -196,7 +196,11 @@ pub(super) fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> 
     let mut usr1 = signal(SignalKind::user_defined1()).context("SIGUSR1 handler")?;
     tokio::spawn(async move {
         while usr1.recv().await.is_some() {
-            tracing::info!("SIGUSR1: {}", server.stats());
+            // The --stats document, so one set of names serves both.
+            tracing::info!(
+                "SIGUSR1: totals {}",
+                super::stats::stats_json(&server.totals())
+            );
         }
     });
     Ok(())
