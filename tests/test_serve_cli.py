@@ -218,7 +218,7 @@ def test_second_server_on_a_live_socket(workdir, serve):
     for _ in range(3):
         r = rawdisk("serve", "-U", first.sock, path)
         assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-        assert f"cannot listen on '{first.sock}': another server" in r.stderr, r.stderr
+        assert f"cannot listen on '{first.sock}': it is in use by another server" in r.stderr, r.stderr
         assert r.stdout == ""
     time.sleep(0.3)
     assert first.stderr() == "", first.stderr()

@@ -186,7 +186,7 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
     }
     if std::os::unix::net::UnixStream::connect(path).is_ok() {
         bail!(
-            "cannot listen on '{}': another server is listening on it \
+            "cannot listen on '{}': it is in use by another server \
              (stop that one first, or choose another socket)",
             path.display()
         );
