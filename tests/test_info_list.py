@@ -5,6 +5,7 @@ line when the server will not list."""
 
 import json
 import os
+import socket
 import subprocess
 import time
 
@@ -46,13 +47,25 @@ def listed(uri):
     return got
 
 
+def accepts(sock):
+    """Whether a server listens on the Unix socket `sock`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(sock)
+            return True
+        except OSError:
+            return False
+
+
 class Daemon:
     """A reference server in the foreground on a Unix socket."""
 
     def __init__(self, argv, sock):
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
-        while not os.path.exists(sock):
+        # The socket file appears at bind(), before listen(): wait for a
+        # connect to be accepted, or the first client may be refused.
+        while not accepts(sock):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 pytest.fail(f"{argv[0]} did not start: {self.proc.stderr.read().decode()}")
