@@ -209,6 +209,19 @@ const FILES_COPY: &[(&str, &str)] = &[(
      state (DIR/NAME.rawdisk-cbt with --state-dir DIR).",
 )];
 
+/// rawdisk-checkpoint(1) and its nested commands' pages differ only in
+/// the command.
+const fn checkpoint_page(path: &'static str) -> Page {
+    Page {
+        path,
+        exit: EXIT,
+        signals: &[],
+        environment: ENV,
+        files: FILES_CHECKPOINT,
+        see_also: &["rawdisk-copy(1)", "rawdisk-serve(1)"],
+    }
+}
+
 /// One entry per page, rawdisk(1) first, then each command in --help's
 /// order with its nested commands after it.
 const PAGES: &[Page] = &[
@@ -305,38 +318,10 @@ const PAGES: &[Page] = &[
         files: &[],
         see_also: &["rawdisk-checksum(1)", "rawdisk-copy(1)", "qemu-img(1)"],
     },
-    Page {
-        path: "checkpoint",
-        exit: EXIT,
-        signals: &[],
-        environment: ENV,
-        files: FILES_CHECKPOINT,
-        see_also: &["rawdisk-copy(1)", "rawdisk-serve(1)"],
-    },
-    Page {
-        path: "checkpoint create",
-        exit: EXIT,
-        signals: &[],
-        environment: ENV,
-        files: FILES_CHECKPOINT,
-        see_also: &["rawdisk-copy(1)", "rawdisk-serve(1)"],
-    },
-    Page {
-        path: "checkpoint list",
-        exit: EXIT,
-        signals: &[],
-        environment: ENV,
-        files: FILES_CHECKPOINT,
-        see_also: &["rawdisk-copy(1)", "rawdisk-serve(1)"],
-    },
-    Page {
-        path: "checkpoint delete",
-        exit: EXIT,
-        signals: &[],
-        environment: ENV,
-        files: FILES_CHECKPOINT,
-        see_also: &["rawdisk-copy(1)", "rawdisk-serve(1)"],
-    },
+    checkpoint_page("checkpoint"),
+    checkpoint_page("checkpoint create"),
+    checkpoint_page("checkpoint list"),
+    checkpoint_page("checkpoint delete"),
 ];
 
 pub fn run(cmd: clap::Command, args: Args) -> anyhow::Result<ExitCode> {

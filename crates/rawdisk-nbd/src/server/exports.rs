@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use rawdisk_storage::cbt::{CbtError, TrackOptions, Tracker, STATE_SUFFIX};
-use rawdisk_storage::{OpenOptions, Target};
+use rawdisk_storage::{Lookup, OpenOptions, Target};
 use tracing::{debug, info, warn};
 
 pub(super) use super::export::Export;
@@ -354,9 +354,9 @@ impl Dir {
         opts: &OpenOptions,
     ) -> rawdisk_storage::Result<Target> {
         let dir = self.fd.as_fd();
-        match Target::open_beneath(dir, Path::new(name), path, opts) {
+        match Target::open_in(dir, Path::new(name), path, opts, Lookup::Beneath) {
             Err(e) if e.errno() == Some(libc::ENOSYS) => {
-                let t = Target::open_at(dir, Path::new(name), path, opts)?;
+                let t = Target::open_in(dir, Path::new(name), path, opts, Lookup::Unrestricted)?;
                 if t.file_id()? != checked {
                     return Err(rawdisk_storage::Error::new(
                         "open",

@@ -11,6 +11,9 @@ use std::time::Duration;
 use rawdisk_nbd::server::{Listener, Server};
 use tokio::sync::watch;
 
+/// The raw-bytes client and the temp-file server of the `server_*` tests.
+pub mod harness;
+
 /// Where the server listens.
 pub enum Bind {
     Unix(PathBuf),

@@ -258,6 +258,18 @@ pub struct Target {
     copy_pair: std::sync::Mutex<Option<(u64, Arc<crate::caps::CopyCaps>)>>,
 }
 
+/// How [`Target::open_in`] resolves a name under its directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// No step of the lookup, symlinks included, leaves the directory:
+    /// openat2 with RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS, EXDEV for a
+    /// path that would, ENOSYS on kernels without openat2.
+    Beneath,
+    /// Plain openat: for callers that check the opened target's identity
+    /// ([`Target::file_id`]) themselves where openat2 is missing.
+    Unrestricted,
+}
+
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Target")
@@ -276,44 +288,35 @@ impl Target {
     }
 
     pub fn open_with_sys(path: &Path, opts: &OpenOptions, sys: Arc<dyn Sys>) -> Result<Target> {
-        let how = open_how(opts);
-        let fd = sys.open(path, how).map_err(|e| open_failed(path, how, e))?;
-        Self::from_fd(fd, path, opts, sys)
+        Self::open_by(sys, path, opts, |s, how| s.open(path, how))
     }
 
-    /// Opens `name` inside the directory `dir` (an fd, O_PATH will do) so
-    /// that no step of the lookup, symlinks included, leaves it: openat2
-    /// with RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS, EXDEV for a path that
-    /// would, ENOSYS on kernels without openat2. `path` names the target in
-    /// messages. What is opened is classified as [`Target::open`] does.
-    pub fn open_beneath(
+    /// Opens `name` inside the directory `dir` (an fd, O_PATH will do),
+    /// resolving it as `lookup` says. `path` names the target in messages.
+    /// What is opened is classified as [`Target::open`] does.
+    pub fn open_in(
         dir: BorrowedFd<'_>,
         name: &Path,
         path: &Path,
         opts: &OpenOptions,
+        lookup: Lookup,
     ) -> Result<Target> {
-        let sys: Arc<dyn Sys> = Arc::new(RealSys);
-        let how = open_how(opts);
-        let fd = sys
-            .open_beneath(dir, name, how)
-            .map_err(|e| open_failed(path, how, e))?;
-        Self::from_fd(fd, path, opts, sys)
+        Self::open_by(Arc::new(RealSys), path, opts, |s, how| match lookup {
+            Lookup::Beneath => s.open_beneath(dir, name, how),
+            Lookup::Unrestricted => s.open_at(dir, name, how),
+        })
     }
 
-    /// Opens `name` relative to the directory `dir` without restricting the
-    /// lookup: for callers that check the opened target's identity
-    /// ([`Target::file_id`]) themselves where openat2 is missing.
-    pub fn open_at(
-        dir: BorrowedFd<'_>,
-        name: &Path,
+    /// Opens with `open` as `opts` says and classifies the result: the one
+    /// place the open flags and the open error of every way in are made.
+    fn open_by(
+        sys: Arc<dyn Sys>,
         path: &Path,
         opts: &OpenOptions,
+        open: impl FnOnce(&dyn Sys, OpenHow) -> io::Result<OwnedFd>,
     ) -> Result<Target> {
-        let sys: Arc<dyn Sys> = Arc::new(RealSys);
         let how = open_how(opts);
-        let fd = sys
-            .open_at(dir, name, how)
-            .map_err(|e| open_failed(path, how, e))?;
+        let fd = open(&*sys, how).map_err(|e| open_failed(path, how, e))?;
         Self::from_fd(fd, path, opts, sys)
     }
 
