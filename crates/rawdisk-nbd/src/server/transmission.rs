@@ -74,6 +74,13 @@ const DRAIN_QUIET: Duration = Duration::from_millis(200);
 /// 64 MiB and matches a reply only to a request it finished sending).
 const OVERSIZED_SKIP_MAX: u64 = 64 << 20;
 const NEVER_CLOSED: &str = "semaphore never closed";
+/// Read replies a TLS connection may have made and not yet sent. There the
+/// cipher, not the read, is the bound: replies made further ahead only
+/// wait in memory (four connections of 1 MiB reads held 73 MiB against
+/// nbdkit's 67 and qemu-nbd's 30; docs/benchmarks.md, TLS). A reply
+/// bigger than this takes all of it. Applies wherever there is no raw
+/// socket, as OWN_WRITE_MAX_TLS does.
+const TLS_UNSENT_CONN: usize = 2 << 20;
 
 /// Resources a request holds until its reply is on the socket.
 struct Permits {
@@ -86,6 +93,8 @@ struct Permits {
     /// Server-wide bytes of read replies waiting to be sent (None for the
     /// one a connection with nothing else in flight may always have).
     _unsent: Option<OwnedSemaphorePermit>,
+    /// A TLS connection's own share of those (TLS_UNSENT_CONN).
+    _conn_unsent: Option<OwnedSemaphorePermit>,
 }
 
 impl Permits {
@@ -158,6 +167,9 @@ where
         max_slots: sh.cfg.max_requests_per_conn,
         draining: false,
         conn_bytes: Arc::new(Semaphore::new(sh.bytes_per_conn)),
+        conn_unsent: sink
+            .is_none()
+            .then(|| Arc::new(Semaphore::new(TLS_UNSENT_CONN))),
         batch: Batch {
             // Allocated by the first batch: idle connections hold none.
             jobs: Vec::new(),
@@ -374,6 +386,9 @@ struct Reader<R, W> {
     slots: Arc<Semaphore>,
     max_slots: usize,
     conn_bytes: Arc<Semaphore>,
+    /// Without a raw socket (TLS): this connection's budget of read
+    /// replies not yet sent.
+    conn_unsent: Option<Arc<Semaphore>>,
     /// Shutdown was requested: new requests get NBD_ESHUTDOWN.
     draining: bool,
     ext: bool,
@@ -531,6 +546,20 @@ where
                 self.batch.hold(p).await.expect(NEVER_CLOSED)
             }
         };
+        let conn_unsent = match &self.conn_unsent {
+            Some(sem) if reply => {
+                let k = n.min(TLS_UNSENT_CONN as u32);
+                let p = match sem.clone().try_acquire_many_owned(k) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        let p = sem.clone().acquire_many_owned(k);
+                        self.batch.hold(p).await.expect(NEVER_CLOSED)
+                    }
+                };
+                Some(p)
+            }
+            _ => None,
+        };
         let unsent = if reply {
             self.take_unsent(n).await
         } else {
@@ -548,6 +577,7 @@ where
             _conn_bytes: Some(conn),
             total_bytes: Some(total),
             _unsent: unsent,
+            _conn_unsent: conn_unsent,
         }
     }
 
@@ -786,5 +816,6 @@ fn slot_only(slot: OwnedSemaphorePermit) -> Permits {
         _conn_bytes: None,
         total_bytes: None,
         _unsent: None,
+        _conn_unsent: None,
     }
 }
