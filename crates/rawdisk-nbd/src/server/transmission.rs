@@ -31,6 +31,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
 
+mod inkernel;
 mod writer;
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
@@ -41,6 +42,7 @@ use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
+use inkernel::InKernel;
 use writer::{put_reply, within, writer, Out};
 
 /// At most this many small requests run as one blocking job...
@@ -161,6 +163,7 @@ where
         batch: Batch {
             // Allocated by the first batch: idle connections hold none.
             jobs: Vec::new(),
+            in_kernel: None,
             sh: sh.clone(),
             s: s.clone(),
             tx,
@@ -202,6 +205,9 @@ where
 /// wait.
 struct Batch {
     jobs: Vec<Job>,
+    /// Under cache=none, reads and writes in flight in the kernel; made by
+    /// the first batch (Some(None): not available, the pool serves).
+    in_kernel: Option<Option<Arc<InKernel>>>,
     sh: Arc<Shared>,
     s: Arc<Session>,
     tx: mpsc::UnboundedSender<Box<Out>>,
@@ -272,19 +278,15 @@ impl Batch {
             }
         }
         left.extend(rest);
-        if left.is_empty() {
-            return;
-        }
-        let (sh, s, tx) = (self.sh.clone(), self.s.clone(), self.tx.clone());
-        tokio::task::spawn_blocking(move || {
-            for j in left {
-                let reply = execute(&sh, &s, &j.req, j.to, j.data);
-                let _ = tx.send(Box::new(Out {
-                    reply,
-                    _permits: j.permits.produced(),
-                }));
+        if !self.s.export.page_cache() {
+            let k = self
+                .in_kernel
+                .get_or_insert_with(|| InKernel::start(&self.sh, &self.s, &self.tx));
+            if let Some(k) = k {
+                left = k.submit(&self.sh, &self.s, left);
             }
-        });
+        }
+        on_pool(&self.sh, &self.s, &self.tx, left);
     }
 
     /// Queues a reply decided without running anything.
@@ -298,7 +300,33 @@ impl Batch {
     /// Dispatches what is held and lets go of the reply channel.
     fn close(mut self) {
         self.dispatch();
+        if let Some(Some(k)) = &self.in_kernel {
+            k.close();
+        }
     }
+}
+
+/// Runs `jobs` in order on one blocking thread, queueing each reply as
+/// soon as it is made.
+fn on_pool(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    tx: &mpsc::UnboundedSender<Box<Out>>,
+    jobs: Vec<Job>,
+) {
+    if jobs.is_empty() {
+        return;
+    }
+    let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
+    tokio::task::spawn_blocking(move || {
+        for j in jobs {
+            let reply = execute(&sh, &s, &j.req, j.to, j.data);
+            let _ = tx.send(Box::new(Out {
+                reply,
+                _permits: j.permits.produced(),
+            }));
+        }
+    });
 }
 
 /// A read or write short enough to be gathered with others into one job

@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::registry::{self, Key};
 use crate::sys::{OpenHow, RealSys, Sys};
 
+mod aio;
 mod direct;
 mod map;
 mod offload;
@@ -42,6 +43,7 @@ mod rw;
 mod space;
 mod zero;
 
+pub use aio::{DirectDone, DirectOp, DirectQueue};
 pub use direct::AlignedBuf;
 use direct::Direct;
 pub use map::MappedWrite;
@@ -246,6 +248,9 @@ pub struct Target {
     sysfs_dev: Option<(u32, u32)>,
     /// The file size last seen, for O_DIRECT writes near the end.
     known_size: AtomicU64,
+    /// Opened with [`RealSys`]: calls outside the `Sys` table (Linux AIO)
+    /// would bypass a test's injected one.
+    real_kernel: bool,
     /// Made on the first [`Target::map_write`]; None if mapping failed.
     write_map: OnceLock<Option<map::WriteMap>>,
     /// st_dev and st_ino (st_rdev and 0 for a block device).
@@ -272,7 +277,9 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Target> {
-        Self::open_with_sys(path, opts, Arc::new(RealSys))
+        let mut t = Self::open_with_sys(path, opts, Arc::new(RealSys))?;
+        t.real_kernel = true;
+        Ok(t)
     }
 
     pub fn open_with_sys(path: &Path, opts: &OpenOptions, sys: Arc<dyn Sys>) -> Result<Target> {
@@ -297,7 +304,9 @@ impl Target {
         let fd = sys
             .open_beneath(dir, name, how)
             .map_err(|e| open_failed(path, how, e))?;
-        Self::from_fd(fd, path, opts, sys)
+        let mut t = Self::from_fd(fd, path, opts, sys)?;
+        t.real_kernel = true;
+        Ok(t)
     }
 
     /// Opens `name` relative to the directory `dir` without restricting the
@@ -314,7 +323,9 @@ impl Target {
         let fd = sys
             .open_at(dir, name, how)
             .map_err(|e| open_failed(path, how, e))?;
-        Self::from_fd(fd, path, opts, sys)
+        let mut t = Self::from_fd(fd, path, opts, sys)?;
+        t.real_kernel = true;
+        Ok(t)
     }
 
     /// The target behind `fd`, freshly opened as `opts` says: its type,
@@ -479,6 +490,7 @@ impl Target {
             id,
             fs_block: st.blksize.max(1),
             copy_pair: std::sync::Mutex::new(None),
+            real_kernel: false,
         })
     }
 
