@@ -164,6 +164,14 @@ where
             // Allocated by the first batch: idle connections hold none.
             jobs: Vec::new(),
             in_kernel: None,
+            start_in_kernel: {
+                let out = (wr.clone(), sink.clone(), counters.clone());
+                Box::new(move |sh, s, tx| {
+                    let (wr, sink, counters) = out.clone();
+                    let out = inkernel::Direct { wr, sink, counters };
+                    InKernel::start(sh, s, tx, out)
+                })
+            },
             sh: sh.clone(),
             s: s.clone(),
             tx,
@@ -201,6 +209,12 @@ where
     result
 }
 
+type StartInKernel = Box<
+    dyn Fn(&Arc<Shared>, &Arc<Session>, &mpsc::UnboundedSender<Box<Out>>) -> Option<Arc<InKernel>>
+        + Send
+        + Sync,
+>;
+
 /// Requests gathered to run as one blocking job, and the reader's ways to
 /// wait.
 struct Batch {
@@ -208,6 +222,8 @@ struct Batch {
     /// Under cache=none, reads and writes in flight in the kernel; made by
     /// the first batch (Some(None): not available, the pool serves).
     in_kernel: Option<Option<Arc<InKernel>>>,
+    /// Makes the queue and its reaper, which writes to the connection.
+    start_in_kernel: StartInKernel,
     sh: Arc<Shared>,
     s: Arc<Session>,
     tx: mpsc::UnboundedSender<Box<Out>>,
@@ -279,9 +295,9 @@ impl Batch {
         }
         left.extend(rest);
         if !self.s.export.page_cache() {
-            let k = self
-                .in_kernel
-                .get_or_insert_with(|| InKernel::start(&self.sh, &self.s, &self.tx));
+            let (sh, s, tx) = (&self.sh, &self.s, &self.tx);
+            let start = &self.start_in_kernel;
+            let k = self.in_kernel.get_or_insert_with(|| start(sh, s, tx));
             if let Some(k) = k {
                 left = k.submit(&self.sh, &self.s, left);
             }

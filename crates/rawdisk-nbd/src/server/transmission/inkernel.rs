@@ -14,18 +14,28 @@ use std::sync::{Arc, Mutex};
 
 use rawdisk_storage::{DirectDone, DirectOp, DirectQueue};
 use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
-use tracing::{warn, Instrument};
+use tracing::{debug, warn, Instrument};
 
-use super::writer::Out;
+use super::writer::{put_reply, within, Out};
 use super::{on_pool, Job, Permits};
 use crate::proto::{Command, ReplyTo, Request, CMD_FLAG_FUA};
 use crate::server::command::{data_buffer, data_reply, plain_read, small_ok, whole};
+use crate::server::limits::Counters;
 use crate::server::{Session, Shared};
+use crate::sock::RawSock;
 
 /// Requests one connection keeps in the kernel at most; more go to the
 /// pool (64 threads by default, so this is already the deeper queue).
 const DEPTH: usize = 128;
+
+/// What the reaper writes replies with: the connection's writer.
+pub(super) struct Direct<W> {
+    pub(super) wr: Arc<tokio::sync::Mutex<BufWriter<W>>>,
+    pub(super) sink: Option<RawSock>,
+    pub(super) counters: Arc<Counters>,
+}
 
 /// What a request in flight needs for its reply.
 struct Pending {
@@ -56,10 +66,11 @@ impl AsRawFd for EventFd {
 
 impl InKernel {
     /// The queue and its reaper, or None: the pool serves this connection.
-    pub(super) fn start(
+    pub(super) fn start<W: AsyncWrite + Unpin + Send + 'static>(
         sh: &Arc<Shared>,
         s: &Arc<Session>,
         tx: &mpsc::UnboundedSender<Box<Out>>,
+        out: Direct<W>,
     ) -> Option<Arc<InKernel>> {
         let q: DirectQueue<Pending> = s.export.direct_queue(DEPTH)?;
         let efd = q.event_fd().as_raw_fd();
@@ -79,7 +90,7 @@ impl InKernel {
                 return None;
             }
         };
-        let reaper = reaper(fd, sh.clone(), s.clone(), tx.clone());
+        let reaper = reaper(fd, sh.clone(), s.clone(), tx.clone(), out);
         tokio::spawn(
             async move {
                 if let Err(e) = reaper.await {
@@ -185,13 +196,17 @@ fn job_of(sh: &Shared, op: DirectOp<Pending>) -> Job {
 
 /// Answers completions as the eventfd shows them, until the reader is
 /// done and nothing is in flight.
-async fn reaper(
+async fn reaper<W: AsyncWrite + Unpin + Send>(
     fd: AsyncFd<EventFd>,
     sh: Arc<Shared>,
     s: Arc<Session>,
     tx: mpsc::UnboundedSender<Box<Out>>,
+    out: Direct<W>,
 ) -> io::Result<()> {
     let mut done: Vec<DirectDone<Pending>> = Vec::new();
+    let mut replies: Vec<Out> = Vec::new();
+    // After a failed write the writer task sends (and meets the error).
+    let mut own = true;
     loop {
         let mut ready = fd.readable().await?;
         ready.clear_ready();
@@ -222,12 +237,33 @@ async fn reaper(
                 sh.pool.put(buf);
                 whole(small_ok(&s, to))
             };
-            let _ = tx.send(Box::new(Out {
+            replies.push(Out {
                 reply,
                 _permits: permits.produced(),
-            }));
+            });
         }
         on_pool(&sh, &s, &tx, again);
+        if own && !replies.is_empty() {
+            // Sent from here: handing them to the writer task cost a task
+            // wake-up per completion batch.
+            let mut w = out.wr.lock().await;
+            let sink = out.sink.as_ref();
+            let sent = within(sh.cfg.idle_timeout, async {
+                for o in replies.drain(..) {
+                    put_reply(&sh, &mut w, sink, &out.counters, o.reply).await?;
+                }
+                w.flush().await
+            })
+            .await;
+            drop(w);
+            if let Err(e) = sent {
+                debug!("sending AIO replies: {e}");
+                own = false;
+            }
+        }
+        for o in replies.drain(..) {
+            let _ = tx.send(Box::new(o));
+        }
         if left == 0 && k.closed.load(Ordering::Acquire) {
             return Ok(());
         }
