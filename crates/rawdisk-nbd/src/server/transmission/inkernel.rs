@@ -19,8 +19,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn, Instrument};
 
 use super::writer::{put_reply, within, Out};
-use super::{on_pool, Job, Permits};
-use crate::proto::{Command, ReplyTo, Request, CMD_FLAG_FUA};
+use super::{is_small, on_pool, Job, Permits};
+use crate::proto::{Command, ReplyTo, Request};
 use crate::server::command::{data_buffer, data_reply, plain_read, small_ok, whole};
 use crate::server::limits::Counters;
 use crate::server::{Session, Shared};
@@ -112,9 +112,9 @@ impl InKernel {
         let mut rest = Vec::new();
         let mut ops = Vec::with_capacity(jobs.len());
         for j in jobs {
-            let write = j.req.command == Command::Write
-                && j.req.flags & CMD_FLAG_FUA == 0
-                && j.data.is_some();
+            // Small ones only (not FUA): bigger writes were not measured
+            // this way (docs/benchmarks.md, Small O_DIRECT requests).
+            let write = j.req.command == Command::Write && is_small(&j.req) && j.data.is_some();
             if write {
                 let Job {
                     req,
