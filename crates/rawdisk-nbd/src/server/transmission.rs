@@ -5,8 +5,10 @@
 //! The connection's task is the [`Reader`]: for each request it takes the
 //! permits, receives the header and payload, and schedules the request: run
 //! right here, gathered with other small ones into a [`Batch`] for one
-//! blocking job, or handed to the blocking pool alone. A writer task sends
-//! the replies of the blocking jobs in completion order.
+//! blocking job, or handed to the blocking pool alone; under cache=none the
+//! small reads and writes of a batch go to the kernel instead (Linux AIO,
+//! `inkernel.rs`). A writer task sends the replies of the blocking jobs in
+//! completion order.
 //!
 //! The reader waits in two places, both of which first hand the held batch
 //! to the blocking pool (held requests own slots and bytes the wait may
@@ -271,7 +273,8 @@ impl Batch {
     /// first read that would wait for the device: copying a few KiB costs
     /// less than waking a pool thread and putting it back to sleep, which
     /// was most of the server's time at 4 KiB (docs/benchmarks.md, Write
-    /// path). The rest keeps its order on the pool.
+    /// path). Under cache=none the small reads and writes go to the kernel
+    /// together (`inkernel.rs`). The rest keeps its order on the pool.
     fn dispatch(&mut self) {
         if self.jobs.is_empty() {
             return;
