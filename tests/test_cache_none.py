@@ -7,6 +7,7 @@ O_DIRECT, the server does not start and says why in one line. Needs root."""
 
 import errno
 import os
+import random
 import subprocess
 
 import nbd
@@ -165,3 +166,39 @@ def test_ramfs_refuses_to_start_with_one_clear_line(ramfs_dir, workdir):
         assert "direct" in lines[0].lower(), lines
         assert res.stdout == "", "printed a URI although it is not serving"
         assert_target_is(path, model)
+
+
+@pytest.mark.parametrize("target", DIRECT_STORAGE, indirect=True)
+def test_many_small_requests_in_flight(target, serve):
+    """Up to 64 requests in flight: 4 KiB reads and writes (which the
+    server submits to the kernel together, Linux AIO) and FUA writes (which
+    stay on its threads), each in a block of its own; every read sees the
+    image as it was, and the image ends as the model says."""
+    path, model = target
+    srv = serve(path, cache="none")
+    rnd = random.Random(85)
+    blocks = rnd.sample(range(len(model) // 4096), 768)
+    reads, cookies = [], []
+    with connected(srv.uri) as h:
+        for i, b in enumerate(blocks):
+            off = b * 4096
+            if i % 3 == 0:
+                buf = nbd.Buffer(4096)
+                cookies.append(h.aio_pread(buf, off))
+                reads.append((buf, off))
+            else:
+                data = random_bytes(4096, seed=i)
+                fua = nbd.CMD_FLAG_FUA if i % 8 == 2 else 0
+                cookies.append(h.aio_pwrite(data, off, flags=fua))
+                model[off:off + 4096] = data
+            while h.aio_in_flight() >= 64:
+                h.poll(-1)
+        while h.aio_in_flight() > 0:
+            h.poll(-1)
+        # Raises the error of a command that failed.
+        assert all(h.aio_command_completed(c) for c in cookies)
+        for buf, off in reads:
+            assert buf.to_bytearray() == model[off:off + 4096], f"read at {off}"
+        h.flush()
+    assert_export_is(srv.uri, model)
+    assert_target_is(path, model)

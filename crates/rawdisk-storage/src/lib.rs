@@ -60,7 +60,7 @@ pub use error::{Error, Result};
 #[cfg(any(test, feature = "fault-injection"))]
 pub use fault::{FaultRule, FaultSys};
 pub use target::{
-    AlignedBuf, CacheMode, CopyOffload, Extent, ExtentKind, Geometry, Kind, Lookup, MappedWrite,
-    Offloaded, OpenOptions, Prealloc, PreallocReport, Probe, QueueLimits, Seen, Target, Trial,
-    ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
+    AlignedBuf, CacheMode, CopyOffload, DirectDone, DirectOp, DirectQueue, Extent, ExtentKind,
+    Geometry, Kind, Lookup, MappedWrite, Offloaded, OpenOptions, Prealloc, PreallocReport, Probe,
+    QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
 };

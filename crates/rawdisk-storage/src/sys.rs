@@ -13,6 +13,8 @@
 //! syscalls the engine made. The one syscall outside the table is the
 //! munmap of a dropped [`Mapping`]: the mapping is owned by a value, not
 //! named by an address, so no caller can unmap memory it does not own.
+//! Linux AIO ([`Aio`], `sys/aio.rs`) is outside it for the same reason:
+//! the context owns each request's buffer and file until it completes.
 //! `unsafe` lives only here and in `sys/real.rs`, for what rustix does not
 //! wrap.
 
@@ -24,7 +26,9 @@ use std::path::Path;
 #[cfg(any(test, feature = "fault-injection"))]
 pub use crate::fault::{Call, FaultRule, FaultSys};
 
+mod aio;
 mod real;
+pub use aio::{Aio, AioDone, AioOp};
 pub use real::{limit_malloc_arenas, page_size, RealSys};
 
 /// fallocate(2) modes the engine uses.

@@ -346,9 +346,16 @@ pub(super) fn read_cached(sh: &Shared, s: &Session, req: &Request, to: ReplyTo) 
     None
 }
 
+/// Whether [`read`] reads `req` whole into a [`data_buffer`] and answers
+/// with [`data_reply`] (no hole lookup, no splice): then it may be read
+/// elsewhere (in flight in the kernel) with the same answer.
+pub(super) fn plain_read(req: &Request) -> bool {
+    req.command == Command::Read && req.length > 0 && req.length < SPARSE_READ_MIN.min(SPLICE_MIN)
+}
+
 /// A pooled buffer for a read of `n` bytes behind its reply header: the
 /// buffer, where the header starts and where the data starts.
-fn data_buffer(sh: &Shared, s: &Session, n: usize) -> (Vec<u8>, usize, usize) {
+pub(super) fn data_buffer(sh: &Shared, s: &Session, n: usize) -> (Vec<u8>, usize, usize) {
     let p = match s.mode {
         ReplyMode::Simple => SIMPLE_REPLY_LEN,
         ReplyMode::Structured | ReplyMode::Extended => offset_data_header_len(s.mode),
@@ -358,7 +365,7 @@ fn data_buffer(sh: &Shared, s: &Session, n: usize) -> (Vec<u8>, usize, usize) {
 }
 
 /// The reply of a read whose data [`data_buffer`] holds at `d`.
-fn data_reply(
+pub(super) fn data_reply(
     s: &Session,
     req: &Request,
     to: ReplyTo,

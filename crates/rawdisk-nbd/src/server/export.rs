@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 
 use rawdisk_storage::cbt::{CbtError, Tracker};
 use rawdisk_storage::{
-    CacheMode, Extent, ExtentKind, Kind, MappedWrite, Method, Target, ZeroFlags,
+    CacheMode, DirectDone, DirectOp, DirectQueue, Extent, ExtentKind, Kind, MappedWrite, Method,
+    Target, ZeroFlags,
 };
 use tracing::{debug, trace};
 
@@ -232,6 +233,51 @@ impl Export {
         }
         self.written(offset, len);
         Ok(())
+    }
+
+    /// A queue for cache=none reads and writes in flight in the kernel
+    /// (Linux AIO), or None: served by the blocking pool.
+    pub(super) fn direct_queue<T>(&self, depth: usize) -> Option<DirectQueue<T>> {
+        self.target.direct_queue(depth)
+    }
+
+    /// Submits non-FUA reads and writes to `q`; returns those it refused,
+    /// for [`Export::read`] / [`Export::write`]. A write is marked before it
+    /// is submitted and again when reaped ([`Export::reap_direct`]).
+    pub(super) fn submit_direct<T>(
+        &self,
+        q: &mut DirectQueue<T>,
+        ops: Vec<DirectOp<T>>,
+    ) -> Vec<DirectOp<T>> {
+        for op in ops.iter().filter(|op| op.write) {
+            self.mark(op.offset, op.len as u64);
+        }
+        q.submit(ops)
+    }
+
+    /// What `q` finished. A write is marked again whether it succeeded or
+    /// not (part of it may have reached the storage); one that did not is
+    /// the caller's to run with [`Export::write`], which reports the error.
+    pub(super) fn reap_direct<T>(&self, q: &mut DirectQueue<T>, out: &mut Vec<DirectDone<T>>) {
+        let from = out.len();
+        q.reap(out);
+        for d in out[from..].iter().filter(|d| d.op.write) {
+            let (offset, len) = (d.op.offset, d.op.len as u64);
+            self.mark(offset, len);
+            if d.done {
+                self.written(offset, len);
+            }
+        }
+    }
+
+    /// Marks a change whose storage call is not a scope here (a write in
+    /// flight in the kernel): the Change marks once, as it is dropped.
+    fn mark(&self, offset: u64, len: u64) {
+        drop(Change {
+            tracker: self.tracker.as_deref(),
+            offset,
+            len,
+        });
     }
 
     /// The page cache of the `len` bytes at `offset`, but for the first

@@ -5,8 +5,10 @@
 //! The connection's task is the [`Reader`]: for each request it takes the
 //! permits, receives the header and payload, and schedules the request: run
 //! right here, gathered with other small ones into a [`Batch`] for one
-//! blocking job, or handed to the blocking pool alone. A writer task sends
-//! the replies of the blocking jobs in completion order.
+//! blocking job, or handed to the blocking pool alone; under cache=none the
+//! small reads and writes of a batch go to the kernel instead (Linux AIO,
+//! `inkernel.rs`). A writer task sends the replies of the blocking jobs in
+//! completion order.
 //!
 //! The reader waits in two places, both of which first hand the held batch
 //! to the blocking pool (held requests own slots and bytes the wait may
@@ -31,6 +33,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, trace, Instrument};
 
+mod inkernel;
 mod writer;
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
@@ -41,6 +44,7 @@ use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
+use inkernel::InKernel;
 use writer::{put_reply, within, writer, Out};
 
 /// At most this many small requests run as one blocking job...
@@ -173,6 +177,15 @@ where
         batch: Batch {
             // Allocated by the first batch: idle connections hold none.
             jobs: Vec::new(),
+            in_kernel: None,
+            start_in_kernel: {
+                let out = (wr.clone(), sink.clone(), counters.clone());
+                Box::new(move |sh, s, tx| {
+                    let (wr, sink, counters) = out.clone();
+                    let out = inkernel::Direct { wr, sink, counters };
+                    InKernel::start(sh, s, tx, out)
+                })
+            },
             sh: sh.clone(),
             s: s.clone(),
             tx,
@@ -210,10 +223,21 @@ where
     result
 }
 
+type StartInKernel = Box<
+    dyn Fn(&Arc<Shared>, &Arc<Session>, &mpsc::UnboundedSender<Box<Out>>) -> Option<Arc<InKernel>>
+        + Send
+        + Sync,
+>;
+
 /// Requests gathered to run as one blocking job, and the reader's ways to
 /// wait.
 struct Batch {
     jobs: Vec<Job>,
+    /// Under cache=none, reads and writes in flight in the kernel; made by
+    /// the first batch (Some(None): not available, the pool serves).
+    in_kernel: Option<Option<Arc<InKernel>>>,
+    /// Makes the queue and its reaper, which writes to the connection.
+    start_in_kernel: StartInKernel,
     sh: Arc<Shared>,
     s: Arc<Session>,
     tx: mpsc::UnboundedSender<Box<Out>>,
@@ -261,7 +285,8 @@ impl Batch {
     /// first read that would wait for the device: copying a few KiB costs
     /// less than waking a pool thread and putting it back to sleep, which
     /// was most of the server's time at 4 KiB (docs/benchmarks.md, Write
-    /// path). The rest keeps its order on the pool.
+    /// path). Under cache=none the small reads and writes go to the kernel
+    /// together (`inkernel.rs`). The rest keeps its order on the pool.
     fn dispatch(&mut self) {
         if self.jobs.is_empty() {
             return;
@@ -284,19 +309,15 @@ impl Batch {
             }
         }
         left.extend(rest);
-        if left.is_empty() {
-            return;
-        }
-        let (sh, s, tx) = (self.sh.clone(), self.s.clone(), self.tx.clone());
-        tokio::task::spawn_blocking(move || {
-            for j in left {
-                let reply = execute(&sh, &s, &j.req, j.to, j.data);
-                let _ = tx.send(Box::new(Out {
-                    reply,
-                    _permits: j.permits.produced(),
-                }));
+        if !self.s.export.page_cache() {
+            let (sh, s, tx) = (&self.sh, &self.s, &self.tx);
+            let start = &self.start_in_kernel;
+            let k = self.in_kernel.get_or_insert_with(|| start(sh, s, tx));
+            if let Some(k) = k {
+                left = k.submit(&self.sh, &self.s, left);
             }
-        });
+        }
+        on_pool(&self.sh, &self.s, &self.tx, left);
     }
 
     /// Queues a reply decided without running anything.
@@ -310,7 +331,33 @@ impl Batch {
     /// Dispatches what is held and lets go of the reply channel.
     fn close(mut self) {
         self.dispatch();
+        if let Some(Some(k)) = &self.in_kernel {
+            k.close();
+        }
     }
+}
+
+/// Runs `jobs` in order on one blocking thread, queueing each reply as
+/// soon as it is made.
+fn on_pool(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    tx: &mpsc::UnboundedSender<Box<Out>>,
+    jobs: Vec<Job>,
+) {
+    if jobs.is_empty() {
+        return;
+    }
+    let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
+    tokio::task::spawn_blocking(move || {
+        for j in jobs {
+            let reply = execute(&sh, &s, &j.req, j.to, j.data);
+            let _ = tx.send(Box::new(Out {
+                reply,
+                _permits: j.permits.produced(),
+            }));
+        }
+    });
 }
 
 /// A read or write short enough to be gathered with others into one job

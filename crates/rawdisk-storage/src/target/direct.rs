@@ -95,14 +95,33 @@ impl RangeLock {
     }
 }
 
-impl Drop for RangeGuard<'_> {
-    fn drop(&mut self) {
-        let mut held = self.lock.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = held.iter().position(|r| *r == self.range) {
+impl RangeLock {
+    /// Takes [start, end) if no holder overlaps it, without waiting; the
+    /// caller gives it back with [`RangeLock::unlock`] (a request in
+    /// flight in the kernel holds it across calls, so no guard).
+    pub(super) fn try_lock(&self, start: u64, end: u64) -> bool {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held.iter().any(|&(s, e)| s < end && start < e) {
+            return false;
+        }
+        held.push((start, end));
+        true
+    }
+
+    /// Gives back a range taken by `lock` or `try_lock`.
+    pub(super) fn unlock(&self, start: u64, end: u64) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = held.iter().position(|r| *r == (start, end)) {
             held.swap_remove(i);
         }
         drop(held);
-        self.lock.cv.notify_all();
+        self.cv.notify_all();
+    }
+}
+
+impl Drop for RangeGuard<'_> {
+    fn drop(&mut self) {
+        self.lock.unlock(self.range.0, self.range.1);
     }
 }
 
@@ -135,10 +154,19 @@ impl Direct {
         v.div_ceil(self.align) * self.align
     }
 
-    fn aligned(&self, off: u64, len: usize, ptr: *const u8) -> bool {
+    pub(super) fn aligned(&self, off: u64, len: usize, ptr: *const u8) -> bool {
         off.is_multiple_of(self.align)
             && (len as u64).is_multiple_of(self.align)
             && (ptr as usize).is_multiple_of(self.mem_align)
+    }
+
+    /// The aligned span around [off, off+len).
+    pub(super) fn span(&self, off: u64, len: u64) -> (u64, u64) {
+        (self.down(off), self.up(off + len))
+    }
+
+    pub(super) fn range_lock(&self) -> &RangeLock {
+        &self.locks
     }
 
     /// Lock the aligned span around [off, off+len).

@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::registry::{self, Key};
 use crate::sys::{OpenHow, RealSys, Sys};
 
+mod aio;
 mod direct;
 mod map;
 mod offload;
@@ -42,6 +43,7 @@ mod rw;
 mod space;
 mod zero;
 
+pub use aio::{DirectDone, DirectOp, DirectQueue};
 pub use direct::AlignedBuf;
 use direct::Direct;
 pub use map::MappedWrite;
@@ -246,6 +248,9 @@ pub struct Target {
     sysfs_dev: Option<(u32, u32)>,
     /// The file size last seen, for O_DIRECT writes near the end.
     known_size: AtomicU64,
+    /// Opened with [`RealSys`]: calls outside the `Sys` table (Linux AIO)
+    /// would bypass a test's injected one.
+    real_kernel: bool,
     /// Made on the first [`Target::map_write`]; None if mapping failed.
     write_map: OnceLock<Option<map::WriteMap>>,
     /// st_dev and st_ino (st_rdev and 0 for a block device).
@@ -284,7 +289,9 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Target> {
-        Self::open_with_sys(path, opts, Arc::new(RealSys))
+        let mut t = Self::open_with_sys(path, opts, Arc::new(RealSys))?;
+        t.real_kernel = true;
+        Ok(t)
     }
 
     pub fn open_with_sys(path: &Path, opts: &OpenOptions, sys: Arc<dyn Sys>) -> Result<Target> {
@@ -301,10 +308,12 @@ impl Target {
         opts: &OpenOptions,
         lookup: Lookup,
     ) -> Result<Target> {
-        Self::open_by(Arc::new(RealSys), path, opts, |s, how| match lookup {
+        let mut t = Self::open_by(Arc::new(RealSys), path, opts, |s, how| match lookup {
             Lookup::Beneath => s.open_beneath(dir, name, how),
             Lookup::Unrestricted => s.open_at(dir, name, how),
-        })
+        })?;
+        t.real_kernel = true;
+        Ok(t)
     }
 
     /// Opens with `open` as `opts` says and classifies the result: the one
@@ -482,6 +491,7 @@ impl Target {
             id,
             fs_block: st.blksize.max(1),
             copy_pair: std::sync::Mutex::new(None),
+            real_kernel: false,
         })
     }
 

@@ -150,3 +150,129 @@ fn direct_failed_write_past_the_end_leaves_the_size() {
     t.read_at(&mut b, 0).unwrap();
     assert_eq!(b, pattern(0, 1050));
 }
+
+/// Reaps until nothing is in flight (the test's files are small and local).
+fn reap_all<T>(q: &mut crate::DirectQueue<T>) -> Vec<crate::DirectDone<T>> {
+    let mut out = Vec::new();
+    for _ in 0..10_000 {
+        q.reap(&mut out);
+        if q.in_flight() == 0 {
+            return out;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    panic!("AIO requests never completed");
+}
+
+#[test]
+fn direct_queue_reads_and_writes_in_flight_and_refuses_what_it_cannot() {
+    let a = 4096u64;
+    let size = 64 * a;
+    let tmp = tmp_file(size);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    let mut q = t.direct_queue::<u32>(8).expect("io_setup on this kernel");
+    let op = |write: bool, offset: u64, data: &[u8], tag: u32| {
+        let mut v = vec![0u8; data.len() + a as usize];
+        let start = v.as_ptr().align_offset(a as usize);
+        v[start..start + data.len()].copy_from_slice(data);
+        crate::DirectOp {
+            write,
+            offset,
+            buf: v,
+            start,
+            len: data.len(),
+            tag,
+        }
+    };
+    // Ten aligned writes on a queue of eight: two come back at once.
+    let ops: Vec<_> = (0..10u32)
+        .map(|i| {
+            let off = i as u64 * 2 * a;
+            op(true, off, &pattern(off, 2 * a as usize), i)
+        })
+        .collect();
+    let back = q.submit(ops);
+    assert_eq!(back.len(), 2, "a full queue takes no more");
+    let done = reap_all(&mut q);
+    assert_eq!(done.len(), 8);
+    assert!(done.iter().all(|d| d.done && d.op.write));
+    for d in back {
+        t.write_at(&d.buf[d.start..d.start + d.len], d.offset, false)
+            .unwrap();
+    }
+    let mut all = vec![0u8; 20 * a as usize];
+    t.read_at(&mut all, 0).unwrap();
+    assert!(all == pattern(0, all.len()), "written data differs");
+    // Reads come back with the data; an unaligned one is refused.
+    let reads = vec![
+        op(false, 3 * a, &vec![0u8; a as usize], 1),
+        op(false, 0, &vec![0u8; 3 * a as usize], 2),
+        op(false, 5, &vec![0u8; a as usize], 3),
+    ];
+    let back = q.submit(reads);
+    assert_eq!(back.iter().map(|o| o.tag).collect::<Vec<_>>(), vec![3]);
+    for d in reap_all(&mut q) {
+        assert!(d.done);
+        let got = &d.op.buf[d.op.start..d.op.start + d.op.len];
+        assert!(got == pattern(d.op.offset, d.op.len), "read {}", d.op.tag);
+    }
+    // A write past the size last seen needs the blocking path's cut.
+    let past = q.submit(vec![op(true, size, &pattern(size, a as usize), 9)]);
+    assert_eq!(past.len(), 1);
+    assert_eq!(t.size(), size);
+    // A read past the end comes back short: not done, for the blocking
+    // path to report.
+    let short = q.submit(vec![op(false, size - a, &vec![0u8; 2 * a as usize], 4)]);
+    assert!(short.is_empty());
+    let d = reap_all(&mut q);
+    assert_eq!(d.len(), 1);
+    assert!(!d[0].done);
+}
+
+#[test]
+fn direct_queue_write_holds_its_span_until_reaped() {
+    // A read-modify-write of a block an AIO write is writing would put the
+    // old bytes back: the span stays locked from submit to reap, and a
+    // second write of the same span is refused rather than waited for.
+    let a = 4096u64;
+    let tmp = tmp_file(16 * a);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    let mut q = t.direct_queue::<u32>(4).expect("io_setup on this kernel");
+    let mk = |tag: u32| {
+        let mut v = vec![0u8; 2 * a as usize];
+        let start = v.as_ptr().align_offset(a as usize);
+        v[start..start + a as usize].fill(tag as u8);
+        crate::DirectOp {
+            write: true,
+            offset: a,
+            buf: v,
+            start,
+            len: a as usize,
+            tag,
+        }
+    };
+    let back = q.submit(vec![mk(1), mk(2)]);
+    assert_eq!(back.iter().map(|o| o.tag).collect::<Vec<_>>(), vec![2]);
+    let done = reap_all(&mut q);
+    assert!(done.len() == 1 && done[0].done);
+    // Reaped: the span is free again, for the queue and for a blocking
+    // unaligned write (which would wait forever on a leaked span).
+    t.write_at(&[7u8; 10], a + 100, false).unwrap();
+    assert!(q.submit(vec![mk(3)]).is_empty());
+    reap_all(&mut q);
+    let mut b = vec![0u8; a as usize];
+    t.read_at(&mut b, a).unwrap();
+    assert!(b.iter().all(|x| *x == 3));
+}
+
+#[test]
+fn direct_queue_only_for_cache_none_on_the_kernel() {
+    let tmp = tmp_file(1 << 20);
+    let t = Arc::new(Target::open(&tmp.path, &OpenOptions::default()).unwrap());
+    assert!(t.direct_queue::<()>(4).is_none(), "page cache");
+    let (f, _) = open_fault(&tmp, direct_opts());
+    assert!(
+        Arc::new(f).direct_queue::<()>(4).is_none(),
+        "an injected Sys must see every read and write"
+    );
+}

@@ -5,6 +5,8 @@
 //! dropped without closing), checked against a model of the image and of
 //! what each checkpoint must report. The mapped writes are fed from an
 //! in-process socket pair: `MappedWrite` can only receive from a socket.
+//! Under cache=none the same run sends aligned writes through the queue of
+//! requests in flight in the kernel (Linux AIO) instead.
 
 use std::io::Write;
 use std::os::fd::AsFd;
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rawdisk_storage::cbt::{StateFile, TrackOptions, Tracker};
-use rawdisk_storage::{OpenOptions, Target, ZeroFlags};
+use rawdisk_storage::{CacheMode, DirectOp, OpenOptions, Target, ZeroFlags};
 
 use super::Export;
 use crate::server::writeback::WriteBehind;
@@ -41,6 +43,8 @@ struct Run {
     path: PathBuf,
     rng: SmallRng,
     mode: WriteBehind,
+    /// cache=none: the AIO path instead of the mapped one.
+    direct: bool,
     export: Option<Export>,
     tracker: Option<Arc<Tracker>>,
     /// The image as it must read...
@@ -54,7 +58,7 @@ struct Run {
 }
 
 impl Run {
-    fn new(dir: &Path, seed: u64, mode: WriteBehind) -> Run {
+    fn new(dir: &Path, seed: u64, mode: WriteBehind, direct: bool) -> Run {
         let path = dir.join(format!("disk-{seed}.img"));
         let mut rng = SmallRng::seed_from_u64(seed);
         let want: Vec<u8> = (0..SIZE).map(|_| rng.gen()).collect();
@@ -63,6 +67,7 @@ impl Run {
             path,
             rng,
             mode,
+            direct,
             export: None,
             tracker: None,
             want,
@@ -78,7 +83,16 @@ impl Run {
 
     /// Opens the target, its tracker and the export, as `serve` does.
     fn start(&mut self) {
-        let target = Target::open(&self.path, &OpenOptions::default()).unwrap();
+        let cache = if self.direct {
+            CacheMode::None
+        } else {
+            CacheMode::Writeback
+        };
+        let opts = OpenOptions {
+            cache,
+            ..Default::default()
+        };
+        let target = Target::open(&self.path, &opts).unwrap();
         let opts = TrackOptions {
             granularity: Some(GRANULARITY),
             state_dir: None,
@@ -124,6 +138,7 @@ impl Run {
     fn step(&mut self, i: usize) {
         match self.rng.gen_range(0..100) {
             0..=29 => self.write(),
+            30..=49 if self.direct => self.in_kernel_write(),
             30..=49 => self.mapped_write(),
             50..=59 => self.zero(),
             60..=69 => self.trim(),
@@ -199,6 +214,81 @@ impl Run {
             self.mid_write_checkpoints += 1;
         }
         self.wrote(offset, &data);
+    }
+
+    /// Aligned writes in flight in the kernel. Sometimes, after they are
+    /// submitted and before they are reaped, another connection flushes and
+    /// another process creates a checkpoint: only the mark at the reap puts
+    /// them in the new one. What the queue refuses or fails goes the
+    /// blocking way, as the server does.
+    fn in_kernel_write(&mut self) {
+        const A: u64 = 4096;
+        let e = self.export.as_ref().unwrap();
+        let Some(mut q) = e.direct_queue::<usize>(8) else {
+            return self.write();
+        };
+        let n = self.rng.gen_range(1..=4);
+        let mut ops = Vec::new();
+        let mut writes = Vec::new();
+        for i in 0..n {
+            let len = self.rng.gen_range(1..=16) * A;
+            let offset = self.rng.gen_range(0..(SIZE - len) / A) * A;
+            let data: Vec<u8> = (0..len).map(|_| self.rng.gen()).collect();
+            let mut buf = vec![0u8; len as usize + A as usize];
+            let start = buf.as_ptr().align_offset(A as usize);
+            buf[start..start + len as usize].copy_from_slice(&data);
+            ops.push(DirectOp {
+                write: true,
+                offset,
+                buf,
+                start,
+                len: len as usize,
+                tag: i,
+            });
+            writes.push((offset, data));
+        }
+        let during = self.rng.gen_bool(0.3) && self.checkpoints.len() < MAX_KEPT;
+        let name = during.then(|| self.next_name());
+        let e = self.export.as_ref().unwrap();
+        let mut redo = e.submit_direct(&mut q, ops);
+        let new = name.map(|name| {
+            e.flush().unwrap();
+            self.make_checkpoint(name)
+        });
+        let mut done = Vec::new();
+        while q.in_flight() > 0 {
+            e.reap_direct(&mut q, &mut done);
+            std::thread::yield_now();
+        }
+        for d in done {
+            if d.done {
+                self.mapped += 1;
+            } else {
+                redo.push(d.op);
+            }
+        }
+        for op in redo {
+            let data = &op.buf[op.start..op.start + op.len];
+            e.write(op.offset, data, false).unwrap();
+        }
+        if let Some(c) = new {
+            self.checkpoints.push(c);
+            self.mid_write_checkpoints += 1;
+        }
+        // Overlapping writes in one batch land in any order: the model
+        // takes them in order, so the batch's ranges are written again in
+        // order the blocking way when two overlap.
+        let overlap = writes.iter().enumerate().any(|(i, (o, d))| {
+            writes[..i]
+                .iter()
+                .any(|(p, f)| *p < o + d.len() as u64 && *o < p + f.len() as u64)
+        });
+        for (offset, data) in writes {
+            if overlap {
+                self.export().write(offset, &data, false).unwrap();
+            }
+            self.wrote(offset, &data);
+        }
     }
 
     fn zero(&mut self) {
@@ -333,9 +423,9 @@ impl Run {
     }
 }
 
-fn run(seed: u64, mode: WriteBehind) -> Run {
+fn run(seed: u64, mode: WriteBehind, direct: bool) -> Run {
     let dir = tempfile::tempdir().unwrap();
-    let mut r = Run::new(dir.path(), seed, mode);
+    let mut r = Run::new(dir.path(), seed, mode, direct);
     for i in 0..STEPS {
         r.step(i);
     }
@@ -356,11 +446,25 @@ fn every_change_is_reported_on_every_path() {
         (3, WriteBehind::Auto),
         (4, WriteBehind::On),
     ] {
-        let r = run(seed, mode);
+        let r = run(seed, mode, false);
         mapped += r.mapped;
         during += r.mid_write_checkpoints;
     }
     // The mapped path ran, and checkpoints were made in the middle of it.
     assert!(mapped > 40, "{mapped} mapped writes");
+    assert!(during > 5, "{during} checkpoints during a write");
+}
+
+#[test]
+fn every_change_is_reported_with_writes_in_flight_in_the_kernel() {
+    let mut in_kernel = 0;
+    let mut during = 0;
+    for seed in [5, 6] {
+        let r = run(seed, WriteBehind::Off, true);
+        in_kernel += r.mapped;
+        during += r.mid_write_checkpoints;
+    }
+    // The AIO path ran, and checkpoints were made while writes were in it.
+    assert!(in_kernel > 40, "{in_kernel} writes in flight in the kernel");
     assert!(during > 5, "{during} checkpoints during a write");
 }

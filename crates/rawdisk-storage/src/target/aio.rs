@@ -1,0 +1,198 @@
+//! cache=none, many requests in flight from one thread: aligned reads and
+//! writes submitted with Linux AIO in one io_submit per batch, completions
+//! counted on an eventfd the caller polls. Under O_DIRECT a blocking
+//! thread per request costs a wake-up each; one submit and one reap cost
+//! two syscalls for the whole batch (docs/benchmarks.md, Small O_DIRECT
+//! requests).
+//!
+//! Only what the kernel does in one call goes this way: aligned offset,
+//! length and buffer, a write inside the size last seen (the padding cut of
+//! `direct.rs` needs the blocking path). A write holds the aligned span in
+//! the range lock from submission to completion, so no read-modify-write
+//! runs over it; a span already held is refused rather than waited for.
+//! Everything refused, and every op that failed or came back short, is the
+//! caller's to run the blocking way, which reports the error as usual.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use super::{Kind, Target};
+use crate::sys::{Aio, AioDone, AioOp};
+
+/// Whether io_setup works on this kernel, learned once per process.
+const UNKNOWN: u8 = 0;
+const WORKS: u8 = 1;
+const FAILS: u8 = 2;
+static AIO_STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+/// The target's descriptor for the AIO context, which holds it open.
+struct Handle(Arc<Target>);
+
+impl AsFd for Handle {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.fd()
+    }
+}
+
+/// What the context carries beside an op: the caller's tag and the span a
+/// write holds in the range lock.
+struct Held<T> {
+    tag: T,
+    span: Option<(u64, u64)>,
+}
+
+/// One read or write of `len` bytes at `offset`, from or into
+/// `buf[start..start + len]`.
+pub type DirectOp<T> = AioOp<T>;
+
+/// A finished op; `done` false: it failed or moved fewer bytes, and is to be
+/// run again the blocking way (which reports the error).
+pub struct DirectDone<T> {
+    pub op: DirectOp<T>,
+    pub done: bool,
+}
+
+/// Reads and writes of one cache=none target in flight in the kernel.
+pub struct DirectQueue<T> {
+    aio: Aio<Handle, Held<T>>,
+    target: Arc<Target>,
+}
+
+impl Target {
+    /// A queue of at most `depth` requests, or None: not cache=none, not
+    /// the kernel's own calls (a test's fault injector must see every
+    /// read and write), or io_setup failed (learned for the process when
+    /// the kernel has no AIO; fs.aio-max-nr reached only fails this one).
+    pub fn direct_queue<T>(self: &Arc<Self>, depth: usize) -> Option<DirectQueue<T>> {
+        if self.direct.is_none() || !self.real_kernel || AIO_STATE.load(Ordering::Relaxed) == FAILS
+        {
+            return None;
+        }
+        match Aio::new(Arc::new(Handle(self.clone())), depth) {
+            Ok(aio) => {
+                AIO_STATE.store(WORKS, Ordering::Relaxed);
+                Some(DirectQueue {
+                    aio,
+                    target: self.clone(),
+                })
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                tracing::debug!(path = %self.path.display(), "io_setup: {e}; this connection uses threads");
+                None
+            }
+            Err(e) => {
+                if AIO_STATE.swap(FAILS, Ordering::Relaxed) != FAILS {
+                    tracing::info!("io_setup: {e}; cache=none requests use threads");
+                }
+                None
+            }
+        }
+    }
+}
+
+impl<T> DirectQueue<T> {
+    /// Submits what qualifies in one call; returns the rest, to run the
+    /// blocking way.
+    pub fn submit(&mut self, ops: Vec<DirectOp<T>>) -> Vec<DirectOp<T>> {
+        let t = &*self.target;
+        let Some(d) = &t.direct else {
+            return ops;
+        };
+        let mut refused = Vec::new();
+        let mut go = Vec::with_capacity(ops.len());
+        let known = t.known_size.load(Ordering::Relaxed);
+        for op in ops {
+            let ok = op.len > 0
+                && op
+                    .start
+                    .checked_add(op.len)
+                    .is_some_and(|e| e <= op.buf.len())
+                && op
+                    .offset
+                    .checked_add(op.len as u64)
+                    .is_some_and(|e| e <= i64::MAX as u64)
+                && d.aligned(op.offset, op.len, op.buf[op.start..].as_ptr());
+            let span = d.span(op.offset, op.len as u64);
+            let ok = ok
+                && (!op.write
+                    || !t.read_only
+                        && (t.kind == Kind::Block || span.1 <= known)
+                        && d.range_lock().try_lock(span.0, span.1));
+            if !ok {
+                refused.push(op);
+                continue;
+            }
+            let span = op.write.then_some(span);
+            go.push(op.map_tag(|tag| Held { tag, span }));
+        }
+        let (back, err) = self.aio.submit(go);
+        if let Some(e) = &err {
+            tracing::debug!(path = %t.path.display(), "io_submit: {e}; run by threads");
+        }
+        for op in back {
+            refused.push(self.give_back(op));
+        }
+        refused
+    }
+
+    /// Every completion waiting, without blocking.
+    pub fn reap(&mut self, out: &mut Vec<DirectDone<T>>) {
+        let mut done: Vec<AioDone<Held<T>>> = Vec::new();
+        if let Err(e) = self.aio.reap(&mut done, false) {
+            tracing::warn!(path = %self.target.path.display(), "io_getevents: {e}");
+        }
+        for AioDone { op, result } in done {
+            let len = op.len;
+            let offset = op.offset;
+            let ok = matches!(result, Ok(n) if n == len);
+            if let Err(e) = &result {
+                tracing::debug!(offset, len, "AIO: {e}; run again by a thread");
+            }
+            out.push(DirectDone {
+                op: self.give_back(op),
+                done: ok,
+            });
+        }
+    }
+
+    /// The op as the caller gave it, its span unlocked.
+    fn give_back(&self, op: AioOp<Held<T>>) -> DirectOp<T> {
+        if let (Some((a0, a1)), Some(d)) = (op.tag.span, &self.target.direct) {
+            d.range_lock().unlock(a0, a1);
+        }
+        op.map_tag(|h| h.tag)
+    }
+
+    /// Readable once a completion waits (or after [`DirectQueue::wake`]).
+    pub fn event_fd(&self) -> BorrowedFd<'_> {
+        self.aio.event_fd()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.aio.in_flight()
+    }
+
+    /// Makes the eventfd readable, to wake whoever waits on it.
+    pub fn wake(&self) {
+        self.aio.wake();
+    }
+}
+
+impl<T> Drop for DirectQueue<T> {
+    /// Waits for what is in flight, so that the spans its writes hold are
+    /// given back (else a later read-modify-write of them would wait
+    /// forever).
+    fn drop(&mut self) {
+        while self.aio.in_flight() > 0 {
+            let mut done = Vec::new();
+            if let Err(e) = self.aio.reap(&mut done, true) {
+                tracing::warn!(path = %self.target.path.display(), "io_getevents: {e}");
+                return;
+            }
+            for AioDone { op, .. } in done {
+                drop(self.give_back(op));
+            }
+        }
+    }
+}
