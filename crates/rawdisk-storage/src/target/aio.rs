@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use super::{Kind, Target};
+use crate::errno::{is_unsupported, Einval};
 use crate::sys::{Aio, AioDone, AioOp};
 
 /// Whether io_setup works on this kernel, learned once per process.
@@ -63,7 +64,7 @@ impl Target {
     /// A queue of at most `depth` requests, or None: not cache=none, not
     /// the kernel's own calls (a test's fault injector must see every
     /// read and write), or io_setup failed (learned for the process when
-    /// the kernel has no AIO; fs.aio-max-nr reached only fails this one).
+    /// the kernel has no AIO; any other error only fails this one).
     pub fn direct_queue<T>(self: &Arc<Self>, depth: usize) -> Option<DirectQueue<T>> {
         if self.direct.is_none() || !self.real_kernel || AIO_STATE.load(Ordering::Relaxed) == FAILS
         {
@@ -77,14 +78,17 @@ impl Target {
                     target: self.clone(),
                 })
             }
-            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
-                tracing::debug!(path = %self.path.display(), "io_setup: {e}; this connection uses threads");
-                None
-            }
-            Err(e) => {
+            // Only "no AIO here" is learned for the process; EAGAIN
+            // (fs.aio-max-nr), EMFILE (the eventfd) or ENOMEM pass, and a
+            // thousand connections must not turn AIO off for good.
+            Err(e) if is_unsupported(&e, Einval::Invalid) => {
                 if AIO_STATE.swap(FAILS, Ordering::Relaxed) != FAILS {
                     tracing::info!("io_setup: {e}; cache=none requests use threads");
                 }
+                None
+            }
+            Err(e) => {
+                tracing::debug!(path = %self.path.display(), "io_setup: {e}; this connection uses threads");
                 None
             }
         }
@@ -113,7 +117,8 @@ impl<T> DirectQueue<T> {
                     .checked_add(op.len as u64)
                     .is_some_and(|e| e <= i64::MAX as u64)
                 && d.aligned(op.offset, op.len, op.buf[op.start..].as_ptr());
-            let span = d.span(op.offset, op.len as u64);
+            // Aligned, so the span is the op's own range.
+            let span = (op.offset, op.offset + op.len as u64);
             let ok = ok
                 && (!op.write
                     || !t.read_only

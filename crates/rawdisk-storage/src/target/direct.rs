@@ -160,11 +160,6 @@ impl Direct {
             && (ptr as usize).is_multiple_of(self.mem_align)
     }
 
-    /// The aligned span around [off, off+len).
-    pub(super) fn span(&self, off: u64, len: u64) -> (u64, u64) {
-        (self.down(off), self.up(off + len))
-    }
-
     pub(super) fn range_lock(&self) -> &RangeLock {
         &self.locks
     }
