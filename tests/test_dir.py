@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 import urllib.parse
 
 import nbd
@@ -265,6 +266,34 @@ def test_listers_read_ten_thousand_exports(workdir, serve):
     assert out.startswith("exports available: 10000\n"), out[:200]
     got = re.findall(r"^ export: '(.*)'\n  size:  (\d+)$", out, re.M)
     assert got == sorted((n, str(sz)) for n, sz in sizes.items()), (len(got), out[-500:])
+
+
+def test_a_listing_lengthens_the_handshake_deadline(workdir, serve):
+    """The handshake timeout grows by 10 ms per name NBD_OPT_LIST told
+    the client (so a lister can ask about each export on a loaded
+    machine); a client that did not list is still closed on time."""
+    d = os.path.join(workdir, "disks")
+    os.mkdir(d)
+    for i in range(300):
+        with open(os.path.join(d, "d%03d.img" % i), "wb") as f:
+            f.truncate(4096)
+    srv = serve_dir(serve, d, "--handshake-timeout", "0.5")
+    lister, idle = raw(srv), raw(srv)
+    lister.send_option(OPT_LIST)
+    n = 0
+    while lister.read_option_reply()[1] == REP_SERVER:
+        n += 1
+    assert n == 300
+    # 0.5 s + 300 x 10 ms = 3.5 s: past the plain timeout, within the grown one.
+    time.sleep(1.5)
+    assert go_reply(lister, b"d299.img")[0] == REP_ACK
+    # The one that did not list was closed at 0.5 s.
+    idle.sock.settimeout(5)
+    try:
+        closed = idle.sock.recv(1) == b""
+    except ConnectionResetError:
+        closed = True
+    assert closed
 
 
 def test_list_over_the_wire(workdir, serve):

@@ -5,8 +5,11 @@
 //! down, the next option is answered NBD_REP_ERR_SHUTDOWN and the
 //! connection closed (spec: "Option haggling").
 
+use std::collections::HashMap;
 use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{watch, OwnedSemaphorePermit};
@@ -44,12 +47,12 @@ fn transmission_flags(e: &Export) -> u16 {
 
 /// The transmission flags of `e`, fixed for this connection at the first
 /// INFO/GO naming it, so INFO and GO agree (spec: NBD_OPT_INFO).
-fn flags_for(fixed: &mut Vec<(String, u16)>, e: &Export) -> u16 {
-    if let Some((_, f)) = fixed.iter().find(|(n, _)| *n == e.name) {
+fn flags_for(fixed: &mut HashMap<String, u16>, e: &Export) -> u16 {
+    if let Some(f) = fixed.get(&e.name) {
         return *f;
     }
     let f = transmission_flags(e);
-    fixed.push((e.name.clone(), f));
+    fixed.insert(e.name.clone(), f);
     f
 }
 
@@ -100,14 +103,22 @@ pub(super) struct Stop {
     rx: watch::Receiver<bool>,
     requested: bool,
     slot: HandshakeSlot,
+    /// Names the longest NBD_OPT_LIST reply told; the caller's handshake
+    /// deadline grows with them (`TIME_PER_LISTED`).
+    listed: Arc<AtomicUsize>,
 }
 
 impl Stop {
-    pub(super) fn new(rx: watch::Receiver<bool>, slot: HandshakeSlot) -> Stop {
+    pub(super) fn new(
+        rx: watch::Receiver<bool>,
+        slot: HandshakeSlot,
+        listed: Arc<AtomicUsize>,
+    ) -> Stop {
         Stop {
             rx,
             requested: false,
             slot,
+            listed,
         }
     }
 
@@ -239,6 +250,11 @@ const PIPELINED_MAX: usize = 1 << 20;
 /// `max_options`: NBD_OPT_INFO or GO, and a meta context query.
 const OPTIONS_PER_LISTED: usize = 4;
 
+/// Handshake time a listing client gets per name NBD_OPT_LIST told it,
+/// over the handshake timeout: asking about 10,000 exports takes seconds
+/// on a loaded machine, which a fixed deadline would cut off midway.
+pub(super) const TIME_PER_LISTED: Duration = Duration::from_millis(10);
+
 /// The option haggling phase.
 async fn options<R, W>(
     sh: &Shared,
@@ -259,7 +275,10 @@ where
     // (export name, selected contexts) from the last SET_META_CONTEXT.
     let mut selected: Option<(String, Vec<(u32, Context)>)> = None;
     // Per export, fixed at the first INFO/GO so INFO and GO agree (spec).
-    let mut base_flags: Vec<(String, u16)> = Vec::new();
+    let mut base_flags: HashMap<String, u16> = HashMap::new();
+    // The export the last option named, held so the INFO or GO a lister
+    // sends after its meta context query finds it open.
+    let mut recent: Option<Arc<Export>> = None;
     let mut data = Vec::new();
     // Options allowed before transmission: a listing client (nbdinfo
     // --list, qemu-nbd -L) asks about every name NBD_OPT_LIST told it on
@@ -375,6 +394,7 @@ where
                     cfg.max_options
                         .saturating_add(list.len().saturating_mul(OPTIONS_PER_LISTED)),
                 );
+                stop.listed.fetch_max(list.len(), Ordering::Relaxed);
                 for (name, description) in list {
                     OptionReply::Server { name, description }.encode(h.option, &mut out);
                 }
@@ -445,7 +465,7 @@ where
                     .exports
                     .find(&req.name, cfg.write_behind, cfg.max_payload)
                 {
-                    Ok(e) => e,
+                    Ok(e) => recent.insert(e).clone(),
                     Err(msg) => {
                         reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
                         continue;
@@ -469,7 +489,7 @@ where
             ClientOption::Info(req) | ClientOption::Go(req) => {
                 let go = h.option == OPT_GO;
                 let e = match find(sh, peer, name, &req.name) {
-                    Ok(e) => e,
+                    Ok(e) => recent.insert(e).clone(),
                     Err(msg) => {
                         reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
                         continue;

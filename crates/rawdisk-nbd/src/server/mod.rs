@@ -46,7 +46,7 @@ mod transmission;
 mod writeback;
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -585,8 +585,26 @@ async fn connection<R, W>(
         handshake: in_handshake,
         mut evicted,
     } = admission;
-    let stop = handshake::Stop::new(shutdown.clone(), in_handshake);
+    let listed = Arc::new(AtomicUsize::new(0));
+    let stop = handshake::Stop::new(shutdown.clone(), in_handshake, listed.clone());
     let negotiate = handshake::handshake(&sh, rd, wr, &peer, stop);
+    // The handshake timeout, plus a little per name a listing told the
+    // client, which may then ask about each.
+    let start = tokio::time::Instant::now();
+    let deadline = async {
+        let mut until = start + sh.cfg.handshake_timeout;
+        loop {
+            tokio::time::sleep_until(until).await;
+            let n = listed.load(Ordering::Relaxed);
+            let due = start
+                + sh.cfg.handshake_timeout
+                + handshake::TIME_PER_LISTED.saturating_mul(n.try_into().unwrap_or(u32::MAX));
+            if due <= until {
+                break;
+            }
+            until = due;
+        }
+    };
     // Shutting down, the handshake answers the client's next option with
     // NBD_REP_ERR_SHUTDOWN; a client that sends none within this time is
     // closed, so it cannot hold up the server's exit.
@@ -595,7 +613,8 @@ async fn connection<R, W>(
         tokio::time::sleep(SHUTDOWN_HANDSHAKE_MAX).await;
     };
     let hs = tokio::select! {
-        r = tokio::time::timeout(sh.cfg.handshake_timeout, negotiate) => r,
+        r = negotiate => Ok(r),
+        _ = deadline => Err(()),
         _ = stopped => {
             debug!("{peer}: closed in the handshake: the server is shutting down");
             return;

@@ -102,7 +102,8 @@ pub struct Args {
     /// eoverflow, enotsup, eshutdown, other); peak-in-flight.
     #[arg(long, value_name = "FILE")]
     pub(super) stats: Option<PathBuf>,
-    /// Seconds a client gets to finish the handshake.
+    /// Seconds a client gets to finish the handshake; one that listed the
+    /// exports gets 10 ms more per name listed, to ask about each.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     pub(super) handshake_timeout: f64,
     /// Connections served at once; more are closed at accept. At most half
