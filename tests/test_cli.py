@@ -5,6 +5,7 @@ errors for targets it cannot serve."""
 
 import os
 import subprocess
+import threading
 import time
 import urllib.parse
 
@@ -83,6 +84,32 @@ def test_missing_target_is_a_one_line_error(workdir):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rawdisk:") and "nosuch.img" in lines[0], lines
     assert not os.path.exists(path)
+
+
+def test_a_connection_over_the_cap_waits_for_a_place_that_frees(workdir, serve):
+    """A client that connects while the server is full, just before another
+    connection ends (a copy, then its check), is served, not refused: it
+    waits up to a second for the place, as qemu-nbd's listen backlog does."""
+    path, model = make_image(workdir, "disk.img", MiB, seed=97)
+    srv = serve(path, extra=["--max-connections", "1"])
+    a = connect(srv.uri, name="a")
+    got = {}
+
+    def second():
+        try:
+            got["h"] = connect(srv.uri, name="b")
+        except nbd.Error as e:
+            got["e"] = e
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.3)
+    assert not got, "the second connection did not wait"
+    a.shutdown()
+    del a
+    t.join(10)
+    assert "h" in got, got
+    assert got["h"].pread(4096, 0) == model[:4096]
+    got["h"].shutdown()
 
 
 def test_max_connections(workdir, serve):

@@ -343,10 +343,11 @@ impl Server {
                     continue;
                 }
             };
-            let Some(permit) = sh.admit(&peer) else {
-                sh.refuse(rd, wr);
+            let Ok(place) = sh.conns.clone().try_acquire_owned() else {
+                sh.wait_or_refuse(&mut tasks, rd, wr, sink, peer, shutdown.clone());
                 continue;
             };
+            let permit = sh.admit(&peer, place);
             let span = tracing::debug_span!("conn", id = permit.id);
             let fut = connection(
                 sh.clone(),
@@ -426,9 +427,11 @@ impl Server {
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
         let sh = &self.shared;
-        let Some(permit) = sh.admit("stream") else {
+        let Ok(place) = sh.conns.clone().try_acquire_owned() else {
+            sh.refused("stream");
             return;
         };
+        let permit = sh.admit("stream", place);
         let (rd, wr) = tokio::io::split(stream);
         connection(sh.clone(), rd, wr, None, "stream".into(), shutdown, permit).await;
     }
@@ -468,20 +471,22 @@ struct Admission {
 }
 
 impl Shared {
-    /// A place for a new connection, or None (then `refuse` tells the
-    /// client why). Refusals and evictions are logged at most once a
-    /// second, with a count.
-    fn admit(&self, peer: &str) -> Option<Admission> {
-        let Ok(conn) = self.conns.clone().try_acquire_owned() else {
-            self.stats.refused();
-            if self.refusals.allow() {
-                warn!(
-                    "refusing connection from {peer}: already serving {} connections",
-                    self.cfg.max_connections,
-                );
-            }
-            return None;
-        };
+    /// A connection there is no place for is counted and logged (at most
+    /// once a second, with a count).
+    fn refused(&self, peer: &str) {
+        self.stats.refused();
+        if self.refusals.allow() {
+            warn!(
+                "refusing connection from {peer}: already serving {} connections",
+                self.cfg.max_connections,
+            );
+        }
+    }
+
+    /// Admits a new connection to `conn`, its place under the cap, and
+    /// to a place among those in the handshake. Evictions are logged at
+    /// most once a second, with a count.
+    fn admit(&self, peer: &str, conn: tokio::sync::OwnedSemaphorePermit) -> Admission {
         self.stats.accepted();
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (handshake, evicted, full) = self.handshakes.enter(id, conn);
@@ -495,11 +500,11 @@ impl Shared {
                 );
             }
         }
-        Some(Admission {
+        Admission {
             id,
             handshake,
             evicted,
-        })
+        }
     }
 
     /// Connection `id` in transmission ended: when it was the last, pooled

@@ -2,41 +2,71 @@
 //! can show: the greeting, then NBD_REP_ERR_POLICY with the reason to each
 //! option until the client aborts or hangs up (spec: the server MAY refuse
 //! any option with an error; a client that gets one for GO gives up).
-//! Within a second and for a few connections at once; beyond that, or for
+//! First it waits a second for a place, as a client that reconnects at once
+//! may be racing the end of its own last connection. The refusal is sent
+//! within a second and for a few connections at once; beyond that, or for
 //! NBD_OPT_EXPORT_NAME (which has no error reply), the connection is closed.
 
 use std::io;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tracing::Instrument;
 
-use super::{protocol_error, Shared};
+use super::{connection, protocol_error, BoxRead, BoxWrite, Shared};
 use crate::proto::*;
+use crate::sock::RawSock;
 
+/// Time a connection over the cap waits for a place before it is refused.
+const ADMIT_WAIT: Duration = Duration::from_secs(1);
 /// Time a refused client gets to hear why.
 const REFUSE_WITHIN: Duration = Duration::from_secs(1);
-/// Refused connections answered at once; more are closed silently.
+/// Connections over the cap waiting or being answered at once; more are
+/// closed silently.
 pub(super) const REFUSING_MAX: usize = 16;
 /// Options answered before the refusal gives up on the client.
 const REFUSED_OPTIONS: usize = 16;
 
 impl Shared {
-    /// Answers a connection there is no room for, on its own task.
-    pub(super) fn refuse<R, W>(&self, rd: R, wr: W)
-    where
-        R: AsyncRead + Unpin + Send + 'static,
-        W: AsyncWrite + Unpin + Send + 'static,
-    {
-        let Ok(permit) = self.refusing.clone().try_acquire_owned() else {
+    /// A connection that found the server full waits, on its own task, up
+    /// to `ADMIT_WAIT` for a place and is then served; otherwise it is
+    /// told why. A client often reconnects the moment its last connection
+    /// closed (a copy, then its check), before the server has let that
+    /// one go; qemu-nbd leaves such a client in the listen backlog.
+    pub(super) fn wait_or_refuse(
+        self: &Arc<Self>,
+        tasks: &mut JoinSet<()>,
+        rd: BoxRead,
+        wr: BoxWrite,
+        sink: RawSock,
+        peer: String,
+        shutdown: watch::Receiver<bool>,
+    ) {
+        let Ok(waiting) = self.refusing.clone().try_acquire_owned() else {
+            self.refused(&peer);
             return;
         };
-        let why = format!(
-            "too many connections (the server's limit is {}); try again later",
-            self.cfg.max_connections
-        );
-        tokio::spawn(async move {
+        let sh = self.clone();
+        tasks.spawn(async move {
+            let place = tokio::time::timeout(ADMIT_WAIT, sh.conns.clone().acquire_owned()).await;
+            if let Ok(Ok(place)) = place {
+                drop(waiting);
+                let permit = sh.admit(&peer, place);
+                let span = tracing::debug_span!("conn", id = permit.id);
+                let fut = connection(sh, rd, wr, Some(sink), peer, shutdown, permit);
+                return fut.instrument(span).await;
+            }
+            sh.refused(&peer);
+            let why = format!(
+                "too many connections (the server's limit is {}); try again later",
+                sh.cfg.max_connections
+            );
             let _ = tokio::time::timeout(REFUSE_WITHIN, refusal(rd, wr, why)).await;
-            drop(permit);
+            drop(waiting);
         });
     }
 }

@@ -106,8 +106,9 @@ pub struct Args {
     /// exports gets 10 ms more per name listed, to ask about each.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     pub(super) handshake_timeout: f64,
-    /// Connections served at once; more are closed at accept. At most half
-    /// of them may be in the handshake at once.
+    /// Connections served at once; one more waits up to a second for a
+    /// place, then is refused with the reason. At most half of them may be
+    /// in the handshake at once.
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub(super) max_connections: usize,
     /// Close a connection that has had nothing in flight and sent nothing,
