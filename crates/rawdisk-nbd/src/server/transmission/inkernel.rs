@@ -238,6 +238,7 @@ async fn reaper<W: AsyncWrite + Unpin + Send>(
                 sh.pool.put(buf);
                 whole(small_ok(&s, to))
             };
+            out.counters.aio_completed();
             replies.push(Out {
                 reply,
                 _permits: permits.produced(),
