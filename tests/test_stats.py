@@ -100,6 +100,7 @@ def totals(open_now, disc):
         "errors": {"eperm": 0, "eio": 0, "enomem": 0, "einval": 1, "enospc": 1, "eoverflow": 0,
                    "enotsup": 0, "eshutdown": 0, "other": 0},
         "peak-in-flight": 8,
+        "aio-completed": 0,
     }
 
 

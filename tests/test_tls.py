@@ -232,6 +232,41 @@ def test_structured_replies_before_starttls_are_forgotten(workdir, serve, pki):
     c.disconnect()
 
 
+def test_unread_replies_are_capped_per_connection(workdir, serve, pki):
+    """64 reads of 1 MiB pipelined over one TLS connection whose client
+    reads nothing for 1.5 s: the server makes at most TLS_UNSENT_CONN (2 MiB)
+    of replies ahead of the socket, so its anonymous memory stays near its
+    baseline (it grew by under 0.1 MiB), not by the 64 MiB asked for (a
+    build without the cap grew by 59 MiB). Then every reply is read and
+    checked."""
+    _, model, srv = start(serve, workdir, True, "--tls-certificates", pki["srv"])
+    raw = srv.connect_unix_or_tcp(timeout=30)
+    c = wire.RawClient(raw).start()
+    c.send_option(wire.OPT_STARTTLS)
+    assert c.read_option_reply()[1] == wire.REP_ACK
+    c.sock = tls_sock(raw, pki)
+    go(c)
+    # Warm: the buffers one 1 MiB read needs are part of the baseline.
+    assert c.request(wire.CMD_READ, 0, MiB) == (0, bytes(model[:MiB]))
+    base = srv.status("RssAnon")
+    offsets = [(i % 8) * MiB for i in range(64)]
+    c.sock.sendall(b"".join(wire.request_bytes(wire.CMD_READ, off, MiB, cookie=i)
+                            for i, off in enumerate(offsets)))
+    peak, end = base, time.monotonic() + 1.5
+    while time.monotonic() < end:
+        peak = max(peak, srv.status("RssAnon"))
+        time.sleep(0.02)
+    assert peak - base < 16 * MiB, f"RssAnon grew by {(peak - base) >> 20} MiB"
+    got = {}
+    for _ in offsets:
+        cookie, err, data = c.read_simple_reply(MiB)
+        assert err == 0 and cookie not in got, (cookie, err)
+        got[cookie] = data
+    for i, off in enumerate(offsets):
+        assert_same_bytes(got[i], model[off:off + MiB], f"read {i} at {off}")
+    c.disconnect()
+
+
 def test_stalled_tls_handshake_is_timed_out(workdir, serve, pki):
     _, model, srv = start(serve, workdir, True, "--tls-certificates", pki["srv"],
                           "--handshake-timeout", "1")

@@ -255,12 +255,20 @@ impl Export {
         q.submit(ops)
     }
 
-    /// What `q` finished. A write is marked again whether it succeeded or
-    /// not (part of it may have reached the storage); one that did not is
-    /// the caller's to run with [`Export::write`], which reports the error.
-    pub(super) fn reap_direct<T>(&self, q: &mut DirectQueue<T>, out: &mut Vec<DirectDone<T>>) {
+    /// What `q` finished; `wait`: block for at least one, when any is in
+    /// flight. A write is marked again whether it succeeded or not (part of
+    /// it may have reached the storage); one that did not is the caller's to
+    /// run with [`Export::write`], which reports the error. On an error of
+    /// io_getevents what came back before it is in `out`, marked; what is
+    /// still in flight was marked when submitted.
+    pub(super) fn reap_direct<T>(
+        &self,
+        q: &mut DirectQueue<T>,
+        out: &mut Vec<DirectDone<T>>,
+        wait: bool,
+    ) -> std::io::Result<()> {
         let from = out.len();
-        q.reap(out);
+        let r = q.reap(out, wait);
         for d in out[from..].iter().filter(|d| d.op.write) {
             let (offset, len) = (d.op.offset, d.op.len as u64);
             self.mark(offset, len);
@@ -268,6 +276,7 @@ impl Export {
                 self.written(offset, len);
             }
         }
+        r
     }
 
     /// Marks a change whose storage call is not a scope here (a write in

@@ -49,6 +49,7 @@ pub(super) struct Counters {
     bytes: [AtomicU64; COUNTED.len() + 1],
     errors: [AtomicU64; ERRORS.len()],
     peak: AtomicU64,
+    aio: AtomicU64,
 }
 
 impl Counters {
@@ -79,6 +80,13 @@ impl Counters {
         }
     }
 
+    /// A request answered from its in-kernel AIO completion (cache=none),
+    /// not by a pool thread: shows that path is taken, since anything AIO
+    /// refuses is served the blocking way with the same replies.
+    pub(super) fn aio_completed(&self) {
+        self.aio.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(super) fn snapshot(&self) -> Tally {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Tally {
@@ -86,6 +94,7 @@ impl Counters {
             bytes: self.bytes.each_ref().map(get),
             errors: self.errors.each_ref().map(get),
             peak_in_flight: get(&self.peak),
+            aio_completed: get(&self.aio),
         }
     }
 }
@@ -99,6 +108,8 @@ pub struct Tally {
     errors: [u64; ERRORS.len()],
     /// On one connection (the largest over connections in totals).
     pub peak_in_flight: u64,
+    /// Requests answered from an in-kernel AIO completion.
+    pub aio_completed: u64,
 }
 
 impl Tally {
@@ -124,11 +135,12 @@ impl Tally {
         sum(&mut self.bytes, &o.bytes);
         sum(&mut self.errors, &o.errors);
         self.peak_in_flight = self.peak_in_flight.max(o.peak_in_flight);
+        self.aio_completed += o.aio_completed;
     }
 }
 
 /// "requests: read 4 (200704 bytes), write 1 (4096 bytes); errors: NBD_EIO
-/// 1; peak 3 in flight", naming only what happened.
+/// 1; peak 3 in flight; 4 through AIO", naming only what happened.
 impl std::fmt::Display for Tally {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut s = String::from("requests:");
@@ -153,7 +165,11 @@ impl std::fmt::Display for Tally {
         } else {
             s.push_str(" none");
         }
-        write!(f, "{s}; peak {} in flight", self.peak_in_flight)
+        write!(f, "{s}; peak {} in flight", self.peak_in_flight)?;
+        if self.aio_completed > 0 {
+            write!(f, "; {} through AIO", self.aio_completed)?;
+        }
+        Ok(())
     }
 }
 
@@ -607,5 +623,24 @@ mod tests {
         let reads = t.tally.commands().next().unwrap();
         assert_eq!(reads, (Some(Command::Read), 2, 4608));
         assert_eq!(t.tally.errors().count(), ERRORS.len());
+    }
+
+    #[test]
+    fn aio_completions_are_summed_and_named_only_when_any() {
+        let s = Stats::new();
+        let a = s.opened(1);
+        let b = s.opened(2);
+        a.request(Command::Read, 4096);
+        a.aio_completed();
+        b.aio_completed();
+        b.aio_completed();
+        assert_eq!(
+            a.snapshot().to_string(),
+            "requests: read 1 (4096 bytes); errors: none; peak 0 in flight; 1 through AIO"
+        );
+        assert!(!s.closed(1));
+        assert_eq!(s.totals().tally.aio_completed, 3);
+        assert!(s.closed(2));
+        assert_eq!(s.totals().tally.aio_completed, 3);
     }
 }

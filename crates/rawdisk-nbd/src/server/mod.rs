@@ -38,6 +38,8 @@ mod buffers;
 mod command;
 mod export;
 mod exports;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod handshake;
 mod limits;
 mod meta;

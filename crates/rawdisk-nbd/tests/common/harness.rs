@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use rawdisk_nbd::proto::*;
 use rawdisk_nbd::server::{Server, ServerConfig};
 use rawdisk_storage::cbt::{StateFile, TrackOptions, Tracker};
-use rawdisk_storage::{FaultSys, OpenOptions, Target};
+use rawdisk_storage::{CacheMode, FaultSys, OpenOptions, Target};
 
 use super::{assert_file_is, Bind, Running};
 
@@ -45,6 +45,8 @@ pub struct Setup {
     pub track: Option<Vec<&'static str>>,
     /// The tracker's state file I/O through a FaultSys of its own.
     pub track_fault: bool,
+    /// Open the target with O_DIRECT (`--cache none`).
+    pub cache_none: bool,
 }
 
 impl Default for Setup {
@@ -59,6 +61,7 @@ impl Default for Setup {
             fault: false,
             track: None,
             track_fault: false,
+            cache_none: false,
         }
     }
 }
@@ -91,6 +94,11 @@ impl Harness {
         }
         let opts = OpenOptions {
             read_only: setup.cfg.read_only,
+            cache: if setup.cache_none {
+                CacheMode::None
+            } else {
+                CacheMode::default()
+            },
             ..Default::default()
         };
         let (target, fault) = if setup.fault {

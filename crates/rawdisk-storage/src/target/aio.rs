@@ -141,12 +141,12 @@ impl<T> DirectQueue<T> {
         refused
     }
 
-    /// Every completion waiting, without blocking.
-    pub fn reap(&mut self, out: &mut Vec<DirectDone<T>>) {
+    /// Every completion waiting; `wait`: at least one, blocking until it
+    /// comes (when any is in flight), for a caller that cannot poll the
+    /// eventfd. What came back is in `out` also when io_getevents failed.
+    pub fn reap(&mut self, out: &mut Vec<DirectDone<T>>, wait: bool) -> std::io::Result<()> {
         let mut done: Vec<AioDone<Held<T>>> = Vec::new();
-        if let Err(e) = self.aio.reap(&mut done, false) {
-            tracing::warn!(path = %self.target.path.display(), "io_getevents: {e}");
-        }
+        let r = self.aio.reap(&mut done, wait);
         for AioDone { op, result } in done {
             let len = op.len;
             let offset = op.offset;
@@ -159,6 +159,7 @@ impl<T> DirectQueue<T> {
                 done: ok,
             });
         }
+        r
     }
 
     /// The op as the caller gave it, its span unlocked.

@@ -53,6 +53,9 @@ pub(super) struct InKernel {
     efd: RawFd,
     /// The reader is done: the reaper ends once nothing is in flight.
     closed: AtomicBool,
+    /// The reaper could not poll or reap: set under the queue's lock, after
+    /// which nothing more is submitted (all goes to the pool).
+    stuck: AtomicBool,
 }
 
 /// The eventfd as tokio polls it; the queue owns it, and the reaper holds
@@ -79,6 +82,7 @@ impl InKernel {
             q: Mutex::new(q),
             efd,
             closed: AtomicBool::new(false),
+            stuck: AtomicBool::new(false),
         });
         let interest = tokio::io::Interest::READABLE;
         // SAFETY: EventFd holds the queue, which owns the eventfd, so the
@@ -160,9 +164,17 @@ impl InKernel {
         if ops.is_empty() {
             return rest;
         }
-        let refused = {
+        let refused = if self.stuck.load(Ordering::Acquire) {
+            ops
+        } else {
+            // Checked again under the lock the reaper sets it under: what is
+            // submitted here, the reaper drains.
             let mut q = self.queue();
-            s.export.submit_direct(&mut q, ops)
+            if self.stuck.load(Ordering::Acquire) {
+                ops
+            } else {
+                s.export.submit_direct(&mut q, ops)
+            }
         };
         rest.extend(refused.into_iter().map(|op| job_of(sh, op)));
         rest
@@ -171,7 +183,10 @@ impl InKernel {
     /// The reader is done: the reaper ends after the last completion.
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        self.queue().wake();
+        // A stuck reaper waits on the queue's lock and wakes by itself.
+        if !self.stuck.load(Ordering::Acquire) {
+            self.queue().wake();
+        }
     }
 }
 
@@ -196,7 +211,9 @@ fn job_of(sh: &Shared, op: DirectOp<Pending>) -> Job {
 }
 
 /// Answers completions as the eventfd shows them, until the reader is
-/// done and nothing is in flight.
+/// done and nothing is in flight. If the eventfd cannot be polled or
+/// io_getevents fails, the requests in flight are still answered: see
+/// [`drain`].
 async fn reaper<W: AsyncWrite + Unpin + Send>(
     fd: AsyncFd<EventFd>,
     sh: Arc<Shared>,
@@ -204,23 +221,105 @@ async fn reaper<W: AsyncWrite + Unpin + Send>(
     tx: mpsc::UnboundedSender<Box<Out>>,
     out: Direct<W>,
 ) -> io::Result<()> {
+    let k = fd.get_ref().0.clone();
+    let mut a = Answers {
+        sh,
+        s,
+        tx,
+        out,
+        own: true,
+        replies: Vec::new(),
+    };
     let mut done: Vec<DirectDone<Pending>> = Vec::new();
-    let mut replies: Vec<Out> = Vec::new();
-    // After a failed write the writer task sends (and meets the error).
-    let mut own = true;
     loop {
-        let mut ready = fd.readable().await?;
-        ready.clear_ready();
-        let k = &fd.get_ref().0;
-        let left = {
-            let mut q = k.queue();
-            s.export.reap_direct(&mut q, &mut done);
-            q.in_flight()
+        let polled = fd.readable().await;
+        #[cfg(feature = "fault-injection")]
+        let polled = polled.and_then(|r| {
+            if crate::server::fault::aio_poll_fails() {
+                Err(io::Error::other(
+                    "injected: the AIO eventfd cannot be polled",
+                ))
+            } else {
+                Ok(r)
+            }
+        });
+        let reaped = match polled {
+            Ok(mut ready) => {
+                ready.clear_ready();
+                let mut q = k.queue();
+                a.s.export.reap_direct(&mut q, &mut done, false)
+            }
+            Err(e) => Err(e),
         };
+        a.answer(&mut done).await;
+        if let Err(e) = reaped {
+            return drain(&k, &mut a, e).await;
+        }
+        if k.queue().in_flight() == 0 && k.closed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+    }
+}
+
+/// The reaper lost its eventfd (`e`): nothing more is submitted, and each
+/// request in flight is answered as it completes, waited for on a blocking
+/// thread, since nothing will wake the reaper for it. If even that fails,
+/// the connection's write side is shut, so the client sees the connection
+/// end instead of waiting for replies that cannot come.
+async fn drain<W: AsyncWrite + Unpin + Send>(
+    k: &Arc<InKernel>,
+    a: &mut Answers<W>,
+    e: io::Error,
+) -> io::Result<()> {
+    let left = {
+        let q = k.queue();
+        k.stuck.store(true, Ordering::Release);
+        q.in_flight()
+    };
+    warn!("AIO completions: {e}; waiting for the {left} requests in flight");
+    while k.queue().in_flight() > 0 {
+        let (k2, s) = (k.clone(), a.s.clone());
+        let waited = tokio::task::spawn_blocking(move || {
+            let mut done = Vec::new();
+            let r = s.export.reap_direct(&mut k2.queue(), &mut done, true);
+            (done, r)
+        })
+        .await;
+        let (mut done, r) = match waited {
+            Ok(v) => v,
+            Err(j) => (Vec::new(), Err(io::Error::other(j))),
+        };
+        a.answer(&mut done).await;
+        if let Err(e) = r {
+            let mut w = a.out.wr.lock().await;
+            let _ = within(a.sh.cfg.idle_timeout, w.shutdown()).await;
+            // Logged once, by the reaper's task.
+            return Err(io::Error::new(e.kind(), format!("{e}; connection shut")));
+        }
+    }
+    Ok(())
+}
+
+/// Turns completions into replies and sends them.
+struct Answers<W> {
+    sh: Arc<Shared>,
+    s: Arc<Session>,
+    tx: mpsc::UnboundedSender<Box<Out>>,
+    out: Direct<W>,
+    /// After a failed write the writer task sends (and meets the error).
+    own: bool,
+    replies: Vec<Out>,
+}
+
+impl<W: AsyncWrite + Unpin + Send> Answers<W> {
+    /// Answers each of `done`; what failed or came back short goes to the
+    /// pool, which runs it again and reports the error.
+    async fn answer(&mut self, done: &mut Vec<DirectDone<Pending>>) {
+        let (sh, s) = (&self.sh, &self.s);
         let mut again = Vec::new();
         for d in done.drain(..) {
             if !d.done {
-                again.push(job_of(&sh, d.op));
+                again.push(job_of(sh, d.op));
                 continue;
             }
             let DirectOp {
@@ -233,25 +332,27 @@ async fn reaper<W: AsyncWrite + Unpin + Send>(
                 hdr,
             } = tag;
             let reply = if req.command == Command::Read {
-                data_reply(&s, &req, to, buf, hdr, start)
+                data_reply(s, &req, to, buf, hdr, start)
             } else {
                 sh.pool.put(buf);
-                whole(small_ok(&s, to))
+                whole(small_ok(s, to))
             };
-            replies.push(Out {
+            self.out.counters.aio_completed();
+            self.replies.push(Out {
                 reply,
                 _permits: permits.produced(),
             });
         }
-        on_pool(&sh, &s, &tx, again);
-        if own && !replies.is_empty() {
+        on_pool(sh, s, &self.tx, again);
+        if self.own && !self.replies.is_empty() {
             // Sent from here: handing them to the writer task cost a task
             // wake-up per completion batch.
-            let mut w = out.wr.lock().await;
-            let sink = out.sink.as_ref();
+            let mut w = self.out.wr.lock().await;
+            let sink = self.out.sink.as_ref();
+            let (counters, replies) = (&self.out.counters, &mut self.replies);
             let sent = within(sh.cfg.idle_timeout, async {
                 for o in replies.drain(..) {
-                    put_reply(&sh, &mut w, sink, &out.counters, o.reply).await?;
+                    put_reply(sh, &mut w, sink, counters, o.reply).await?;
                 }
                 w.flush().await
             })
@@ -259,14 +360,11 @@ async fn reaper<W: AsyncWrite + Unpin + Send>(
             drop(w);
             if let Err(e) = sent {
                 debug!("sending AIO replies: {e}");
-                own = false;
+                self.own = false;
             }
         }
-        for o in replies.drain(..) {
-            let _ = tx.send(Box::new(o));
-        }
-        if left == 0 && k.closed.load(Ordering::Acquire) {
-            return Ok(());
+        for o in self.replies.drain(..) {
+            let _ = self.tx.send(Box::new(o));
         }
     }
 }

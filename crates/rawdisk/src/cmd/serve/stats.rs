@@ -44,5 +44,6 @@ pub(super) fn stats_json(t: &Totals) -> serde_json::Value {
         "requests": requests,
         "errors": errors,
         "peak-in-flight": t.tally.peak_in_flight,
+        "aio-completed": t.tally.aio_completed,
     })
 }
