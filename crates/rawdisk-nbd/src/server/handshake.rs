@@ -5,7 +5,7 @@
 //! down, the next option is answered NBD_REP_ERR_SHUTDOWN and the
 //! connection closed (spec: "Option haggling").
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -47,14 +47,22 @@ fn transmission_flags(e: &Export) -> u16 {
 
 /// The transmission flags of `e`, fixed for this connection at the first
 /// INFO/GO naming it, so INFO and GO agree (spec: NBD_OPT_INFO).
-fn flags_for(fixed: &mut HashMap<String, u16>, e: &Export) -> u16 {
-    if let Some(f) = fixed.get(&e.name) {
+fn flags_for(fixed: &mut VecDeque<(String, u16)>, e: &Export) -> u16 {
+    if let Some((_, f)) = fixed.iter().find(|(n, _)| *n == e.name) {
         return *f;
     }
     let f = transmission_flags(e);
-    fixed.insert(e.name.clone(), f);
+    if fixed.len() == FLAGS_KEPT {
+        fixed.pop_front();
+    }
+    fixed.push_back((e.name.clone(), f));
     f
 }
+
+/// Exports whose flags a connection keeps fixed: a lister asks about one
+/// export after another, so the last few are the ones INFO and GO must
+/// agree on, and a list of 65,536 long names is not held per connection.
+const FLAGS_KEPT: usize = 16;
 
 /// The export a client named, or the reason it gets NBD_REP_ERR_UNKNOWN
 /// (counted and logged: an operator wants to see clients asking for the
@@ -103,22 +111,23 @@ pub(super) struct Stop {
     rx: watch::Receiver<bool>,
     requested: bool,
     slot: HandshakeSlot,
-    /// Names the longest NBD_OPT_LIST reply told; the caller's handshake
-    /// deadline grows with them (`TIME_PER_LISTED`).
-    listed: Arc<AtomicUsize>,
+    /// Queries answered about names a listing told (at most as many as the
+    /// longest NBD_OPT_LIST reply named); the caller's handshake deadline
+    /// grows with them (`TIME_PER_LISTED`).
+    earned: Arc<AtomicUsize>,
 }
 
 impl Stop {
     pub(super) fn new(
         rx: watch::Receiver<bool>,
         slot: HandshakeSlot,
-        listed: Arc<AtomicUsize>,
+        earned: Arc<AtomicUsize>,
     ) -> Stop {
         Stop {
             rx,
             requested: false,
             slot,
-            listed,
+            earned,
         }
     }
 
@@ -250,9 +259,11 @@ const PIPELINED_MAX: usize = 1 << 20;
 /// `max_options`: NBD_OPT_INFO or GO, and a meta context query.
 const OPTIONS_PER_LISTED: usize = 4;
 
-/// Handshake time a listing client gets per name NBD_OPT_LIST told it,
-/// over the handshake timeout: asking about 10,000 exports takes seconds
-/// on a loaded machine, which a fixed deadline would cut off midway.
+/// Handshake time a listing client earns per query it sends about the
+/// names NBD_OPT_LIST told it (up to one per name), over the handshake
+/// timeout: asking about 10,000 exports takes seconds on a loaded machine,
+/// which a fixed deadline would cut off midway. Earned, not granted at the
+/// LIST, so a client that lists and then idles is still closed on time.
 pub(super) const TIME_PER_LISTED: Duration = Duration::from_millis(10);
 
 /// The option haggling phase.
@@ -275,7 +286,7 @@ where
     // (export name, selected contexts) from the last SET_META_CONTEXT.
     let mut selected: Option<(String, Vec<(u32, Context)>)> = None;
     // Per export, fixed at the first INFO/GO so INFO and GO agree (spec).
-    let mut base_flags: HashMap<String, u16> = HashMap::new();
+    let mut base_flags: VecDeque<(String, u16)> = VecDeque::new();
     // The export the last option named, held so the INFO or GO a lister
     // sends after its meta context query finds it open.
     let mut recent: Option<Arc<Export>> = None;
@@ -285,6 +296,8 @@ where
     // the same connection, so the bound grows with the longest list sent.
     let mut allowed = cfg.max_options;
     let mut received = 0usize;
+    // The longest list sent, and the queries about it answered so far.
+    let (mut listed, mut earned) = (0usize, 0usize);
 
     while received < allowed {
         received += 1;
@@ -293,6 +306,14 @@ where
         hb.copy_from_slice(rd.take(OPTION_HEADER_LEN));
         let (h, _) = decode_option_header(&hb).map_err(|e| protocol_error(e.to_string()))?;
         let name = option_name(h.option);
+        let query = matches!(
+            h.option,
+            OPT_INFO | OPT_GO | OPT_SET_META_CONTEXT | OPT_LIST_META_CONTEXT
+        );
+        if query && earned < listed {
+            earned += 1;
+            stop.earned.store(earned, Ordering::Relaxed);
+        }
         if h.len > cfg.max_option_len {
             // Skipping megabytes of a hostile option is not worth it: say
             // why, then hang up (spec: a server MAY hard disconnect on DoS).
@@ -394,7 +415,7 @@ where
                     cfg.max_options
                         .saturating_add(list.len().saturating_mul(OPTIONS_PER_LISTED)),
                 );
-                stop.listed.fetch_max(list.len(), Ordering::Relaxed);
+                listed = listed.max(list.len());
                 for (name, description) in list {
                     OptionReply::Server { name, description }.encode(h.option, &mut out);
                 }

@@ -160,6 +160,8 @@ impl Default for ServerConfig {
 /// to send its next option (answered NBD_REP_ERR_SHUTDOWN) before it is
 /// closed.
 const SHUTDOWN_HANDSHAKE_MAX: Duration = Duration::from_secs(1);
+/// Stands for "never" where a deadline would overflow the clock.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 /// A listening socket the server accepts on.
 pub enum Listener {
@@ -592,20 +594,21 @@ async fn connection<R, W>(
         handshake: in_handshake,
         mut evicted,
     } = admission;
-    let listed = Arc::new(AtomicUsize::new(0));
-    let stop = handshake::Stop::new(shutdown.clone(), in_handshake, listed.clone());
+    let earned = Arc::new(AtomicUsize::new(0));
+    let stop = handshake::Stop::new(shutdown.clone(), in_handshake, earned.clone());
     let negotiate = handshake::handshake(&sh, rd, wr, &peer, stop);
-    // The handshake timeout, plus a little per name a listing told the
-    // client, which may then ask about each.
+    // The handshake timeout, plus a little per query a listing client
+    // sends about the names it was told.
     let start = tokio::time::Instant::now();
     let deadline = async {
-        let mut until = start + sh.cfg.handshake_timeout;
+        // A timeout too large for the clock's range is no timeout.
+        let after = |d: Duration| start.checked_add(d).unwrap_or(start + FAR_FUTURE);
+        let mut until = after(sh.cfg.handshake_timeout);
         loop {
             tokio::time::sleep_until(until).await;
-            let n = listed.load(Ordering::Relaxed);
-            let due = start
-                + sh.cfg.handshake_timeout
-                + handshake::TIME_PER_LISTED.saturating_mul(n.try_into().unwrap_or(u32::MAX));
+            let n = earned.load(Ordering::Relaxed);
+            let extra = handshake::TIME_PER_LISTED.saturating_mul(n.try_into().unwrap_or(u32::MAX));
+            let due = after(sh.cfg.handshake_timeout.saturating_add(extra));
             if due <= until {
                 break;
             }

@@ -51,8 +51,13 @@ impl Shared {
             return;
         };
         let sh = self.clone();
+        let mut stopping = shutdown.clone();
         tasks.spawn(async move {
-            let place = tokio::time::timeout(ADMIT_WAIT, sh.conns.clone().acquire_owned()).await;
+            let place = tokio::select! {
+                p = tokio::time::timeout(ADMIT_WAIT, sh.conns.clone().acquire_owned()) => p,
+                // Not admitted into a server that is going away: closed.
+                _ = stopping.wait_for(|v| *v) => return,
+            };
             if let Ok(Ok(place)) = place {
                 drop(waiting);
                 let permit = sh.admit(&peer, place);
