@@ -104,7 +104,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub(super) stats: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake; one that listed the
-    /// exports gets 10 ms more per name listed, to ask about each.
+    /// exports earns 10 ms more per query about a listed export.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     pub(super) handshake_timeout: f64,
     /// Connections served at once; one more waits up to a second for a
