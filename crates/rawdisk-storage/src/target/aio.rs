@@ -117,8 +117,9 @@ impl<T> DirectQueue<T> {
                     .checked_add(op.len as u64)
                     .is_some_and(|e| e <= i64::MAX as u64)
                 && d.aligned(op.offset, op.len, op.buf[op.start..].as_ptr());
-            // Aligned, so the span is the op's own range.
-            let span = (op.offset, op.offset + op.len as u64);
+            // Aligned, so the span is the op's own range (saturating: an op
+            // past i64::MAX is refused above, and must not overflow here).
+            let span = (op.offset, op.offset.saturating_add(op.len as u64));
             let ok = ok
                 && (!op.write
                     || !t.read_only
