@@ -3,7 +3,9 @@
 //! read reply's share of the unsent bytes; and the reader's ways of taking
 //! them, each waiting (with the held batch handed on) while one is spent.
 
-use tokio::sync::OwnedSemaphorePermit;
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{Reader, NEVER_CLOSED};
 
@@ -52,11 +54,7 @@ pub(super) fn slot_only(slot: OwnedSemaphorePermit) -> Permits {
 impl<R, W> Reader<R, W> {
     /// A request slot; without one, waits for a reply to free one.
     pub(super) async fn take_slot(&mut self) -> OwnedSemaphorePermit {
-        if let Ok(p) = self.slots.clone().try_acquire_owned() {
-            return p;
-        }
-        let p = self.batch.hold(self.slots.clone().acquire_owned()).await;
-        p.expect(NEVER_CLOSED)
+        self.take(self.slots.clone(), 1).await
     }
 
     /// `need` bytes from the connection's budget, then (for a read's
@@ -74,25 +72,9 @@ impl<R, W> Reader<R, W> {
             return slot_only(slot);
         }
         let n = need as u32;
-        let conn = match self.conn_bytes.clone().try_acquire_many_owned(n) {
-            Ok(p) => p,
-            Err(_) => {
-                let p = self.conn_bytes.clone().acquire_many_owned(n);
-                self.batch.hold(p).await.expect(NEVER_CLOSED)
-            }
-        };
-        let conn_unsent = match &self.conn_unsent {
-            Some(sem) if reply => {
-                let k = n.min(TLS_UNSENT_CONN as u32);
-                let p = match sem.clone().try_acquire_many_owned(k) {
-                    Ok(p) => p,
-                    Err(_) => {
-                        let p = sem.clone().acquire_many_owned(k);
-                        self.batch.hold(p).await.expect(NEVER_CLOSED)
-                    }
-                };
-                Some(p)
-            }
+        let conn = self.take(self.conn_bytes.clone(), n).await;
+        let conn_unsent = match self.conn_unsent.clone() {
+            Some(sem) if reply => Some(self.take(sem, n.min(TLS_UNSENT_CONN as u32)).await),
             _ => None,
         };
         let unsent = if reply {
@@ -100,13 +82,7 @@ impl<R, W> Reader<R, W> {
         } else {
             None
         };
-        let total = match self.sh.bytes_total.clone().try_acquire_many_owned(n) {
-            Ok(p) => p,
-            Err(_) => {
-                let p = self.sh.bytes_total.clone().acquire_many_owned(n);
-                self.batch.hold(p).await.expect(NEVER_CLOSED)
-            }
-        };
+        let total = self.take(self.sh.bytes_total.clone(), n).await;
         Permits {
             _slot: slot,
             _conn_bytes: Some(conn),
@@ -120,6 +96,15 @@ impl<R, W> Reader<R, W> {
     /// peers that do not read hold all of it, a connection with nothing else
     /// in flight goes ahead without (None): a client that reads its replies
     /// always has at least one request at a time answered.
+    /// `n` of `sem`, waiting (with the held batch handed on) while spent.
+    async fn take(&mut self, sem: Arc<Semaphore>, n: u32) -> OwnedSemaphorePermit {
+        if let Ok(p) = sem.clone().try_acquire_many_owned(n) {
+            return p;
+        }
+        let p = self.batch.hold(sem.acquire_many_owned(n)).await;
+        p.expect(NEVER_CLOSED)
+    }
+
     async fn take_unsent(&mut self, n: u32) -> Option<OwnedSemaphorePermit> {
         let unsent = self.sh.unsent.clone();
         if let Ok(p) = unsent.clone().try_acquire_many_owned(n) {
