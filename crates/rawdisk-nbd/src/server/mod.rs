@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 use rawdisk_storage::cbt::{CbtError, TrackOptions, Tracker};
 use rawdisk_storage::{OpenOptions, Target};
 use tokio::io::{AsyncRead, AsyncWrite, BufWriter};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::{debug, warn, Instrument};
 
@@ -351,18 +351,16 @@ impl Server {
                 sh.wait_or_refuse(&mut tasks, rd, wr, sink, peer, shutdown.clone());
                 continue;
             };
-            let permit = sh.admit(&peer, place);
-            let span = tracing::debug_span!("conn", id = permit.id);
-            let fut = connection(
+            let fut = admitted(
                 sh.clone(),
                 rd,
                 wr,
                 Some(sink),
                 peer,
                 shutdown.clone(),
-                permit,
+                place,
             );
-            tasks.spawn(fut.instrument(span));
+            tasks.spawn(fut);
         }
         drop(listener);
         let grace = sh.cfg.shutdown_grace;
@@ -435,9 +433,8 @@ impl Server {
             sh.refused("stream");
             return;
         };
-        let permit = sh.admit("stream", place);
         let (rd, wr) = tokio::io::split(stream);
-        connection(sh.clone(), rd, wr, None, "stream".into(), shutdown, permit).await;
+        admitted(sh.clone(), rd, wr, None, "stream".into(), shutdown, place).await;
     }
 
     /// TLS as configured.
@@ -490,7 +487,7 @@ impl Shared {
     /// Admits a new connection to `conn`, its place under the cap, and
     /// to a place among those in the handshake. Evictions are logged at
     /// most once a second, with a count.
-    fn admit(&self, peer: &str, conn: tokio::sync::OwnedSemaphorePermit) -> Admission {
+    fn admit(&self, peer: &str, conn: OwnedSemaphorePermit) -> Admission {
         self.stats.accepted();
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (handshake, evicted, full) = self.handshakes.enter(id, conn);
@@ -571,6 +568,26 @@ struct Session {
 
 fn protocol_error(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+/// A connection given `place` under the cap: admitted, then served to its
+/// end in its own log span.
+fn admitted<R, W>(
+    sh: Arc<Shared>,
+    rd: R,
+    wr: W,
+    sink: Option<RawSock>,
+    peer: String,
+    shutdown: watch::Receiver<bool>,
+    place: OwnedSemaphorePermit,
+) -> impl std::future::Future<Output = ()>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let permit = sh.admit(&peer, place);
+    let span = tracing::debug_span!("conn", id = permit.id);
+    connection(sh, rd, wr, sink, peer, shutdown, permit).instrument(span)
 }
 
 async fn connection<R, W>(

@@ -8,16 +8,14 @@
 //! NBD_OPT_EXPORT_NAME (which has no error reply), the connection is closed.
 
 use std::io;
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tracing::Instrument;
 
-use super::{connection, protocol_error, BoxRead, BoxWrite, Shared};
+use super::{admitted, protocol_error, BoxRead, BoxWrite, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
 
@@ -60,10 +58,7 @@ impl Shared {
             };
             if let Ok(Ok(place)) = place {
                 drop(waiting);
-                let permit = sh.admit(&peer, place);
-                let span = tracing::debug_span!("conn", id = permit.id);
-                let fut = connection(sh, rd, wr, Some(sink), peer, shutdown, permit);
-                return fut.instrument(span).await;
+                return admitted(sh, rd, wr, Some(sink), peer, shutdown, place).await;
             }
             sh.refused(&peer);
             let why = format!(
