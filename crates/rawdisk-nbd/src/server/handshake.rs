@@ -291,15 +291,18 @@ where
     // sends after its meta context query finds it open.
     let mut recent: Option<Arc<Export>> = None;
     let mut data = Vec::new();
-    // Options allowed before transmission: a listing client (nbdinfo
-    // --list, qemu-nbd -L) asks about every name NBD_OPT_LIST told it on
-    // the same connection, so the bound grows with the longest list sent.
-    let mut allowed = cfg.max_options;
-    let mut received = 0usize;
-    // The longest list sent, and the queries about it answered so far.
+    // The longest list NBD_OPT_LIST sent, and the queries about it answered
+    // so far. A listing client (nbdinfo --list, qemu-nbd -L) asks about
+    // every name on the same connection, so the options allowed before
+    // transmission grow with the list, and its time with the queries.
     let (mut listed, mut earned) = (0usize, 0usize);
+    let allowed = |listed: usize| {
+        cfg.max_options
+            .saturating_add(listed.saturating_mul(OPTIONS_PER_LISTED))
+    };
+    let mut received = 0usize;
 
-    while received < allowed {
+    while received < allowed(listed) {
         received += 1;
         stop.bytes(rd, OPTION_HEADER_LEN).await?;
         let mut hb = [0u8; OPTION_HEADER_LEN];
@@ -411,10 +414,6 @@ where
             }
             ClientOption::List => {
                 let list = sh.exports.list(&cfg.description);
-                allowed = allowed.max(
-                    cfg.max_options
-                        .saturating_add(list.len().saturating_mul(OPTIONS_PER_LISTED)),
-                );
                 listed = listed.max(list.len());
                 for (name, description) in list {
                     OptionReply::Server { name, description }.encode(h.option, &mut out);
@@ -554,7 +553,8 @@ where
         }
     }
     Err(protocol_error(format!(
-        "more than {allowed} options without entering transmission"
+        "more than {} options without entering transmission",
+        allowed(listed)
     )))
 }
 
