@@ -176,6 +176,29 @@ def test_symlink_inside_is_served_and_outside_refused(workdir, serve):
     assert_target_is(out_path, out_model)
 
 
+def test_a_parent_swapped_after_start_shows_nothing_outside(workdir, serve):
+    """The directory's parent is renamed away and a symlink to another
+    directory put in its place: the listing and the exports are still the
+    directory opened at start (read through its fd), never the other."""
+    parent = os.path.join(workdir, "p")
+    d = os.path.join(parent, "disks")
+    os.makedirs(d)
+    _, model = make_image(d, "a.img", MiB, seed=5)
+    other = os.path.join(workdir, "other", "disks")
+    os.makedirs(other)
+    make_image(other, "a.img", MiB, seed=6)
+    make_image(other, "evil.img", MiB, seed=7)
+    srv = serve_dir(serve, d)
+    os.rename(parent, os.path.join(workdir, "p-moved"))
+    os.symlink(os.path.join(workdir, "other"), parent)
+    assert listed(srv) == {"a.img": MiB}
+    c = raw(srv)
+    assert go_reply(c, b"evil.img")[0] == REP_ERR_UNKNOWN
+    c = raw(srv).go(b"a.img")
+    assert c.request(CMD_READ, 0, 4096) == (0, bytes(model[:4096]))
+    c.disconnect()
+
+
 def test_swapped_symlink_never_opens_outside(workdir, serve):
     """A writer of the directory flips `x` between a file inside and a
     symlink to a file outside while clients open `x` and read, write and

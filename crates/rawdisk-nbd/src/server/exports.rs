@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -150,7 +150,17 @@ impl Dir {
     /// The names of the regular files and block devices in the directory,
     /// sorted; what cannot be exported is left out.
     fn names(&self) -> Vec<String> {
-        let entries = match std::fs::read_dir(&self.dir) {
+        use rustix::fs::{Mode, OFlags};
+        // Read through the directory's fd, as every name is checked and
+        // opened: a parent swapped for a symlink since start leads nowhere.
+        let listed = rustix::fs::openat(
+            &self.fd,
+            ".",
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .and_then(rustix::fs::Dir::read_from);
+        let entries = match listed {
             Ok(r) => r,
             Err(e) => {
                 warn!("listing {}: {e}", self.dir.display());
@@ -158,7 +168,7 @@ impl Dir {
             }
         };
         let mut names: Vec<String> = entries
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter_map(|e| e.ok()?.file_name().to_str().ok().map(str::to_owned))
             .filter(|n| self.resolve(n).is_ok())
             .take(LIST_MAX)
             .collect();
@@ -166,10 +176,10 @@ impl Dir {
         names
     }
 
-    /// The path `name` stands for, checked: a plain file name, naming a
-    /// regular file or block device that (through symlinks too) is inside
-    /// the directory.
-    fn resolve(&self, name: &str) -> Result<(PathBuf, std::fs::Metadata), Unknown> {
+    /// The (st_dev, st_ino) `name` stands for, checked: a plain file name,
+    /// naming a regular file or block device that (through symlinks too) is
+    /// inside the directory.
+    fn resolve(&self, name: &str) -> Result<(u64, u64), Unknown> {
         if name.is_empty()
             || name.len() > NAME_MAX
             || name == "."
@@ -189,31 +199,33 @@ impl Dir {
             ));
         }
         let unknown = || format!("no export named {:?}", shorten(name));
-        let joined = self.dir.join(name);
-        let meta = std::fs::symlink_metadata(&joined).map_err(|_| unknown())?;
-        // A plain name that is no symlink is inside: one lstat, where
+        use rustix::fs::{AtFlags, FileType};
+        // A name that is no symlink is inside: one fstatat under the
+        // directory's fd (not its path, which may have been swapped), where
         // resolving every component costs a listing of 10,000 names seconds.
-        let (path, meta) = if meta.file_type().is_symlink() {
-            let path = joined.canonicalize().map_err(|_| unknown())?;
+        let st =
+            rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|_| unknown())?;
+        let st = if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
+            let path = self.dir.join(name).canonicalize().map_err(|_| unknown())?;
             if !path.starts_with(&self.dir) {
                 return Err(format!(
                     "{:?} leads outside the exported directory",
                     shorten(name)
                 ));
             }
-            let meta = std::fs::metadata(&path).map_err(|_| unknown())?;
-            (path, meta)
+            rustix::fs::stat(&path).map_err(|_| unknown())?
         } else {
-            (joined, meta)
+            st
         };
-        let ft = meta.file_type();
-        if !ft.is_file() && !ft.is_block_device() {
+        let ft = FileType::from_raw_mode(st.st_mode);
+        if ft != FileType::RegularFile && ft != FileType::BlockDevice {
             return Err(format!(
                 "{:?} is not a regular file or block device",
                 shorten(name)
             ));
         }
-        Ok((path, meta))
+        // As std's MetadataExt gives them, which file_id() compares with.
+        Ok((st.st_dev, st.st_ino))
     }
 
     fn find(
@@ -233,8 +245,7 @@ impl Dir {
         };
         // A cheap check by path for a clear refusal; the open below does not
         // trust it (the name may be swapped in between).
-        let (_, meta) = self.resolve(name)?;
-        let checked = (meta.dev(), meta.ino());
+        let checked = self.resolve(name)?;
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         open.retain(|_, w| w.strong_count() > 0);
         if let Some(e) = open.get(name).and_then(Weak::upgrade) {
