@@ -6,20 +6,20 @@
 //! and fail any of them.
 //!
 //! # Where things are
-//! - `target/mod.rs`: [`Target`], its options and geometry, and opening it;
+//! - `engine/mod.rs`: [`Target`], its options and geometry, and opening it;
 //!   the operations are `impl Target` blocks beside it:
-//!   - `target/zero.rs`: **the zero chain** ([`Target::zero`]): per chunk of
+//!   - `engine/zero.rs`: **the zero chain** ([`Target::zero`]): per chunk of
 //!     at most 1 GiB, PUNCH_HOLE (when trimming is allowed), ZERO_RANGE,
 //!     PUNCH_HOLE + fallocate(0) on files or BLKZEROOUT on block devices,
 //!     then writing zeros; why each step exists is that file's doc;
-//!   - `target/rw.rs`: read, write (FUA), splice to a pipe, flush, write-back;
-//!   - `target/direct.rs`: cache=none (O_DIRECT): bounce buffers and
+//!   - `engine/rw.rs`: read, write (FUA), splice to a pipe, flush, write-back;
+//!   - `engine/direct.rs`: cache=none (O_DIRECT): bounce buffers and
 //!     read-modify-write under a range lock for unaligned requests;
-//!   - `target/space.rs`: trim, extents, preallocation;
-//!   - `target/map.rs`: writes received straight into mapped page cache;
-//!   - `target/offload.rs`: copy offload from another file (FICLONERANGE,
+//!   - `engine/space.rs`: trim, extents, preallocation;
+//!   - `engine/map.rs`: writes received straight into mapped page cache;
+//!   - `engine/offload.rs`: copy offload from another file (FICLONERANGE,
 //!     copy_file_range), learned per pair of file systems;
-//!   - `target/probe.rs`: trying the methods on purpose (`rawdisk probe`).
+//!   - `engine/probe.rs`: trying the methods on purpose (`rawdisk probe`).
 //! - [`cbt`]: **changed-block tracking**: the sidecar state file of
 //!   checkpoints and their bitmaps ([`cbt::Tracker`] for a server,
 //!   [`cbt::StateFile`] for `rawdisk checkpoint`); docs/cbt.md.
@@ -41,6 +41,7 @@
 
 pub mod caps;
 pub mod cbt;
+mod engine;
 mod errno;
 pub mod error;
 #[cfg(any(test, feature = "fault-injection"))]
@@ -48,7 +49,6 @@ pub mod fault;
 pub mod format;
 mod registry;
 pub mod sys;
-mod target;
 #[cfg(test)]
 mod tests;
 
@@ -56,11 +56,11 @@ pub use caps::{
     Capabilities, CapsSnapshot, CopyCaps, CopyMethod, KeepZero, KeepZeroTrial, Method, MethodStats,
     Tri, KEEP_ZERO_SAMPLE,
 };
-pub use error::{Error, Result};
-#[cfg(any(test, feature = "fault-injection"))]
-pub use fault::{FaultRule, FaultSys};
-pub use target::{
+pub use engine::{
     AlignedBuf, CacheMode, CopyOffload, DirectDone, DirectOp, DirectQueue, Extent, ExtentKind,
     Geometry, Kind, Lookup, MappedWrite, Offloaded, OpenOptions, Prealloc, PreallocReport, Probe,
     QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
 };
+pub use error::{Error, Result};
+#[cfg(any(test, feature = "fault-injection"))]
+pub use fault::{FaultRule, FaultSys};

@@ -78,7 +78,7 @@ pub(crate) fn stat_fd(
         return Err(CbtError::io(
             OP,
             target,
-            crate::target::not_an_image(st.type_name),
+            crate::engine::not_an_image(st.type_name),
         ));
     }
     Ok(TargetStat {

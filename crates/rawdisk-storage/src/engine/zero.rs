@@ -28,7 +28,7 @@
 //!
 //! Block devices: the kernel rejects ranges not aligned to the logical
 //! sector with EINVAL (and a failing fallocate corrupts the cached copy of a
-//! partially covered page, see `offload_align` in target/mod.rs), so the request
+//! partially covered page, see `offload_align` in engine/mod.rs), so the request
 //! is aligned to max(sector, page) and split into an unaligned head and
 //! tail (written by hand, under O_DIRECT through the read-modify-write path)
 //! and an aligned middle (offloaded), the middle first so a fast-only request
