@@ -16,6 +16,12 @@
 #   PREFIX=$HOME/.local scripts/install.sh
 #   DESTDIR=/tmp/pkg PREFIX=/usr scripts/install.sh     # for packaging
 #   RAWDISK_BIN=path/to/rawdisk scripts/install.sh       # skip the build
+#   SPLIT_DEBUG=1 DESTDIR=/tmp/pkg scripts/install.sh     # debug info apart
+#
+# The installed binary is stripped of its debug info (the release build keeps
+# line tables for backtraces: most of its size). SPLIT_DEBUG=1 keeps them in
+# PREFIX/lib/debug/PREFIX/bin/rawdisk.debug, linked by .gnu_debuglink, where
+# gdb looks, for packagers who ship a -dbgsym package beside it.
 set -eu
 
 PREFIX=${PREFIX:-/usr/local}
@@ -71,6 +77,15 @@ install -d "$dest/bin" "$dest/share/man/man1" \
     "$dest/share/bash-completion/completions" "$dest/share/zsh/site-functions" \
     "$dest/share/fish/vendor_completions.d" "$units"
 install -m 755 "$RAWDISK_BIN" "$dest/bin/rawdisk"
+if [ "${SPLIT_DEBUG:-0}" = 1 ]; then
+    debug=$dest/lib/debug$PREFIX/bin
+    install -d "$debug"
+    objcopy --only-keep-debug "$dest/bin/rawdisk" "$debug/rawdisk.debug"
+    chmod 644 "$debug/rawdisk.debug"
+    objcopy --strip-debug --add-gnu-debuglink="$debug/rawdisk.debug" "$dest/bin/rawdisk"
+else
+    strip --strip-debug "$dest/bin/rawdisk"
+fi
 install -m 644 "$docs"/man1/*.1 "$dest/share/man/man1/"
 install -m 644 "$docs/completions/rawdisk.bash" "$dest/share/bash-completion/completions/rawdisk"
 install -m 644 "$docs/completions/_rawdisk" "$dest/share/zsh/site-functions/_rawdisk"
@@ -80,7 +95,8 @@ for unit in "$units_src"/rawdisk@.socket "$units_src"/rawdisk@.service; do
     sed "s|/usr/local/bin/rawdisk|$PREFIX/bin/rawdisk|g" "$unit" >"$units/$(basename "$unit")"
     chmod 644 "$units/$(basename "$unit")"
 done
-echo "installed rawdisk into $dest ($UNITS units in $units)"
+size=$(du -k "$dest/bin/rawdisk" | cut -f1)
+echo "installed rawdisk into $dest ($UNITS units in $units; the binary takes $size KiB)"
 if [ -n "$hint" ]; then
     echo "$hint"
 fi

@@ -240,3 +240,43 @@ def test_install_without_root_gets_user_units(workdir):
     check_user_units(unit_dir, prefix / "bin" / "rawdisk")
     assert not (prefix / "lib" / "systemd" / "system").exists()
     assert f"systemctl --user does not look in {unit_dir}" in res.stdout, res.stdout
+
+
+DEBUG_INFO = {".debug_info", ".debug_line", ".zdebug_info", ".zdebug_line"}
+
+
+def debug_sections(path):
+    out = subprocess.run(["readelf", "-S", "-W", path], capture_output=True, text=True,
+                         check=True).stdout
+    return set(re.findall(r"\s(\.(?:z)?debug_\w+|\.gnu_debuglink)\s", out))
+
+
+def test_installed_binary_has_no_debug_info_and_says_its_size(tmp_path):
+    env = dict(os.environ, PREFIX=str(tmp_path / "p"), DESTDIR="", UNITS="system",
+               RAWDISK_BIN=servers.RAWDISK_BIN)
+    res = subprocess.run([os.path.join(ROOT, "scripts", "install.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    binary = tmp_path / "p" / "bin" / "rawdisk"
+    assert not DEBUG_INFO & debug_sections(str(binary))
+    assert os.path.getsize(binary) < os.path.getsize(servers.RAWDISK_BIN)
+    kib = re.search(r"the binary takes (\d+) KiB", res.stdout)
+    assert kib and int(kib.group(1)) == -(-os.stat(binary).st_blocks * 512 // 1024), res.stdout
+    assert subprocess.run([str(binary), "--version"], capture_output=True,
+                          text=True).stdout.startswith("rawdisk ")
+
+
+def test_split_debug_keeps_the_debug_info_apart_and_linked(tmp_path):
+    env = dict(os.environ, PREFIX="/usr", DESTDIR=str(tmp_path), SPLIT_DEBUG="1",
+               RAWDISK_BIN=servers.RAWDISK_BIN)
+    res = subprocess.run([os.path.join(ROOT, "scripts", "install.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    binary = tmp_path / "usr" / "bin" / "rawdisk"
+    debug = tmp_path / "usr" / "lib" / "debug" / "usr" / "bin" / "rawdisk.debug"
+    assert ".gnu_debuglink" in debug_sections(str(binary))
+    assert not DEBUG_INFO & debug_sections(str(binary))
+    assert DEBUG_INFO & debug_sections(str(debug))
+    link = subprocess.run(["objcopy", "--dump-section", ".gnu_debuglink=/dev/stdout",
+                           str(binary), "/dev/null"], capture_output=True, check=True).stdout
+    assert link.split(b"\0", 1)[0] == b"rawdisk.debug"
