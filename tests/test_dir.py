@@ -519,3 +519,52 @@ def test_dir_usage_errors(workdir, args, code, says):
         says = says.replace(k, v)
     assert r.returncode == code, r.stderr
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_directory_of_mixed_files_lists_with_any_tool(workdir, serve):
+    """nbdinfo --list and qemu-nbd -L open every export the list names and
+    stop at a refusal: what GO would refuse (another image format, a file
+    that cannot be read) is left out of the list, logged once, not as an
+    unknown export; FIFOs and symlinks leading outside never appear."""
+    d = os.path.join(workdir, "mixed")
+    os.mkdir(d)
+    make_image(d, "a.img", MiB, seed=3)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", os.path.join(d, "b.qcow2"),
+                    "1M"], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "vmdk", os.path.join(d, "c.vmdk"),
+                    "1M"], check=True)
+    open(os.path.join(d, "empty.img"), "wb").close()
+    make_image(d, "locked.img", MiB, seed=4)
+    os.chmod(os.path.join(d, "locked.img"), 0)
+    os.mkfifo(os.path.join(d, "fifo"))
+    outside = os.path.join(workdir, "outside.img")
+    make_image(workdir, "outside.img", MiB, seed=5)
+    os.symlink(outside, os.path.join(d, "out.img"))
+    srv = serve_dir(serve, d)
+    # Root reads a mode-0 file; anyone else cannot, and it is left out.
+    want = {"a.img": MiB, "empty.img": 0}
+    if os.geteuid() == 0:
+        want["locked.img"] = MiB
+    for _ in range(2):
+        res = subprocess.run(["nbdinfo", "--list", "--json", uri_for(srv, "")],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        exports = json.loads(res.stdout)["exports"]
+        assert {e["export-name"]: e["export-size"] for e in exports} == want
+    res = subprocess.run(["qemu-nbd", "-L", "-k", srv.sock], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert re.findall(r"export: '([^']*)'", res.stdout) == sorted(want)
+    log = srv.stderr()
+    for name, fmt in [("b.qcow2", "qcow2"), ("c.vmdk", "vmdk")]:
+        lines = [line for line in log.splitlines() if f"{name}: not listed" in line]
+        assert len(lines) == 1 and f"looks like a {fmt} image" in lines[0], log
+    assert "unknown export" not in log and "refused" not in log, log
+    # Named anyway, the refusal still says what it is.
+    c = raw(srv)
+    rtype, payload = go_reply(c, b"b.qcow2")
+    assert rtype & REP_ERR and b"looks like a qcow2 image" in payload
+    # -f raw serves their bytes, so they are listed.
+    srv.terminate()
+    srv = serve_dir(serve, d, "-f", "raw")
+    assert set(listed(srv)) == set(want) | {"b.qcow2", "c.vmdk"}

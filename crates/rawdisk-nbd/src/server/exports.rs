@@ -3,7 +3,7 @@
 //! plugin with `dir=`). Each [`Export`] (`export.rs`) is a target with what
 //! the server learns and decides about it, shared by every connection to it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
@@ -40,7 +40,12 @@ pub(super) struct Dir {
     trackers: Mutex<Trackers>,
     /// Export files that look like another image format as raw (`-f raw`).
     pub(super) raw: bool,
+    /// Names a listing left out, each logged once (at most `UNLISTED_MAX`).
+    unlisted: Mutex<HashSet<String>>,
 }
+
+/// Most left-out names remembered so as to log each once.
+const UNLISTED_MAX: usize = 4096;
 
 /// Tracker of each export name, with the (st_dev, st_ino) it tracks.
 type Trackers = HashMap<String, ((u64, u64), Arc<Tracker>)>;
@@ -80,6 +85,7 @@ impl Exports {
             track,
             trackers: Mutex::new(HashMap::new()),
             raw: false,
+            unlisted: Mutex::new(HashSet::new()),
         })
     }
 
@@ -169,11 +175,73 @@ impl Dir {
         };
         let mut names: Vec<String> = entries
             .filter_map(|e| e.ok()?.file_name().to_str().ok().map(str::to_owned))
-            .filter(|n| self.resolve(n).is_ok())
+            .filter(|n| self.resolve(n).is_ok() && self.servable(n))
             .take(LIST_MAX)
             .collect();
         names.sort();
         names
+    }
+
+    /// Whether a listed name is one GO would serve: listers (nbdinfo
+    /// --list, qemu-nbd -L) open every export they are told of and fail
+    /// on a refusal, so a file that looks like another image format (unless
+    /// `-f raw`), or that cannot be read, is left out, and why is logged
+    /// once per name.
+    fn servable(&self, name: &str) -> bool {
+        if self.raw {
+            return true;
+        }
+        let why = match self.looks_like(name) {
+            Ok(None) => return true,
+            Ok(Some(f)) => {
+                format!(
+                    "it looks like a {f} image, not raw (serve with -f raw to export its bytes)"
+                )
+            }
+            Err(e) => format!("it cannot be read: {e}"),
+        };
+        let mut logged = self.unlisted.lock().unwrap_or_else(|p| p.into_inner());
+        if logged.len() < UNLISTED_MAX && logged.insert(name.to_string()) {
+            info!("{}: not listed: {why}", self.dir.join(name).display());
+        }
+        false
+    }
+
+    /// What `name` looks like, read beneath the directory's fd (a FIFO
+    /// swapped in cannot block: O_NONBLOCK, and only regular files and
+    /// block devices are read).
+    fn looks_like(&self, name: &str) -> io::Result<Option<rawdisk_storage::format::Format>> {
+        use rustix::fs::{FileType, Mode, OFlags, ResolveFlags, SeekFrom};
+        let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NONBLOCK | OFlags::NOCTTY;
+        let fd = match rustix::fs::openat2(
+            &self.fd,
+            name,
+            flags,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            // No openat2: the name was checked to be inside just before.
+            Err(rustix::io::Errno::NOSYS) => {
+                rustix::fs::openat(&self.fd, name, flags, Mode::empty())?
+            }
+            r => r?,
+        };
+        let st = rustix::fs::fstat(&fd)?;
+        let size = match FileType::from_raw_mode(st.st_mode) {
+            FileType::RegularFile => st.st_size as u64,
+            FileType::BlockDevice => rustix::fs::seek(&fd, SeekFrom::End(0))?,
+            _ => return Err(io::Error::from_raw_os_error(libc::EINVAL)),
+        };
+        rawdisk_storage::format::probe(size, |buf: &mut [u8], at| -> io::Result<()> {
+            let mut done = 0;
+            while done < buf.len() {
+                match rustix::io::pread(&fd, &mut buf[done..], at + done as u64)? {
+                    0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                    n => done += n,
+                }
+            }
+            Ok(())
+        })
     }
 
     /// The (st_dev, st_ino) `name` stands for, checked: a plain file name,
