@@ -8,6 +8,7 @@ export. The PKI and the PSK files come from the session's `pki` fixture
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -20,6 +21,8 @@ import servers
 import wire
 from helpers import MiB, assert_same_bytes, assert_target_is, make_image, random_bytes
 from tlspki import psk_file, tls_sock, tls_uri
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk's --tls flags")
 
@@ -182,6 +185,72 @@ def test_refusals_psk(workdir, serve, pki):
     assert_refused(tls_uri(srv, f"tls-psk-file={psk_file(pki, 'mallory-psk')}", user="mallory"))
     assert_serves(good, model)
     srv.assert_alive()
+
+
+def test_psk_refusals_are_logged_in_sentences(workdir, serve, pki):
+    """The server's log names the user and what to check, not OpenSSL's
+    reason ("no suitable signature algorithm", "binder does not verify")."""
+    _, model, srv = start(serve, workdir, False, "--tls-psk", psk_file(pki))
+    assert_refused(tls_uri(srv, f"tls-psk-file={psk_file(pki, 'mallory-psk')}", user="mallory"))
+    assert_refused(tls_uri(srv, f"tls-psk-file={psk_file(pki, 'wrong-psk')}", user="alice"))
+    assert_serves(tls_uri(srv, f"tls-psk-file={psk_file(pki)}", user="alice"), model)
+    log = srv.stderr()
+    unknown = [line for line in log.splitlines() if "mallory" in line]
+    assert len(unknown) == 1, log
+    assert "unknown PSK identity \"mallory\"" in unknown[0], log
+    assert psk_file(pki) in unknown[0] and "user name" in unknown[0], log
+    wrong = [line for line in log.splitlines() if "\"alice\"" in line]
+    assert len(wrong) == 1 and "another key" in wrong[0] and psk_file(pki) in wrong[0], log
+    for openssl_words in ("signature algorithm", "binder"):
+        assert openssl_words not in log, log
+
+
+@pytest.mark.parametrize("name,content,says", [
+    ("server-cert.pem", "not a certificate\n", "no PEM block"),
+    ("server-cert.pem", "-----BEGIN CERTIFICATE-----\nMIIB!!!!\n-----END CERTIFICATE-----\n",
+     "damaged"),
+    ("server-key.pem", "not a key\n", "nothing OpenSSL reads"),
+])
+def test_credential_files_that_do_not_parse_are_one_sentence(workdir, pki, name, content,
+                                                            says):
+    d = os.path.join(workdir, "bad-pki")
+    shutil.copytree(pki["srv"], d)
+    with open(os.path.join(d, name), "w") as f:
+        f.write(content)
+    r = run_serve(workdir, "--tls-certificates", d)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and says in lines[0], r.stderr
+    # OpenSSL's source files and error codes are not for the operator.
+    assert ".c:" not in r.stderr and "error:0" not in r.stderr, r.stderr
+
+
+def test_the_documented_certificates_work_on_this_machine(workdir, serve):
+    """docs/architecture.md's openssl commands, run as written, make a
+    server directory that nbdinfo trusts at localhost, 127.0.0.1 and the
+    host's own name."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        doc = f.read()
+    block = doc.split("Certificates in nbdkit's and qemu's layout", 1)[1]
+    script = block.split("```sh\n", 1)[1].split("```", 1)[0]
+    d = os.path.join(workdir, "pki-doc")
+    os.mkdir(d)
+    subprocess.run(["bash", "-euc", script], cwd=d, check=True, capture_output=True,
+                   timeout=60)
+    cli = os.path.join(workdir, "pki-doc-client")
+    os.mkdir(cli)
+    shutil.copy(os.path.join(d, "ca-cert.pem"), cli)
+    _, model, srv = start(serve, workdir, True, "--tls-certificates", d)
+    for host in ("localhost", "127.0.0.1", socket.gethostname()):
+        if host == socket.gethostname():
+            try:
+                socket.getaddrinfo(host, srv.port)
+            except OSError:
+                continue  # a host name this machine cannot resolve
+        uri = f"nbds://{host}:{srv.port}/?tls-certificates={cli}"
+        r = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0 and int(r.stdout) == SIZE, (host, r.stderr)
 
 
 def test_verify_peer_needs_a_client_certificate(workdir, serve, pki):

@@ -34,7 +34,42 @@ use tokio_openssl::SslStream;
 pub struct TlsError(String);
 
 fn ssl_err(what: impl fmt::Display) -> impl FnOnce(openssl::error::ErrorStack) -> TlsError {
-    move |e| TlsError(format!("{what}: {e}"))
+    move |e| TlsError(format!("{what}: {}", reasons(&e)))
+}
+
+/// What an OpenSSL error stack says, in words a person can act on: the
+/// reasons only (not OpenSSL's source files and lines), and for the PEM
+/// errors a file that does not parse gives, what to check.
+fn reasons(e: &openssl::error::ErrorStack) -> String {
+    let mut out: Vec<String> = Vec::new();
+    for x in e.errors() {
+        let r = match x.reason() {
+            Some("no start line") => {
+                "it holds no PEM block of the kind expected (a '-----BEGIN ...-----' line): \
+                 check it is the right file, in PEM form"
+            }
+            Some("bad base64 decode") | Some("bad end line") | Some("ASN1 lib") => {
+                "its PEM block is damaged: check the file's contents"
+            }
+            // OpenSSL 3's decoders: no decoder took the bytes.
+            Some("unsupported") => {
+                "it holds nothing OpenSSL reads as a key or certificate: check it is the \
+                 right file, in PEM form"
+            }
+            // The line that follows a PEM error only repeats it.
+            Some("PEM lib") if !out.is_empty() => continue,
+            Some(r) => r,
+            None => "unknown error",
+        };
+        if !out.iter().any(|o| o == r) {
+            out.push(r.to_string());
+        }
+    }
+    if out.is_empty() {
+        e.to_string()
+    } else {
+        out.join("; ")
+    }
 }
 
 /// TLS 1.2 is the floor the spec sets ("TLS versions").
@@ -43,8 +78,16 @@ const MIN_VERSION: SslVersion = SslVersion::TLS1_2;
 /// the PSK with its own suites).
 const PSK_CIPHERS: &str = "ECDHE-PSK:DHE-PSK:PSK:!NULL:!3DES:!RC4";
 
-/// The PSK identity the server looked up, kept on the connection to log it.
-fn psk_identity_index() -> Result<Index<Ssl, String>, TlsError> {
+/// The PSK identity a client offered, and whether the server has a key for
+/// it: kept on the connection to log who connected, or why the handshake
+/// failed.
+#[derive(Clone)]
+struct PskSeen {
+    identity: String,
+    known: bool,
+}
+
+fn psk_identity_index() -> Result<Index<Ssl, PskSeen>, TlsError> {
     Ssl::new_ex_index().map_err(ssl_err("TLS: allocating connection data"))
 }
 
@@ -330,8 +373,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for TlsHalf<S> {
 pub struct ServerTls {
     ctx: SslContext,
     require: bool,
-    psk_user: Option<Index<Ssl, String>>,
+    psk_user: Option<Index<Ssl, PskSeen>>,
     what: String,
+    /// The PSK file, to name in a failed handshake's log line.
+    psk_file: Option<PathBuf>,
 }
 
 impl fmt::Debug for ServerTls {
@@ -368,6 +413,7 @@ impl ServerTls {
             ctx: b.build().into_context(),
             require,
             psk_user: None,
+            psk_file: None,
             what: format!(
                 "X.509 from '{}'{}",
                 dir.display(),
@@ -391,12 +437,18 @@ impl ServerTls {
         // OpenSSL uses this callback for TLS 1.2 PSK suites and, with the
         // SHA-256 TLS 1.3 suites, for TLS 1.3 external PSKs too.
         b.set_psk_server_callback(move |ssl, identity, out| {
+            let offered = identity.map(|i| String::from_utf8_lossy(i).into_owned());
             let user = identity.and_then(|i| std::str::from_utf8(i).ok());
             let Some((user, key)) = user.and_then(|u| keys.get_key_value(u)) else {
-                tracing::debug!(
-                    "TLS: unknown PSK identity {:?}",
-                    identity.map(String::from_utf8_lossy)
-                );
+                if let Some(identity) = offered {
+                    ssl.set_ex_data(
+                        idx,
+                        PskSeen {
+                            identity,
+                            known: false,
+                        },
+                    );
+                }
                 return Ok(0);
             };
             if key.len() > out.len() {
@@ -404,7 +456,13 @@ impl ServerTls {
                 return Ok(0);
             }
             out[..key.len()].copy_from_slice(key);
-            ssl.set_ex_data(idx, user.clone());
+            ssl.set_ex_data(
+                idx,
+                PskSeen {
+                    identity: user.clone(),
+                    known: true,
+                },
+            );
             Ok(key.len())
         });
         common_server(&mut b)?;
@@ -413,6 +471,7 @@ impl ServerTls {
             require,
             psk_user: Some(idx),
             what: format!("PSK from '{}'", file.display()),
+            psk_file: Some(file.to_path_buf()),
         })
     }
 
@@ -434,12 +493,52 @@ impl ServerTls {
         let ssl = Ssl::new(&self.ctx).map_err(io::Error::other)?;
         let mut stream = SslStream::new(ssl, gather(s)).map_err(io::Error::other)?;
         if let Err(e) = Pin::new(&mut stream).accept().await {
-            return Err(handshake_error(e));
+            let seen = self.psk_user.and_then(|i| stream.ssl().ex_data(i)).cloned();
+            return Err(self
+                .psk_failure(seen, &e)
+                .unwrap_or_else(|| handshake_error(e)));
         }
         let ssl = stream.ssl();
-        let user = self.psk_user.and_then(|i| ssl.ex_data(i)).cloned();
+        let user = self
+            .psk_user
+            .and_then(|i| ssl.ex_data(i))
+            .map(|s| s.identity.clone());
         let info = describe(ssl, user.as_deref());
         Ok((stream, info))
+    }
+
+    /// A PSK handshake that failed, in a sentence: OpenSSL's reasons
+    /// ("no suitable signature algorithm" for an unknown user, "binder does
+    /// not verify" for a wrong key) say nothing an operator can act on.
+    fn psk_failure(&self, seen: Option<PskSeen>, e: &openssl::ssl::Error) -> Option<io::Error> {
+        let file = self.psk_file.as_ref()?.display();
+        if e.io_error()
+            .is_some_and(|io| io.kind() == io::ErrorKind::UnexpectedEof)
+        {
+            return None;
+        }
+        let msg = match seen {
+            Some(PskSeen {
+                identity,
+                known: false,
+            }) => format!(
+                "TLS handshake failed: unknown PSK identity {identity:?}: '{file}' has no key \
+                 for that user (check the user name in the client's URI)"
+            ),
+            Some(PskSeen {
+                identity,
+                known: true,
+            }) => format!(
+                "TLS handshake failed: PSK user {identity:?} has another key than the one in \
+                 '{file}' (check the key on both sides)"
+            ),
+            None => format!(
+                "TLS handshake failed: the client offered no pre-shared key (this server takes \
+                 PSK users from '{file}'; a client with X.509 certificates cannot connect): {}",
+                handshake_error_text(e)
+            ),
+        };
+        Some(io::Error::new(io::ErrorKind::InvalidData, msg))
     }
 }
 
@@ -467,24 +566,22 @@ fn handshake_error(e: openssl::ssl::Error) -> io::Error {
             return io::Error::new(io::ErrorKind::UnexpectedEof, "closed during TLS handshake");
         }
     }
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("TLS handshake failed: {}", handshake_error_text(&e)),
+    )
+}
+
+fn handshake_error_text(e: &openssl::ssl::Error) -> String {
     let msg = match e.ssl_error() {
-        Some(stack) => stack
-            .errors()
-            .iter()
-            .map(|x| x.reason().unwrap_or("unknown error").to_string())
-            .collect::<Vec<_>>()
-            .join("; "),
+        Some(stack) => reasons(stack),
         None => e.to_string(),
     };
-    let msg = if msg.is_empty() {
+    if msg.is_empty() {
         "the peer closed the connection".to_string()
     } else {
         msg
-    };
-    io::Error::new(
-        io::ErrorKind::InvalidData,
-        format!("TLS handshake failed: {msg}"),
-    )
+    }
 }
 
 // ---------------------------------------------------------------------------
