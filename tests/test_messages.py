@@ -209,3 +209,33 @@ def test_a_reader_that_stops_midway_ends_copy_quietly(workdir):
     assert time.monotonic() - t0 < 30
     assert err == ""
     assert head == bytes(model[:300])
+
+
+def test_a_failed_size_change_is_named_as_what_it_was(workdir):
+    """preallocation=off only sets the size: a failure says so, and says
+    "preallocate" only for the modes that preallocate. RLIMIT_FSIZE makes
+    ftruncate fail with EFBIG (SIGXFSZ ignored, as the shell's ulimit -f
+    would have the command see it)."""
+    import resource
+    import signal
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (MiB, MiB))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def run(*args):
+        return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=60,
+                              preexec_fn=limited)
+
+    img = os.path.join(workdir, "x.img")
+    r = run("create", img, "4M")
+    assert r.returncode == 1 and "set the size (ftruncate)" in r.stderr, r.stderr
+    assert "preallocate" not in r.stderr, r.stderr
+    assert not os.path.exists(img)
+    r = run("create", "--preallocation", "full", img, "4M")
+    assert r.returncode == 1 and "File too large" in r.stderr, r.stderr
+    assert not os.path.exists(img)
+    make_image(workdir, "x.img", MiB // 2)
+    r = run("resize", img, "4M")
+    assert r.returncode == 1 and "set the size (ftruncate)" in r.stderr, r.stderr
+    assert "preallocate" not in r.stderr and os.path.getsize(img) == MiB // 2, r.stderr

@@ -194,13 +194,26 @@ impl Target {
     /// allocate_first_block) so O_DIRECT alignment probing by later users
     /// finds allocated data.
     pub fn preallocate(&self, size: u64, mode: Prealloc) -> Result<PreallocReport> {
-        self.check_writable("preallocate", 0, size)?;
+        // preallocation=off only sets the size: its failures say so.
+        let (op, fstat_op, truncate_op) = match mode {
+            Prealloc::Off => (
+                "set the size",
+                "set the size (fstat)",
+                "set the size (ftruncate)",
+            ),
+            Prealloc::Falloc | Prealloc::Full => (
+                "preallocate",
+                "preallocate (fstat)",
+                "preallocate (ftruncate)",
+            ),
+        };
+        self.check_writable(op, 0, size)?;
         if self.kind == Kind::Block {
             if size <= self.geom.size {
                 return Ok(PreallocReport { method: None });
             }
             return Err(Error::new(
-                "preallocate",
+                op,
                 0,
                 size,
                 io::Error::new(
@@ -215,10 +228,10 @@ impl Target {
         }
         let old = self
             .file_size()
-            .map_err(|e| Error::new("preallocate (fstat)", 0, size, e))?;
+            .map_err(|e| Error::new(fstat_op, 0, size, e))?;
         if size < old {
             return Err(Error::new(
-                "preallocate",
+                op,
                 0,
                 size,
                 io::Error::new(
@@ -229,7 +242,7 @@ impl Target {
         }
         let method = match mode {
             Prealloc::Off => {
-                self.truncate_to(old, size)?;
+                self.truncate_to(truncate_op, old, size)?;
                 None
             }
             Prealloc::Falloc => match self.prealloc_falloc(old, size)? {
@@ -251,12 +264,12 @@ impl Target {
         Ok(PreallocReport { method })
     }
 
-    fn truncate_to(&self, old: u64, size: u64) -> Result<()> {
+    fn truncate_to(&self, op: &'static str, old: u64, size: u64) -> Result<()> {
         if size == old {
             return Ok(());
         }
         retry(|| self.sys.ftruncate(self.fd(), size))
-            .map_err(|e| Error::new("preallocate (ftruncate)", old, size - old, e))
+            .map_err(|e| Error::new(op, old, size - old, e))
     }
 
     /// fallocate(0) from the old end. Ok(false): unsupported here (learned),
@@ -296,7 +309,7 @@ impl Target {
         if size == old {
             return Ok(());
         }
-        self.truncate_to(old, size)?;
+        self.truncate_to("preallocate (ftruncate)", old, size)?;
         let r = self
             .write_zeros(old, size - old, WRITE_ZEROS_CHUNK.max(self.zero_chunk))
             .and_then(|()| {
