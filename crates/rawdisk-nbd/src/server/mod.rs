@@ -84,7 +84,9 @@ pub struct ServerConfig {
     pub max_requests_per_conn: usize,
     /// Payload and reply bytes in flight per connection.
     pub max_bytes_per_conn: usize,
-    /// Payload and reply bytes being received or made over all connections.
+    /// Payload and reply bytes being received or made over all connections,
+    /// each connection's reserve of it included (raised to admit the
+    /// reserves and the largest request beside them).
     pub max_bytes_total: usize,
     /// Read reply bytes waiting to be sent over all connections; a
     /// connection with nothing else in flight may go one reply beyond.
@@ -182,6 +184,8 @@ struct Shared {
     /// Connections still in the handshake: at most half of `conns`, so
     /// clients that never finish it cannot lock out everyone else.
     handshakes: Handshakes,
+    /// The bytes being received or made that are not set aside as the
+    /// connections' reserves (`reserve_per_conn` each).
     bytes_total: Arc<Semaphore>,
     unsent: Arc<Semaphore>,
     /// Connections over the cap being told why (refuse.rs).
@@ -193,6 +197,7 @@ struct Shared {
     evictions: RateLimit,
     storage_errors: RateLimit,
     bytes_per_conn: usize,
+    reserve_per_conn: usize,
     pool: BufPool,
     pipes: PipePool,
     next_conn: AtomicU64,
@@ -255,9 +260,14 @@ impl Server {
         // The limits must admit the largest request, or it would wait forever.
         cfg.max_payload_unnegotiated = cfg.max_payload_unnegotiated.max(cfg.max_payload);
         let biggest = cfg.max_payload_unnegotiated as usize + 2 * DATA_ALIGN;
-        cfg.max_bytes_total = cfg.max_bytes_total.max(biggest);
         cfg.max_unsent_total = cfg.max_unsent_total.max(biggest);
         cfg.max_connections = cfg.max_connections.max(1);
+        // Each connection's reserve is set aside from the bytes being
+        // received or made; the rest is shared, and admits the largest.
+        let reserve_per_conn = transmission::reserve_per_conn(cfg.max_payload);
+        let reserved = reserve_per_conn.saturating_mul(cfg.max_connections);
+        let shared = cfg.max_bytes_total.saturating_sub(reserved).max(biggest);
+        cfg.max_bytes_total = shared.saturating_add(reserved);
         let bytes_per_conn = cfg.max_bytes_per_conn.max(biggest);
         cfg.max_requests_per_conn = cfg.max_requests_per_conn.max(1);
         let cap = cfg.max_connections;
@@ -265,7 +275,7 @@ impl Server {
             shared: Arc::new(Shared {
                 conns: Arc::new(Semaphore::new(cfg.max_connections)),
                 handshakes: Handshakes::new(cfg.max_connections.div_ceil(2)),
-                bytes_total: Arc::new(Semaphore::new(cfg.max_bytes_total)),
+                bytes_total: Arc::new(Semaphore::new(shared)),
                 unsent: Arc::new(Semaphore::new(cfg.max_unsent_total)),
                 refusing: Arc::new(Semaphore::new(refuse::REFUSING_MAX)),
                 stats: Stats::new(),
@@ -288,6 +298,7 @@ impl Server {
                     warn!("{n} more storage error(s) answered NBD_ENOSPC or NBD_EIO in the last second")
                 }),
                 bytes_per_conn,
+                reserve_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
                 next_conn: AtomicU64::new(1),

@@ -47,6 +47,7 @@ use super::{protocol_error, Session, Shared};
 use crate::proto::*;
 use crate::sock::RawSock;
 use inkernel::InKernel;
+pub(super) use permits::reserve_per_conn;
 use permits::{slot_only, Permits, TLS_UNSENT_CONN};
 use writer::{put_reply, within, writer, Out};
 
@@ -142,6 +143,7 @@ where
         max_slots: sh.cfg.max_requests_per_conn,
         draining: false,
         conn_bytes: Arc::new(Semaphore::new(sh.bytes_per_conn)),
+        reserve: Arc::new(Semaphore::new(sh.reserve_per_conn)),
         conn_unsent: sink
             .is_none()
             .then(|| Arc::new(Semaphore::new(TLS_UNSENT_CONN))),
@@ -404,6 +406,9 @@ struct Reader<R, W> {
     slots: Arc<Semaphore>,
     max_slots: usize,
     conn_bytes: Arc<Semaphore>,
+    /// This connection's reserve of the server's bytes being received or
+    /// made (permits.rs, the fairness rule).
+    reserve: Arc<Semaphore>,
     /// Without a raw socket (TLS): this connection's budget of read
     /// replies not yet sent.
     conn_unsent: Option<Arc<Semaphore>>,
