@@ -21,7 +21,10 @@
 //!    `KEEP_ZERO_SPLIT_MIN` are done half one way and half the other, timed,
 //!    until each way has zeroed `KEEP_ZERO_SAMPLE` bytes; then the cheaper one
 //!    is used for good by every handle on the target. Until then punch-alloc
-//!    does not count as fast on tmpfs.
+//!    does not count as fast on tmpfs. Once the chain is down to these two
+//!    there, the range is walked by SEEK_DATA/SEEK_HOLE: holes already read
+//!    as zeros and are only allocated (fallocate(KEEP_SIZE)), where writing
+//!    would allocate and then copy zeros in; only data is timed and zeroed.
 //! 5. pwrite from one shared zero buffer, `write_zeros_chunk` bytes a call,
 //!    the offset advancing every chunk (nbdkit and the reference nbd-server
 //!    shipped a fallback that rewrote the first chunk over and over).
@@ -98,6 +101,11 @@ pub(super) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
 /// timing.
 pub(super) const KEEP_ZERO_SPLIT_MIN: u64 = 8 << 20;
 
+/// How far a no-trim zero on a timed target takes data found by SEEK_DATA
+/// before asking again (`zero_by_extent`): a sample's worth, so data runs
+/// are still timed as whole requests.
+const DATA_STEP: u64 = KEEP_ZERO_SPLIT_MIN;
+
 /// Not known to fail, as far as the calls it is made of go.
 fn punch_alloc_supported(t: &Target) -> bool {
     let c = &t.caps;
@@ -154,18 +162,10 @@ impl Target {
         let step = self.max_call_aligned();
         while pos < mid_e {
             let n = (mid_e - pos).min(step);
-            if self.keep_zero_trial_due(n, flags) {
-                self.keep_zero_trial(pos, n, &mut out)?;
-                pos += n;
-                continue;
-            }
-            match self.offload_chunk(pos, n, flags)? {
-                Some(m) => push(&mut out, m),
-                None if flags.fast_only => return Err(enotsup(pos, n)),
-                None => {
-                    self.write_zeros(pos, n, self.zero_chunk)?;
-                    push(&mut out, Method::WriteZeros);
-                }
+            if self.holes_only_allocated(flags) {
+                self.zero_by_extent(pos, n, flags, &mut out)?;
+            } else {
+                self.zero_chunk(pos, n, flags, &mut out)?;
             }
             pos += n;
         }
@@ -178,6 +178,102 @@ impl Target {
             push(&mut out, Method::WriteZeros);
         }
         Ok(out)
+    }
+
+    /// One aligned chunk through the chain: a timed sample, an offload, or
+    /// written.
+    fn zero_chunk(&self, pos: u64, n: u64, flags: ZeroFlags, out: &mut ZeroOutcome) -> Result<()> {
+        if self.keep_zero_trial_due(n, flags) {
+            return self.keep_zero_trial(pos, n, out);
+        }
+        match self.offload_chunk(pos, n, flags)? {
+            Some(m) => push(out, m),
+            None if flags.fast_only => return Err(enotsup(pos, n)),
+            None => {
+                self.write_zeros(pos, n, self.zero_chunk)?;
+                push(out, Method::WriteZeros);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a no-trim zero here should look at what is under it: on a
+    /// timed target (tmpfs) whose only ways to keep zeros allocated are
+    /// punch-alloc and writing, a hole already reads as zeros and needs only
+    /// allocating (fallocate(0), as punch-alloc ends), where writing would
+    /// allocate and then copy zeros in. Data keeps the timed choice.
+    fn holes_only_allocated(&self, flags: ZeroFlags) -> bool {
+        let c = &self.caps;
+        self.punch_alloc_timed
+            && !flags.fast_only
+            && !(flags.may_trim && c.get(Method::PunchHole).may_work())
+            && c.get(Method::FallocWriteZeroes) == Tri::Fails
+            && c.get(Method::ZeroRange) == Tri::Fails
+            && c.get(Method::Fallocate).may_work()
+            && c.get(Method::SeekHole).may_work()
+    }
+
+    /// [off, off+n) hole by hole: each hole allocated, the data between
+    /// through the chain (and the timing, which so sees only what it decides
+    /// on). Only SEEK_DATA is asked, never SEEK_HOLE: on tmpfs SEEK_HOLE
+    /// walks the page cache to the next hole, as far as the end of a file
+    /// full of data, where SEEK_DATA at data answers at once. So data runs
+    /// are found in steps of `DATA_STEP`; a hole shorter than that between
+    /// data is zeroed with it.
+    fn zero_by_extent(
+        &self,
+        off: u64,
+        n: u64,
+        flags: ZeroFlags,
+        out: &mut ZeroOutcome,
+    ) -> Result<()> {
+        let end = off + n;
+        let mut pos = off;
+        let mut data_from = None;
+        while pos < end {
+            let next = match retry(|| self.sys.seek_data(self.fd(), pos)) {
+                Ok(v) => v,
+                Err(e) if is_unsupported(&e, Method::SeekHole.einval()) => {
+                    self.learn(Method::SeekHole, Tri::Fails, Some(&e));
+                    let d = data_from.unwrap_or(pos);
+                    return self.zero_chunk(d, end - d, flags, out);
+                }
+                Err(e) => return Err(Error::new("zero (SEEK_DATA)", pos, end - pos, e)),
+            };
+            // None (ENXIO): no data from here on.
+            let data = next.unwrap_or(end).min(end);
+            if data == pos {
+                data_from.get_or_insert(pos);
+                pos = (pos + DATA_STEP).min(end);
+                continue;
+            }
+            if let Some(d) = data_from.take() {
+                self.zero_chunk(d, pos - d, flags, out)?;
+            }
+            // [pos, data) reads as zeros: allocate it. KEEP_SIZE: a file cut
+            // short under us is not grown.
+            let done = {
+                let _lock = self.direct.as_ref().map(|d| d.lock_span(pos, data - pos));
+                let r = retry(|| {
+                    self.sys
+                        .fallocate(self.fd(), FallocMode::AllocateKeepSize, pos, data - pos)
+                });
+                matches!(
+                    self.judge(Method::Fallocate, pos, data - pos, r)?,
+                    Try::Done
+                )
+            };
+            if done {
+                push(out, Method::Fallocate);
+            } else {
+                self.zero_chunk(pos, data - pos, flags, out)?;
+            }
+            pos = data;
+        }
+        if let Some(d) = data_from {
+            self.zero_chunk(d, end - d, flags, out)?;
+        }
+        Ok(())
     }
 
     /// Whether this chunk should be a timed sample: the chain would reach

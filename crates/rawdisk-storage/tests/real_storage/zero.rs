@@ -521,3 +521,59 @@ fn tmpfs_no_trim_zero_times_both_ways() {
         s.allocated()
     );
 }
+
+/// tmpfs, no trim, once the chain is down to punch-alloc or writing: a hole
+/// already reads as zeros and is only allocated (fallocate KEEP_SIZE), the
+/// data between holes goes through the chain. Every byte of the file is
+/// checked, the size is kept, and the range stays allocated.
+#[test]
+#[ignore = "needs root"]
+fn tmpfs_no_trim_zero_allocates_holes_and_zeroes_data() {
+    const SIZE: u64 = 64 * MIB;
+    let s = Scratch::new(StorageKind::Tmpfs, SIZE);
+    let path = s.path().to_owned();
+    let t = open(&path);
+    let mut want = vec![0u8; SIZE as usize];
+    for (off, len, seed) in [(8 * MIB, 8 * MIB, 71), (40 * MIB + 4096, 4 * MIB, 72)] {
+        write_pattern(&path, off, len, seed);
+        want[off as usize..(off + len) as usize].copy_from_slice(&pattern_vec(
+            seed,
+            off,
+            len as usize,
+        ));
+    }
+    // A bit of data at the very end, outside every request below.
+    write_pattern(&path, SIZE - 4096, 4096, 73);
+    want[(SIZE - 4096) as usize..].copy_from_slice(&pattern_vec(73, SIZE - 4096, 4096));
+    // The first no-trim zero learns that WRITE_ZEROES and ZERO_RANGE are
+    // missing; it is over data, so it writes.
+    let out = t.zero(9 * MIB, 4096, NO_TRIM).unwrap();
+    assert_eq!(out.methods, vec![Method::WriteZeros]);
+    want[(9 * MIB) as usize..(9 * MIB + 4096) as usize].fill(0);
+    assert_tri(&t, Method::ZeroRange, Tri::Fails, "tmpfs");
+
+    let (off, len) = (2 * MIB + 333, 56 * MIB);
+    let before = s.allocated();
+    let out = t.zero(off, len, NO_TRIM).unwrap();
+    want[off as usize..(off + len) as usize].fill(0);
+    assert!(
+        out.methods.contains(&Method::Fallocate),
+        "{:?}",
+        out.methods
+    );
+    assert!(
+        out.methods
+            .iter()
+            .any(|m| [Method::PunchAlloc, Method::WriteZeros].contains(m)),
+        "the data between the holes is zeroed through the chain: {:?}",
+        out.methods
+    );
+    assert_same("zero over holes and data", 0, &read_all(&path), &want);
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), SIZE, "size kept");
+    assert!(
+        s.allocated() + SLACK >= before + len - 12 * MIB,
+        "no-trim zeros keep the range allocated: {} before, {} after",
+        before,
+        s.allocated()
+    );
+}

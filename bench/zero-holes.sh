@@ -1,0 +1,139 @@
+#!/bin/bash
+# bench/zero-holes.sh -- NBD_CMD_WRITE_ZEROES with NO_HOLE (zeros that keep
+# their space) over a whole 1 GiB export on tmpfs, through rawdisk serve,
+# nbdkit file and qemu-nbd (writeback, discard=unmap) side by side, the
+# servers interleaved in each repetition. Two starting points: a fresh sparse
+# image (all holes) and one full of data; two request shapes: 2 MiB requests
+# 8 in flight (what a guest's blkdiscard -z sends) and 32 MiB in order.
+# Prints a markdown table: median seconds [min-max], the ratio of medians to
+# the best anchor, and the server's CPU (utime+stime) per run; every run's
+# image is checked to read as zeros and to stay allocated. Not a test.
+#
+# Usage (root): bench/zero-holes.sh [REPS]     (default 5)
+#   RAWDISK_BIN=path   the binary (default target/release/rawdisk, built)
+#   SERVERS="rawdisk nbdkit qemu-nbd"   a subset; "custom:NAME" runs the
+#   binary in RAWDISK_BIN_NAME (a build to compare against).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PATH="/usr/sbin:/usr/bin:/sbin:/bin:$HOME/.cargo/bin:$PATH"
+[ "$(id -u)" = 0 ] || { echo "zero-holes.sh: needs root (mount)" >&2; exit 2; }
+reps=${1:-5}
+servers=${SERVERS:-rawdisk nbdkit qemu-nbd}
+if [ -z "${RAWDISK_BIN:-}" ]; then
+    cargo build --release -q -p rawdisk
+    RAWDISK_BIN=$PWD/target/release/rawdisk
+fi
+work=$(mktemp -d /tmp/zero-holes.XXXXXX)
+mount -t tmpfs -o size=3G tmpfs "$work"
+pid=
+cleanup() {
+    [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    umount "$work" && rmdir "$work"
+}
+trap cleanup EXIT
+size=$((1 << 30))
+sock=$work/s.sock
+img=$work/d.img
+
+# NO_HOLE zeros over the whole export, DEPTH requests of CHUNK in flight,
+# then a flush; prints "SECONDS ok" or the first error.
+zeroer='
+import sys, time, nbd
+uri, chunk, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = nbd.NBD()
+h.connect_uri(uri)
+size, errors, off = h.get_size(), [], 0
+def done(err):
+    if err.value:
+        errors.append(err.value)
+    return 1
+t0 = time.monotonic()
+while off < size or h.aio_in_flight() > 0:
+    while off < size and h.aio_in_flight() < depth:
+        n = min(chunk, size - off)
+        h.aio_zero(n, off, completion=done, flags=nbd.CMD_FLAG_NO_HOLE)
+        off += n
+    h.poll(-1)
+h.flush()
+dt = time.monotonic() - t0
+h.shutdown()
+print("%.3f %s" % (dt, "ok" if not errors else "errno %d" % errors[0]))
+'
+
+cpu_of() { # utime+stime of a pid, seconds
+    awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"
+}
+
+start() { # server -> sets pid
+    rm -f "$sock"
+    case $1 in
+    rawdisk) "$RAWDISK_BIN" serve --socket "$sock" "$img" >/dev/null 2>&1 & ;;
+    custom:*) v=RAWDISK_BIN_${1#custom:}; "${!v}" serve --socket "$sock" "$img" >/dev/null 2>&1 & ;;
+    nbdkit) nbdkit -f -U "$sock" file "$img" & ;;
+    qemu-nbd) qemu-nbd -t -k "$sock" -f raw --cache=writeback --discard=unmap "$img" & ;;
+    esac
+    pid=$!
+    for _ in $(seq 200); do [ -S "$sock" ] && return; sleep 0.025; done
+    echo "zero-holes.sh: $1 did not start" >&2
+    exit 1
+}
+
+one() { # server start chunk depth -> "seconds cpu"
+    rm -f "$img"
+    truncate -s "$size" "$img"
+    if [ "$2" = data ]; then
+        dd if=/dev/urandom of="$img" bs=4M count=256 conv=notrunc status=none
+    fi
+    start "$1"
+    out=$(python3 -c "$zeroer" "nbd+unix:///?socket=$sock" "$3" "$4")
+    cpu=$(cpu_of "$pid")
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    pid=
+    case $out in *" ok") ;; *) echo "zero-holes.sh: $1: $out" >&2; exit 1 ;; esac
+    cmp -s -n "$size" "$img" /dev/zero || { echo "zero-holes.sh: $1 left data" >&2; exit 1; }
+    alloc=$(($(stat -c %b "$img") * 512))
+    [ "$alloc" -ge $((size - (1 << 20))) ] || {
+        echo "zero-holes.sh: $1 freed space under NO_HOLE ($alloc bytes allocated)" >&2
+        exit 1
+    }
+    echo "${out%% *} $cpu"
+}
+
+stats() { # numbers on stdin -> "median [min-max]"
+    sort -g | awk '{ v[NR] = $1 } END {
+        m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+        printf "%.3f [%.3f-%.3f]", m, v[1], v[NR] }'
+}
+
+echo "<!-- bench/zero-holes.sh $reps; $(uname -r); $(nproc) cpus; $(nbdkit --version 2>/dev/null | head -1); $(qemu-nbd --version | head -1) -->"
+echo
+echo "| start | requests | server | seconds median [min-max] | / best anchor | server CPU s median |"
+echo "|---|---|---|---|---|---|"
+for start_as in holes data; do
+    for shape in "2097152 8" "33554432 1"; do
+        set -- $shape
+        declare -A t=() c=()
+        for _ in $(seq "$reps"); do
+            for s in $servers; do
+                r=$(one "$s" "$start_as" "$1" "$2")
+                t[$s]+="${r% *}"$'\n'
+                c[$s]+="${r#* }"$'\n'
+            done
+        done
+        best=
+        for s in $servers; do
+            case $s in rawdisk | custom:*) continue ;; esac
+            m=$(printf '%s' "${t[$s]}" | stats | cut -d' ' -f1)
+            if [ -z "$best" ] || awk -v a="$m" -v b="$best" 'BEGIN { exit !(a < b) }'; then best=$m; fi
+        done
+        for s in $servers; do
+            ts=$(printf '%s' "${t[$s]}" | stats)
+            m=${ts%% *}
+            ratio=$(awk -v a="$m" -v b="${best:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
+            cs=$(printf '%s' "${c[$s]}" | stats | cut -d' ' -f1)
+            echo "| $start_as | $(($1 >> 20)) MiB x$2 | $s | $ts | $ratio | $cs |"
+        done
+        unset t c
+    done
+done
