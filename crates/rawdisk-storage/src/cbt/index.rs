@@ -275,8 +275,10 @@ pub(crate) fn convert(
         disk.write_index(&snapshot, e.slot, idx, &qs)?;
         idx.seal(&snapshot, e);
     }
-    tracing::info!(
-        "converted changed-block state {} to format 2 (checksummed bitmap pages)",
+    // Said at warning level: rawdisk before format 2 cannot read it now.
+    tracing::warn!(
+        "converted changed-block state {} to format 2 (checksummed bitmap pages; older \
+         rawdisk cannot read it)",
         disk.path.display()
     );
     Ok(())
