@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use super::{tmp_file, Tmp};
 use crate::cbt::format::crc32;
 use crate::cbt::{CheckpointInfo, StateFile, TrackOptions, Tracker, STATE_SUFFIX};
-use crate::sys::{FallocMode, RealSys, Sys};
+use crate::sys::{FallocMode, FaultSys, RealSys, Sys};
 
 const G: u64 = 4096;
 /// 1 GiB at 4 KiB: 8 bitmap pages per slot, of 32768 chunks each.
@@ -273,4 +273,35 @@ fn a_format_1_state_file_is_read_and_converted_with_its_bitmaps() {
     punch(&p, 4096 + 6 * 4096, 4096);
     all_changed_for_damage(&t, &["c0"]);
     assert_eq!(ranges(&t, "c1"), vec![(5 * G, G)]);
+}
+
+/// A bitmap page the storage cannot read (EIO) is damage: the checkpoint is
+/// listed inconsistent and reported all changed, not an error and not clean.
+#[test]
+fn an_unreadable_bitmap_page_is_damage() {
+    let t = tracked(&[("c0", &[0])]);
+    let pread = crate::sys::CallKind::Pread;
+    // Which pread of a listing reads c0's page 0 (slot 0, right after the
+    // header): the same one fails in the next listing.
+    let sys = FaultSys::real();
+    sys.record();
+    let sf = StateFile::open_with_sys(&t.path, None, false, sys.clone()).unwrap();
+    assert!(sf.list().unwrap()[0].consistent);
+    let reads: Vec<u64> = sys
+        .take_log()
+        .iter()
+        .filter(|c| c.kind == pread)
+        .map(|c| c.offset)
+        .collect();
+    let nth = reads.iter().position(|&o| o == 4096).expect("page 0 read") as u64 + 1;
+    let sys = FaultSys::real();
+    sys.fail_once(pread, nth, libc::EIO);
+    let sf = StateFile::open_with_sys(&t.path, None, false, sys).unwrap();
+    let l = sf.list().unwrap();
+    assert!(!l[0].consistent, "{l:?}");
+    assert!(l[0]
+        .reason
+        .as_deref()
+        .unwrap()
+        .contains("bitmap is damaged"));
 }
