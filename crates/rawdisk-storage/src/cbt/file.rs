@@ -162,7 +162,7 @@ impl Disk {
                     "its directory does not exist: create it first",
                 )
             } else {
-                CbtError::io(OP, &path, e)
+                Self::open_err(&path, create, target, e)
             }
         })?;
         let how = OpenHow {
@@ -203,30 +203,29 @@ impl Disk {
         Ok((Disk { sys, path, fd }, created))
     }
 
+    /// The open of an existing state file failed: say why in one line.
     fn open_err(path: &Path, create: bool, target: &Path, e: std::io::Error) -> CbtError {
-        {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                CbtError::msg(
-                    "open changed-block state",
-                    path,
-                    format!(
-                        "refusing to follow a symlink at {}: move it away",
-                        path.display()
-                    ),
-                )
-            } else if e.raw_os_error() == Some(libc::ENOENT) && !create {
-                CbtError::msg(
-                    "open changed-block state",
-                    path,
-                    format!(
-                        "no such file: {} has no checkpoints yet (rawdisk checkpoint create, \
-                         or serve it with --track-changes)",
-                        target.display()
-                    ),
-                )
-            } else {
-                CbtError::io("open changed-block state", path, e)
-            }
+        const OP: &str = "open changed-block state";
+        match e.raw_os_error() {
+            // O_NOFOLLOW's answer for a symlink as the last component.
+            Some(libc::ELOOP) => CbtError::msg(
+                OP,
+                path,
+                format!(
+                    "refusing to follow a symlink at {}: move it away",
+                    path.display()
+                ),
+            ),
+            Some(libc::ENOENT) if !create => CbtError::msg(
+                OP,
+                path,
+                format!(
+                    "no such file: {} has no checkpoints yet (rawdisk checkpoint create, \
+                     or serve it with --track-changes)",
+                    target.display()
+                ),
+            ),
+            _ => CbtError::io(OP, path, e),
         }
     }
 
