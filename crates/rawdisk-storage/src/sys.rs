@@ -155,6 +155,10 @@ pub struct OpenHow {
     /// O_EXCL without O_CREAT: on a block device, refused (EBUSY) while it
     /// is mounted or held by another exclusive user.
     pub exclusive: bool,
+    /// O_NOFOLLOW: a symlink as the last component fails with ELOOP.
+    pub no_follow: bool,
+    /// O_DIRECTORY (with `read_only`): only a directory opens.
+    pub directory: bool,
 }
 
 /// The fields of fstat(2) the engine uses.

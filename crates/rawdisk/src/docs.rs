@@ -195,7 +195,8 @@ const FILES_SERVE: &[(&str, &str)] = &[
     ),
     (
         "--pid-file PATH",
-        "The server's pid, written once it listens; removed at exit.",
+        "The server's pid, written once it listens (mode 0644, put in place by a \
+         rename; a symlink at PATH is refused); removed at exit.",
     ),
     (
         "--socket PATH",

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::bitmap::{self, Bits};
-use super::format::{Bad, Entry, Header, Reason, Stamp, PAGE};
+use super::format::{Bad, Entry, Header, Reason, Stamp, PAGE, V1};
+use super::index::{convert, load_checked, Loaded, PageIndex};
 use super::{
     valid_name, CbtError, CheckpointInfo, DEFAULT_GRANULARITY, MAX_CHECKPOINTS, MAX_NAME_LEN,
 };
@@ -131,38 +132,101 @@ pub(crate) enum Read {
 }
 
 impl Disk {
+    /// Open the state file at `path`, relative to its directory's
+    /// descriptor and never through a symlink; with `create`, make it if
+    /// absent (O_EXCL: the file made is the one opened). A symlink, a FIFO
+    /// or anything but a regular file there is refused with one line.
+    /// Returns whether this call made the file.
     pub(crate) fn open(
         sys: Arc<dyn Sys>,
         path: PathBuf,
         create: bool,
         target: &Path,
-    ) -> Result<Disk, CbtError> {
-        let how = OpenHow {
-            create,
+    ) -> Result<(Disk, bool), CbtError> {
+        const OP: &str = "open changed-block state";
+        let dir_path = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let name = Path::new(path.file_name().unwrap_or_default());
+        let dir_how = OpenHow {
+            read_only: true,
+            directory: true,
             ..OpenHow::default()
         };
-        let fd = retry(|| sys.open(&path, how)).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ENOENT) && !create {
-                CbtError::msg(
-                    "open changed-block state",
-                    &path,
-                    format!(
-                        "no such file: {} has no checkpoints yet (rawdisk checkpoint create, \
-                         or serve it with --track-changes)",
-                        target.display()
-                    ),
-                )
-            } else if e.raw_os_error() == Some(libc::ENOENT) {
+        let dir = retry(|| sys.open(dir_path, dir_how)).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOENT) && create {
                 CbtError::msg(
                     "create changed-block state",
                     &path,
                     "its directory does not exist: create it first",
                 )
             } else {
-                CbtError::io("open changed-block state", &path, e)
+                Self::open_err(&path, create, target, e)
             }
         })?;
-        Ok(Disk { sys, path, fd })
+        let how = OpenHow {
+            no_follow: true,
+            ..OpenHow::default()
+        };
+        let made = if create {
+            let new = OpenHow {
+                create_new: true,
+                ..how
+            };
+            match retry(|| sys.open_at(dir.as_fd(), name, new)) {
+                Ok(fd) => Some(fd),
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => None,
+                Err(e) => return Err(Self::open_err(&path, create, target, e)),
+            }
+        } else {
+            None
+        };
+        let created = made.is_some();
+        let fd = match made {
+            Some(fd) => fd,
+            None => retry(|| sys.open_at(dir.as_fd(), name, how))
+                .map_err(|e| Self::open_err(&path, create, target, e))?,
+        };
+        let st = retry(|| sys.fstat(fd.as_fd())).map_err(|e| CbtError::io(OP, &path, e))?;
+        if !st.is_regular {
+            return Err(CbtError::msg(
+                OP,
+                &path,
+                format!(
+                    "{} is a {}, not a state file: move it away",
+                    path.display(),
+                    st.type_name
+                ),
+            ));
+        }
+        Ok((Disk { sys, path, fd }, created))
+    }
+
+    /// The open of an existing state file failed: say why in one line.
+    fn open_err(path: &Path, create: bool, target: &Path, e: std::io::Error) -> CbtError {
+        const OP: &str = "open changed-block state";
+        match e.raw_os_error() {
+            // O_NOFOLLOW's answer for a symlink as the last component.
+            Some(libc::ELOOP) => CbtError::msg(
+                OP,
+                path,
+                format!(
+                    "refusing to follow a symlink at {}: move it away",
+                    path.display()
+                ),
+            ),
+            Some(libc::ENOENT) if !create => CbtError::msg(
+                OP,
+                path,
+                format!(
+                    "no such file: {} has no checkpoints yet (rawdisk checkpoint create, \
+                     or serve it with --track-changes)",
+                    target.display()
+                ),
+            ),
+            _ => CbtError::io(OP, path, e),
+        }
     }
 
     fn err(&self, op: &'static str) -> impl Fn(std::io::Error) -> CbtError + '_ {
@@ -215,7 +279,7 @@ impl Disk {
 
     /// Read [offset, offset+buf.len()); bytes past the end of the file read
     /// as zeros (a slot never written).
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), CbtError> {
+    pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), CbtError> {
         let mut done = 0;
         while done < buf.len() {
             let n = retry(|| {
@@ -232,7 +296,7 @@ impl Disk {
         Ok(())
     }
 
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), CbtError> {
+    pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), CbtError> {
         let mut done = 0;
         while done < buf.len() {
             let n = retry(|| {
@@ -278,17 +342,50 @@ impl Disk {
         self.write_at(&h.encode(), 0)
     }
 
+    /// The state file's apparent length.
+    pub(crate) fn len(&self) -> Result<u64, CbtError> {
+        retry(|| self.sys.fstat(self.fd.as_fd()))
+            .map(|st| st.size)
+            .map_err(self.err("stat changed-block state"))
+    }
+
+    /// Write header `h` (after making the file as long as its layout: a
+    /// new file, a new geometry, a conversion, a short file repaired) and
+    /// fdatasync: the commit point of every change.
+    pub(crate) fn commit(&self, h: &Header) -> Result<(), CbtError> {
+        if self.len()? < h.file_len() {
+            retry(|| self.sys.ftruncate(self.fd.as_fd(), h.file_len()))
+                .map_err(self.err("extend changed-block state"))?;
+        }
+        self.write_header(h)?;
+        self.sync()
+    }
+
     /// A slot's bitmap; holes are skipped (SEEK_DATA) and only pages with
     /// bits kept, so a sparse slot of a huge target reads and costs little.
     pub(crate) fn read_slot(&self, h: &Header, slot: u32) -> Result<Bits, CbtError> {
-        /// Pages read at once.
-        const BATCH: u64 = 16;
         let chunks = h.chunks();
-        let start = h.slot_offset(slot);
         // The pages holding the bitmap's words; the slot has no others.
         let pages = (chunks.div_ceil(64) * 8).div_ceil(PAGE as u64);
-        let end = start + pages * PAGE as u64;
         let mut bits = Bits::new(chunks);
+        self.data_pages(h.slot_offset(slot), pages, &mut |p, page| {
+            bits.load_page(p as usize, page)
+        })?;
+        Ok(bits)
+    }
+
+    /// Call `f(index, bytes)`, in order, for the pages of `pages` pages
+    /// from `start` that may hold data: holes (SEEK_DATA) are skipped, so
+    /// a sparse region costs what it holds.
+    pub(crate) fn data_pages(
+        &self,
+        start: u64,
+        pages: u64,
+        f: &mut dyn FnMut(u64, &[u8]),
+    ) -> Result<(), CbtError> {
+        /// Pages read at once.
+        const BATCH: u64 = 16;
+        let end = start + pages * PAGE as u64;
         let mut buf = vec![0u8; BATCH as usize * PAGE];
         let mut at = start;
         while at < end {
@@ -314,26 +411,11 @@ impl Disk {
                 let buf = &mut buf[..n as usize * PAGE];
                 self.read_at(buf, start + p * PAGE as u64)?;
                 for (i, page) in buf.chunks_exact(PAGE).enumerate() {
-                    bits.load_page(p as usize + i, page);
+                    f(p + i as u64, page);
                 }
                 p += n;
             }
             at = start + stop * PAGE as u64;
-        }
-        Ok(bits)
-    }
-
-    /// Write the pages `pages` of `bits` into `slot`.
-    pub(crate) fn write_pages(
-        &self,
-        h: &Header,
-        slot: u32,
-        bits: &Bits,
-        pages: &[usize],
-    ) -> Result<(), CbtError> {
-        let start = h.slot_offset(slot);
-        for &p in pages {
-            self.write_at(&bits.page(p), start + (p * PAGE) as u64)?;
         }
         Ok(())
     }
@@ -355,18 +437,36 @@ impl Disk {
     /// Make a slot all zeros: punch it out (a hole), or where the file
     /// system cannot, overwrite its data with zeros.
     pub(crate) fn clear_slot(&self, h: &Header, slot: u32) -> Result<(), CbtError> {
-        let (start, len) = (h.slot_offset(slot), h.slot_bytes());
+        self.clear_range(h.slot_offset(slot), h.slot_bytes())
+    }
+
+    /// Make a slot's page index all zeros (no page written).
+    pub(crate) fn clear_index(&self, h: &Header, slot: u32) -> Result<(), CbtError> {
+        self.clear_range(h.index_offset(slot), h.index_bytes())
+    }
+
+    /// Make whole pages all zeros: punch them out, or where the file system
+    /// cannot, overwrite the pages holding data with zeros.
+    fn clear_range(&self, start: u64, len: u64) -> Result<(), CbtError> {
         match retry(|| {
             self.sys
                 .fallocate(self.fd.as_fd(), FallocMode::PunchHole, start, len)
         }) {
             Ok(()) => Ok(()),
             Err(e) if crate::errno::is_unsupported(&e, crate::errno::Einval::Invalid) => {
-                let bits = self.read_slot(h, slot)?;
-                let zero = Bits::new(h.chunks());
-                self.write_pages(h, slot, &zero, &bits.pages())
+                let mut data = Vec::new();
+                self.data_pages(start, len / PAGE as u64, &mut |p, page| {
+                    if page.iter().any(|&b| b != 0) {
+                        data.push(p);
+                    }
+                })?;
+                let zero = [0u8; PAGE];
+                for p in data {
+                    self.write_at(&zero, start + p * PAGE as u64)?;
+                }
+                Ok(())
             }
-            Err(e) => Err(self.err("clear a slot of changed-block state")(e)),
+            Err(e) => Err(self.err("clear part of changed-block state")(e)),
         }
     }
 }
@@ -374,6 +474,7 @@ impl Disk {
 /// A fresh header for a new (or blank, or unreadable) state file.
 pub(crate) fn new_header(granularity: u64, stamp: Stamp) -> Header {
     Header {
+        version: super::format::VERSION,
         granularity,
         stamp,
         generation: 1,
@@ -446,13 +547,46 @@ pub(crate) fn infos(h: &Header) -> Vec<CheckpointInfo> {
         .collect()
 }
 
-/// OR of the bitmaps of checkpoints `k..` (all consistent).
-pub(crate) fn changed_since(disk: &Disk, h: &Header, k: usize) -> Result<Bits, CbtError> {
+/// OR of the bitmaps of checkpoints `k..` (all consistent: loaded).
+pub(crate) fn changed_since(h: &Header, loaded: &[Option<Loaded>], k: usize) -> Bits {
     let mut acc = Bits::new(h.chunks());
-    for e in &h.checkpoints[k..] {
-        acc.or(&disk.read_slot(h, e.slot)?);
+    for (bits, _) in loaded[k..].iter().flatten() {
+        acc.or(bits);
     }
-    Ok(acc)
+    acc
+}
+
+/// The reason text of a damage found now, with what was found.
+pub(crate) fn damage_text(what: &str) -> String {
+    format!("the state file's bitmap is damaged ({what})")
+}
+
+/// Say that checkpoints became inconsistent because of `what` (damage).
+pub(crate) fn warn_damage(h: &Header, target: &Path, what: &str) {
+    let names: Vec<&str> = h
+        .checkpoints
+        .iter()
+        .filter(|e| e.reason == Some(Reason::Damaged))
+        .map(|e| e.name.as_str())
+        .collect();
+    tracing::warn!(
+        "checkpoint {} of {} inconsistent, reported as all changed: {}",
+        names.join(", "),
+        target.display(),
+        damage_text(what)
+    );
+}
+
+/// Say that an existing state file was empty (0 bytes or all zeros): damage,
+/// not a new file. `remade`: a writer made a new one in its place.
+pub(crate) fn warn_blank(path: &Path, remade: bool) {
+    tracing::warn!(
+        "changed-block state {} {} empty (0 bytes or all zeros): damaged{}; the checkpoints \
+         it held, if any, are lost, and the next backup must be a full copy",
+        path.display(),
+        if remade { "was" } else { "is" },
+        if remade { ", made anew" } else { "" }
+    );
 }
 
 fn now_secs() -> u64 {
@@ -463,6 +597,16 @@ fn now_secs() -> u64 {
 
 /// (offset, length) ranges in offset order.
 type Ranges = Vec<(u64, u64)>;
+
+/// A header as an opener's checks leave it: see [`StateFile::checked_header`].
+struct Checked {
+    h: Header,
+    served: bool,
+    /// The bitmap and index of each consistent checkpoint.
+    loaded: Vec<Option<Loaded>>,
+    /// What damage the checks found now, if any.
+    damage: Option<String>,
+}
 
 /// A target's state file opened for checkpoint commands; works while a
 /// server tracks the target (edits happen under the mutation lock).
@@ -491,7 +635,7 @@ impl StateFile {
     ) -> Result<StateFile, CbtError> {
         let st = stat_target(&*sys, target)?;
         let path = state_path_for(target, state_dir, st.is_block)?;
-        let disk = Disk::open(sys, path, create, target)?;
+        let (disk, created) = Disk::open(sys, path, create, target)?;
         let f = StateFile {
             disk,
             target: target.to_path_buf(),
@@ -499,8 +643,10 @@ impl StateFile {
         if create {
             f.locked(LockKind::Write, |d| {
                 if let Read::Blank = d.read_header()? {
-                    d.write_header(&new_header(DEFAULT_GRANULARITY, st.stamp))?;
-                    d.sync()?;
+                    if !created {
+                        warn_blank(&d.path, true);
+                    }
+                    d.commit(&new_header(DEFAULT_GRANULARITY, st.stamp))?;
                 }
                 Ok(())
             })?;
@@ -529,17 +675,30 @@ impl StateFile {
         r
     }
 
-    /// The header as the checks leave it (under the mutation lock), and
-    /// whether a server tracks the target. While served the server owns the
-    /// open flag and the stamp, so only a corrupt header is handled. `say`:
-    /// warn when the checks made checkpoints inconsistent; a caller that
-    /// reports the inconsistency itself passes false, so it is said once.
-    fn checked_header(&self, d: &Disk, say: bool) -> Result<(Header, bool), CbtError> {
+    /// The header as the checks leave it (under the mutation lock), whether
+    /// a server tracks the target, and the checked bitmaps. While served
+    /// the server owns the open flag and the stamp, so only a corrupt
+    /// header and damaged bitmaps are handled (the file is consistent under
+    /// the lock). `say`: warn when the checks made checkpoints
+    /// inconsistent; a caller that reports the inconsistency itself passes
+    /// false, so it is said once (and an empty file is its error).
+    fn checked_header(&self, d: &Disk, say: bool) -> Result<Checked, CbtError> {
         let served = d.served()?;
         let st = stat_target(&*d.sys, &self.target)?;
         let mut h = match d.read_header()? {
             Read::Ok(h) => h,
-            Read::Blank => new_header(DEFAULT_GRANULARITY, st.stamp),
+            Read::Blank if say => {
+                warn_blank(&d.path, false);
+                new_header(DEFAULT_GRANULARITY, st.stamp)
+            }
+            Read::Blank => {
+                return Err(CbtError::msg(
+                    "read changed-block state",
+                    &d.path,
+                    "it is empty (0 bytes or all zeros): damaged, its checkpoints are lost; \
+                     make a full copy",
+                ))
+            }
             Read::Corrupt(old) => {
                 if say {
                     tracing::warn!(
@@ -563,12 +722,16 @@ impl StateFile {
                 );
             }
         }
-        Ok((h, served))
-    }
-
-    fn commit(d: &Disk, h: &Header) -> Result<(), CbtError> {
-        d.write_header(h)?;
-        d.sync()
+        let (loaded, damage) = load_checked(d, &mut h)?;
+        if let Some(what) = damage.as_deref().filter(|_| say) {
+            warn_damage(&h, &self.target, what);
+        }
+        Ok(Checked {
+            h,
+            served,
+            loaded,
+            damage,
+        })
     }
 
     /// `name: None` picks "cp-N" (N = 1 + highest used). Duplicate name: error.
@@ -578,7 +741,7 @@ impl StateFile {
             check_name(OP, &self.disk.path, n)?;
         }
         self.locked(LockKind::Write, |d| {
-            let (mut h, _) = self.checked_header(d, true)?;
+            let Checked { mut h, loaded, .. } = self.checked_header(d, true)?;
             let name = match name {
                 Some(n) => n.to_string(),
                 None => {
@@ -605,6 +768,9 @@ impl StateFile {
                     format!("it holds {MAX_CHECKPOINTS} checkpoints, the most it can: delete one"),
                 ));
             }
+            if h.version == V1 {
+                convert(d, &mut h, &loaded)?;
+            }
             let used: Vec<u32> = h
                 .checkpoints
                 .iter()
@@ -614,19 +780,24 @@ impl StateFile {
             let slot = (0..MAX_CHECKPOINTS as u32)
                 .find(|s| !used.contains(s))
                 .expect("fewer checkpoints than slots");
-            // The slot may hold a deleted checkpoint's bits: clear it, make
-            // that durable, then commit the header that points to it.
+            // The slot and its index may hold a deleted checkpoint's: clear
+            // them, make that durable, then commit the header that points
+            // to them.
             d.clear_slot(&h, slot)?;
+            d.clear_index(&h, slot)?;
             d.sync()?;
-            let e = Entry {
+            let mut e = Entry {
                 name,
                 created: now_secs(),
                 reason: None,
                 slot,
+                index_crc: 0,
+                written: 0,
             };
+            PageIndex::default().seal(&h, &mut e);
             h.checkpoints.push(e.clone());
             h.generation += 1;
-            Self::commit(d, &h)?;
+            d.commit(&h)?;
             tracing::info!("checkpoint {} created in {}", e.name, d.path.display());
             Ok(CheckpointInfo {
                 name: e.name,
@@ -640,30 +811,42 @@ impl StateFile {
     pub fn delete_checkpoint(&mut self, name: &str) -> Result<(), CbtError> {
         const OP: &str = "delete checkpoint from";
         self.locked(LockKind::Write, |d| {
-            let (mut h, _) = self.checked_header(d, true)?;
+            let Checked {
+                mut h, mut loaded, ..
+            } = self.checked_header(d, true)?;
             let Some(k) = h.find(name) else {
                 return Err(no_such(OP, &d.path, &h, name));
             };
+            if h.version == V1 {
+                convert(d, &mut h, &loaded)?;
+            }
             let victim = h.checkpoints[k].clone();
-            if let (Some(prev), None) = (k.checked_sub(1), victim.reason) {
-                let prev = h.checkpoints[prev].clone();
-                if prev.reason.is_none() {
-                    // The previous checkpoint's bitmap takes this one's bits
-                    // (durably) before the header forgets it.
-                    let bits = d.read_slot(&h, victim.slot)?;
-                    let mut merged = d.read_slot(&h, prev.slot)?;
+            if let (Some(pk), Some((bits, _))) = (k.checked_sub(1), loaded[k].take()) {
+                if let Some((mut merged, mut idx)) = loaded[pk].take() {
+                    // The previous checkpoint's bitmap (and index) takes
+                    // this one's bits durably before the header forgets it.
                     merged.or(&bits);
-                    d.write_pages(&h, prev.slot, &merged, &bits.pages())?;
+                    let pages: Vec<(usize, Vec<u8>)> = bits
+                        .pages()
+                        .into_iter()
+                        .map(|p| (p, merged.page(p)))
+                        .collect();
+                    let mut prev = h.checkpoints[pk].clone();
+                    d.write_recorded(&h, &mut prev, &mut idx, &pages)?;
+                    h.checkpoints[pk] = prev;
                     d.sync()?;
                 }
             }
             h.checkpoints.remove(k);
             h.generation += 1;
-            Self::commit(d, &h)?;
+            d.commit(&h)?;
             if victim.reason.is_none() {
                 // Give the freed slot's blocks back; nothing reads it again
                 // before a create clears it anyway.
                 if let Err(e) = d.clear_slot(&h, victim.slot) {
+                    tracing::debug!("{e}");
+                }
+                if let Err(e) = d.clear_index(&h, victim.slot) {
                     tracing::debug!("{e}");
                 }
             }
@@ -674,16 +857,15 @@ impl StateFile {
 
     pub fn list(&self) -> Result<Vec<CheckpointInfo>, CbtError> {
         self.locked(LockKind::Read, |d| {
-            let (h, _) = self.checked_header(d, true)?;
-            Ok(infos(&h))
+            Ok(infos(&self.checked_header(d, true)?.h))
         })
     }
 
     /// (offset, length) ranges changed since `name`, merged, covering the
     /// target's size. Error while served (the server holds unpersisted
     /// changes: read them through its NBD export). Checks for outside change
-    /// first (then everything is changed). Inconsistent: one range, the
-    /// whole target.
+    /// and damage first (then everything is changed). Inconsistent: one
+    /// range, the whole target.
     pub fn changed_ranges(&self, name: &str) -> Result<Vec<(u64, u64)>, CbtError> {
         self.changes_since(name).map(|(ranges, _)| ranges)
     }
@@ -694,7 +876,12 @@ impl StateFile {
     pub fn changes_since(&self, name: &str) -> Result<(Ranges, Option<String>), CbtError> {
         const OP: &str = "read changed ranges from";
         self.locked(LockKind::Read, |d| {
-            let (h, served) = self.checked_header(d, false)?;
+            let Checked {
+                h,
+                served,
+                loaded,
+                damage,
+            } = self.checked_header(d, false)?;
             if served {
                 return Err(CbtError::msg(
                     OP,
@@ -710,9 +897,13 @@ impl StateFile {
             let size = h.stamp.size;
             if let Some(r) = h.checkpoints[k].reason {
                 let whole = if size == 0 { vec![] } else { vec![(0, size)] };
-                return Ok((whole, Some(r.text().to_string())));
+                let why = match (&damage, r) {
+                    (Some(what), Reason::Damaged) => damage_text(what),
+                    _ => r.text().to_string(),
+                };
+                return Ok((whole, Some(why)));
             }
-            let bits = changed_since(d, &h, k)?;
+            let bits = changed_since(&h, &loaded, k);
             let mut out = Vec::new();
             let mut at = 0;
             for (len, changed) in

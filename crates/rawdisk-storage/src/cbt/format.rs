@@ -8,7 +8,10 @@
 //!   4092 a CRC32 of bytes 0..4092;
 //! - from byte 4096: bitmap slot `s` at `4096 + s * slot_bytes`, one bit per
 //!   chunk (chunk `c` is bit `c % 8` of byte `c / 8`). Pages never written
-//!   are holes, so a bitmap with few bits costs few blocks.
+//!   are holes, so a bitmap with few bits costs few blocks;
+//! - after the 32 slots (format 2): one page index per slot (index.rs), a
+//!   CRC32 and a stamp per bitmap page written, which the table entry's
+//!   index CRC and page count cover: damage reads as damage, not as zeros.
 //!
 //! Nothing here does I/O: `encode` and `decode` between [`Header`] and the
 //! page, so tests can corrupt a header byte by byte.
@@ -16,7 +19,10 @@
 use super::{MAX_CHECKPOINTS, MAX_NAME_LEN};
 
 pub(crate) const MAGIC: [u8; 8] = *b"RDSKCBT\0";
-pub(crate) const VERSION: u32 = 1;
+/// The format written; [`V1`] (no page index) is still read, and converted
+/// by the first writer.
+pub(crate) const VERSION: u32 = 2;
+pub(crate) const V1: u32 = 1;
 /// The header page, and the unit in which slots are written.
 pub(crate) const PAGE: usize = 4096;
 const TABLE: usize = 128;
@@ -26,6 +32,12 @@ const CRC_AT: usize = PAGE - 4;
 /// Bytes once reserved (zero), so files of version 1 without it still load,
 /// as "identity unknown".
 const ID_AT: usize = 80;
+/// Format 2: the file's expected apparent length (a shorter file is damage).
+const LEN_AT: usize = 3200;
+/// Format 2, in a table entry: the CRC32 of the slot's page index region,
+/// then the number of bitmap pages it records as written.
+const INDEX_CRC_AT: usize = 88;
+const WRITTEN_AT: usize = 92;
 const _: () = assert!(TABLE + MAX_CHECKPOINTS * ENTRY <= CRC_AT);
 
 /// Why a checkpoint is inconsistent; the byte stored in its table entry.
@@ -42,6 +54,11 @@ pub(crate) enum Reason {
     /// The file at the target's path is another inode (or on another
     /// device) than the one recorded.
     Replaced = 5,
+    /// A bitmap page (or its index) is missing, unreadable or fails its
+    /// checksum, or the file is shorter than its layout.
+    Damaged = 6,
+    /// The target's size changed while a tracking server had it.
+    SizeChangedTracked = 7,
 }
 
 impl Reason {
@@ -52,6 +69,8 @@ impl Reason {
             3 => Reason::Modified,
             4 => Reason::Corrupt,
             5 => Reason::Replaced,
+            6 => Reason::Damaged,
+            7 => Reason::SizeChangedTracked,
             _ => return None,
         })
     }
@@ -67,6 +86,11 @@ impl Reason {
                 "the target is another file than the one tracked (its device or inode \
                  number differs: replaced, or moved to another file system)"
             }
+            Reason::Damaged => {
+                "the state file's bitmap is damaged (short file, hole, bad checksum or \
+                 unreadable page)"
+            }
+            Reason::SizeChangedTracked => "the target's size changed while it was tracked",
         }
     }
 }
@@ -91,10 +115,28 @@ pub(crate) struct Entry {
     pub reason: Option<Reason>,
     /// Bitmap slot; meaningless for an inconsistent entry.
     pub slot: u32,
+    /// Format 2: CRC32 of the slot's page index region, and the number of
+    /// bitmap pages it records (zero in format 1).
+    pub index_crc: u32,
+    pub written: u32,
+}
+
+impl Entry {
+    /// What this checkpoint's index entries carry besides the page CRC:
+    /// derived from the checkpoint, never 0, so an entry left by an
+    /// earlier occupant of the slot does not pass for this one's.
+    pub(crate) fn stamp(&self) -> u32 {
+        let mut c = crc32(self.name.as_bytes());
+        c = crc32_update(c, &self.created.to_le_bytes());
+        c = crc32_update(c, &self.slot.to_le_bytes());
+        c.max(1)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Header {
+    /// [`VERSION`], or [`V1`] until a writer converts it.
+    pub version: u32,
     pub granularity: u64,
     /// Recorded at the last clean close (or by `rawdisk checkpoint` while
     /// unserved); `stamp.size` is also the size the bitmaps cover.
@@ -134,6 +176,25 @@ impl Header {
         PAGE as u64 + u64::from(slot) * self.slot_bytes()
     }
 
+    /// Pages of one slot: entries of its page index.
+    pub(crate) fn slot_pages(&self) -> u64 {
+        self.slot_bytes() / PAGE as u64
+    }
+
+    /// Bytes of one slot's page index region: 8 per slot page, whole pages.
+    pub(crate) fn index_bytes(&self) -> u64 {
+        (self.slot_pages() * 8).next_multiple_of(PAGE as u64)
+    }
+
+    pub(crate) fn index_offset(&self, slot: u32) -> u64 {
+        self.slot_offset(MAX_CHECKPOINTS as u32) + u64::from(slot) * self.index_bytes()
+    }
+
+    /// The apparent length of a format-2 file: header, slots, indexes.
+    pub(crate) fn file_len(&self) -> u64 {
+        self.index_offset(MAX_CHECKPOINTS as u32)
+    }
+
     pub(crate) fn find(&self, name: &str) -> Option<usize> {
         self.checkpoints.iter().position(|e| e.name == name)
     }
@@ -151,7 +212,7 @@ impl Header {
     pub(crate) fn encode(&self) -> [u8; PAGE] {
         let mut p = [0u8; PAGE];
         p[0..8].copy_from_slice(&MAGIC);
-        put32(&mut p, 8, VERSION);
+        put32(&mut p, 8, self.version);
         put32(&mut p, 12, PAGE as u32);
         put64(&mut p, 16, self.granularity);
         put64(&mut p, 24, self.stamp.size);
@@ -175,6 +236,13 @@ impl Header {
             p[at + 72] = u8::from(e.reason.is_none());
             p[at + 73] = e.reason.map_or(0, |r| r as u8);
             put32(&mut p, at + 76, e.slot);
+            if self.version >= VERSION {
+                put32(&mut p, at + INDEX_CRC_AT, e.index_crc);
+                put32(&mut p, at + WRITTEN_AT, e.written);
+            }
+        }
+        if self.version >= VERSION {
+            put64(&mut p, LEN_AT, self.file_len());
         }
         let crc = crc32(&p[..CRC_AT]);
         put32(&mut p, CRC_AT, crc);
@@ -189,14 +257,17 @@ impl Header {
             return Err(Bad::NotState);
         }
         let version = get32(p, 8);
-        if version != VERSION {
+        if version != VERSION && version != V1 {
             return Err(Bad::Version(version));
         }
-        let parsed = Self::parse(p);
         if crc32(&p[..CRC_AT]) != get32(p, CRC_AT) {
-            return Err(Bad::Corrupt(parsed));
+            return Err(Bad::Corrupt(Some(Self::salvage(p))));
         }
-        parsed.ok_or(Bad::Corrupt(None))
+        let h = Self::parse(p).ok_or(Bad::Corrupt(Some(Self::salvage(p))))?;
+        if h.version >= VERSION && get64(p, LEN_AT) != h.file_len() {
+            return Err(Bad::Corrupt(Some(Self::salvage(p))));
+        }
+        Ok(h)
     }
 
     /// The fields, when they are within bounds (a CRC match is checked by
@@ -213,24 +284,55 @@ impl Header {
         let mut checkpoints = Vec::with_capacity(count);
         for i in 0..count {
             let at = TABLE + i * ENTRY;
-            let raw = &p[at..at + MAX_NAME_LEN + 1];
-            let len = raw.iter().position(|&b| b == 0)?;
-            let name = std::str::from_utf8(&raw[..len]).ok()?;
-            if !super::valid_name(name) {
-                return None;
-            }
+            let name = entry_name(p, at)?;
             let reason = match p[at + 72] {
                 1 => None,
                 _ => Some(Reason::from_byte(p[at + 73])?),
             };
+            let v2 = get32(p, 8) >= VERSION;
             checkpoints.push(Entry {
-                name: name.to_string(),
+                name,
                 created: get64(p, at + 64),
                 reason,
                 slot: get32(p, at + 76),
+                index_crc: if v2 { get32(p, at + INDEX_CRC_AT) } else { 0 },
+                written: if v2 { get32(p, at + WRITTEN_AT) } else { 0 },
             });
         }
-        Some(Header {
+        Some(Self::fields(p, granularity, checkpoints))
+    }
+
+    /// What a header failing its checks still names: every table entry
+    /// with a valid checkpoint name (once), whatever the count says, so
+    /// that they are listed as inconsistent instead of forgotten.
+    fn salvage(p: &[u8; PAGE]) -> Header {
+        let mut checkpoints: Vec<Entry> = Vec::new();
+        for i in 0..MAX_CHECKPOINTS {
+            let at = TABLE + i * ENTRY;
+            let Some(name) = entry_name(p, at) else {
+                continue;
+            };
+            if checkpoints.iter().any(|e| e.name == name) {
+                continue;
+            }
+            checkpoints.push(Entry {
+                name,
+                created: get64(p, at + 64),
+                reason: Some(Reason::Corrupt),
+                slot: 0,
+                index_crc: 0,
+                written: 0,
+            });
+        }
+        let g = Some(get64(p, 16))
+            .filter(|&g| super::valid_granularity(g))
+            .unwrap_or(super::DEFAULT_GRANULARITY);
+        Self::fields(p, g, checkpoints)
+    }
+
+    fn fields(p: &[u8; PAGE], granularity: u64, checkpoints: Vec<Entry>) -> Header {
+        Header {
+            version: get32(p, 8),
             granularity,
             stamp: Stamp {
                 size: get64(p, 24),
@@ -241,8 +343,16 @@ impl Header {
             generation: get64(p, 40),
             open: get32(p, 48) != 0,
             checkpoints,
-        })
+        }
     }
+}
+
+/// The valid checkpoint name of the table entry at `at`, if it holds one.
+fn entry_name(p: &[u8; PAGE], at: usize) -> Option<String> {
+    let raw = &p[at..at + MAX_NAME_LEN + 1];
+    let len = raw.iter().position(|&b| b == 0)?;
+    let name = std::str::from_utf8(&raw[..len]).ok()?;
+    super::valid_name(name).then(|| name.to_string())
 }
 
 pub(crate) fn slot_bytes(size: u64, granularity: u64) -> u64 {
@@ -270,6 +380,11 @@ fn get64(p: &[u8], at: usize) -> u64 {
 
 /// CRC-32 (IEEE 802.3, the zlib one: reflected polynomial 0xEDB88320).
 pub(crate) fn crc32(data: &[u8]) -> u32 {
+    crc32_update(0, data)
+}
+
+/// The CRC-32 of what `crc` was the CRC of, followed by `data`.
+pub(crate) fn crc32_update(crc: u32, data: &[u8]) -> u32 {
     const TABLE: [u32; 256] = {
         let mut t = [0u32; 256];
         let mut i = 0;
@@ -289,7 +404,7 @@ pub(crate) fn crc32(data: &[u8]) -> u32 {
         }
         t
     };
-    let mut c = !0u32;
+    let mut c = !crc;
     for &b in data {
         c = TABLE[((c ^ u32::from(b)) & 0xff) as usize] ^ (c >> 8);
     }
@@ -308,6 +423,7 @@ mod tests {
 
     fn sample() -> Header {
         Header {
+            version: VERSION,
             granularity: 64 << 10,
             stamp: Stamp {
                 size: 1 << 40,
@@ -323,12 +439,16 @@ mod tests {
                     created: 1,
                     reason: Some(Reason::Crash),
                     slot: 0,
+                    index_crc: 0,
+                    written: 0,
                 },
                 Entry {
                     name: "a".repeat(MAX_NAME_LEN),
                     created: 2,
                     reason: None,
                     slot: 31,
+                    index_crc: 0x1234_5678,
+                    written: 9,
                 },
             ],
         }
@@ -364,6 +484,41 @@ mod tests {
         let mut h = sample();
         h.checkpoints[0].reason = Some(Reason::Replaced);
         assert_eq!(Header::decode(&h.encode()), Ok(h));
+    }
+
+    /// Format 2's fields sit where docs/cbt.md says; a format-1 header
+    /// still decodes, with no index fields; a header failing its CRC still
+    /// names its checkpoints (all as "corrupt"), whatever its count says.
+    #[test]
+    fn format_2_fields_and_what_a_damaged_header_still_names() {
+        let h = sample();
+        let p = h.encode();
+        assert_eq!(get32(&p, 8), 2);
+        // 1 TiB at 64 KiB: 2 MiB slots of 512 pages, 4 KiB of index each.
+        assert_eq!(h.index_bytes(), 4096);
+        assert_eq!(h.file_len(), 4096 + 32 * (2 << 20) + 32 * 4096);
+        assert_eq!(get64(&p, LEN_AT), h.file_len());
+        let at = TABLE + ENTRY;
+        assert_eq!(get32(&p, at + INDEX_CRC_AT), 0x1234_5678);
+        assert_eq!(get32(&p, at + WRITTEN_AT), 9);
+        let mut v1 = sample();
+        v1.version = V1;
+        let q = v1.encode();
+        assert!(q[LEN_AT..LEN_AT + 8].iter().all(|&b| b == 0));
+        assert_eq!(get32(&q, at + INDEX_CRC_AT), 0);
+        let d = Header::decode(&q).unwrap();
+        assert_eq!((d.version, d.checkpoints[1].written), (V1, 0));
+        let mut bad = p;
+        put32(&mut bad, 52, 99);
+        let Err(Bad::Corrupt(Some(s))) = Header::decode(&bad) else {
+            panic!("not corrupt");
+        };
+        let names: Vec<_> = s.checkpoints.iter().map(|e| e.name.clone()).collect();
+        assert_eq!(names, ["old".to_string(), "a".repeat(MAX_NAME_LEN)]);
+        assert!(s
+            .checkpoints
+            .iter()
+            .all(|e| e.reason == Some(Reason::Corrupt)));
     }
 
     #[test]

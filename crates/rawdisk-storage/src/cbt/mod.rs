@@ -27,6 +27,8 @@
 //! - `bitmap.rs`: chunk bitmaps, the atomic one of U, and runs of them.
 //! - `file.rs`: the state file on disk: locks, reading and writing the header
 //!   and slots, the crash / outside-change checks, [`StateFile`].
+//! - `index.rs`: format 2's page index (a CRC32 and stamp per bitmap page)
+//!   and the integrity checks every opener makes with it.
 //! - `tracker.rs`: [`Tracker`], the server's side.
 //! - `error.rs`: [`CbtError`].
 
@@ -34,6 +36,7 @@ pub(crate) mod bitmap;
 mod error;
 mod file;
 pub(crate) mod format;
+mod index;
 mod tracker;
 
 use std::path::{Path, PathBuf};

@@ -19,10 +19,11 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::bitmap::{self, AtomicBits, Bits, Leaves, Union};
 use super::file::{
-    check_unserved, infos, new_header, open_target, repair, stat_fd, state_path_for, Disk, Read,
-    MUTATION_BYTE, SERVED_BYTE,
+    check_unserved, damage_text, infos, new_header, open_target, repair, stat_fd, state_path_for,
+    warn_blank, warn_damage, Disk, Read, MUTATION_BYTE, SERVED_BYTE,
 };
-use super::format::{Header, Reason};
+use super::format::{Header, Reason, V1};
+use super::index::{convert, load_checked, Loaded, PageIndex};
 use super::{valid_granularity, CbtError, CheckpointInfo, TrackOptions, DEFAULT_GRANULARITY};
 use crate::sys::{LockKind, Sys};
 
@@ -30,6 +31,9 @@ use crate::sys::{LockKind, Sys};
 struct Mem {
     header: Header,
     maps: Vec<Option<Bits>>,
+    /// The page index of each consistent checkpoint (the newest's grows
+    /// with each persist).
+    index: Vec<Option<PageIndex>>,
     /// Pages of the newest bitmap holding bits the state file may lack:
     /// they gained bits, and no persist has written them since.
     unsynced: BTreeSet<usize>,
@@ -108,7 +112,7 @@ impl Tracker {
                 ));
             }
         }
-        let disk = Disk::open(sys, path, true, target)?;
+        let (disk, created) = Disk::open(sys, path, true, target)?;
         if !disk.try_lock(SERVED_BYTE)? {
             return Err(CbtError::msg(
                 OP,
@@ -117,16 +121,19 @@ impl Tracker {
             ));
         }
         disk.lock(MUTATION_BYTE, LockKind::Write)?;
-        let r = Self::start(&disk, &st, opts.granularity);
+        let r = Self::start(&disk, &st, opts.granularity, created);
         disk.unlock(MUTATION_BYTE);
-        let mem = r?;
+        let (mem, damage) = r?;
         for e in &mem.header.checkpoints {
             if let Some(r) = e.reason {
+                let why = match (&damage, r) {
+                    (Some(what), Reason::Damaged) => damage_text(what),
+                    _ => r.text().to_string(),
+                };
                 tracing::warn!(
-                    "checkpoint {} of {} is inconsistent, reported as all changed: {}",
+                    "checkpoint {} of {} is inconsistent, reported as all changed: {why}",
                     e.name,
                     target.display(),
-                    r.text()
                 );
             }
         }
@@ -145,13 +152,15 @@ impl Tracker {
         })
     }
 
-    /// Under the mutation lock: read (or make) the header, run the checks,
-    /// set the open flag durably, load the bitmaps.
+    /// Under the mutation lock: read (or make) the header, run the checks
+    /// (bitmap damage included), convert a format-1 file, set the open flag
+    /// durably. Returns the memory and the damage found, if any.
     fn start(
         disk: &Disk,
         st: &super::file::TargetStat,
         want: Option<u64>,
-    ) -> Result<Mem, CbtError> {
+        created: bool,
+    ) -> Result<(Mem, Option<String>), CbtError> {
         let mut h = match disk.read_header()? {
             Read::Ok(h) => {
                 if let Some(g) = want.filter(|&g| g != h.granularity) {
@@ -167,7 +176,12 @@ impl Tracker {
                 }
                 h
             }
-            Read::Blank => new_header(want.unwrap_or(DEFAULT_GRANULARITY), st.stamp),
+            Read::Blank => {
+                if !created {
+                    warn_blank(&disk.path, true);
+                }
+                new_header(want.unwrap_or(DEFAULT_GRANULARITY), st.stamp)
+            }
             Read::Corrupt(old) => {
                 tracing::warn!(
                     "changed-block state {} is corrupt: every checkpoint is now inconsistent",
@@ -182,10 +196,13 @@ impl Tracker {
             }
         };
         check_unserved(&mut h, st);
+        let (loaded, damage) = load_checked(disk, &mut h)?;
+        if h.version == V1 {
+            convert(disk, &mut h, &loaded)?;
+        }
         h.open = true;
-        disk.write_header(&h)?;
-        disk.sync()?;
-        load(disk, h)
+        disk.commit(&h)?;
+        Ok((mem_of(h, loaded), damage))
     }
 
     /// Bytes per bitmap bit.
@@ -243,9 +260,9 @@ impl Tracker {
                 let taken = self.u.take();
                 // The newest checkpoint, if consistent; with none (or only
                 // inconsistent ones) the bits are needed by nobody.
-                let newest = mem.header.checkpoints.last().map(|e| e.slot);
+                let newest = mem.header.checkpoints.len().checked_sub(1);
                 let write = match (newest, mem.maps.last_mut()) {
-                    (Some(slot), Some(Some(map))) => {
+                    (Some(k), Some(Some(map))) => {
                         // Only pages that gained bits (or that a failed
                         // persist left unwritten) are written: rewriting
                         // chunks already recorded costs no I/O, no sync.
@@ -256,19 +273,34 @@ impl Tracker {
                         }
                         let pages: Vec<(usize, Vec<u8>)> =
                             mem.unsynced.iter().map(|&p| (p, map.page(p))).collect();
-                        (!pages.is_empty()).then_some((slot, pages))
+                        (!pages.is_empty()).then_some((k, pages))
                     }
                     _ => None,
                 };
-                (taken, write.map(|w| (w, mem.header.clone())))
+                let idx = mem.index.last().cloned().flatten().unwrap_or_default();
+                (taken, write.map(|w| (w, mem.header.clone(), idx)))
             };
-            let Some(((slot, pages), h)) = write else {
+            let Some(((k, pages), mut h, mut idx)) = write else {
                 return Ok(());
             };
-            let done = self
+            // Pages, their index entries, then the header: its entry's new
+            // index CRC commits them.
+            let mut e = h.checkpoints[k].clone();
+            let written = self
                 .disk
-                .write_page_bytes(&h, slot, &pages)
-                .and_then(|()| self.disk.sync());
+                .write_recorded(&h, &mut e, &mut idx, &pages)
+                .and_then(|()| {
+                    h.checkpoints[k] = e;
+                    self.disk.write_header(&h)
+                });
+            if written.is_ok() {
+                // The file's header is this one now, synced or not: a
+                // refresh must not take it for another process's change.
+                let mut mem = self.mem_mut();
+                mem.header = h;
+                mem.index[k] = Some(idx);
+            }
+            let done = written.and_then(|()| self.disk.sync());
             if done.is_err() {
                 self.u.give_back(&taken);
             } else {
@@ -322,16 +354,14 @@ impl Tracker {
                 let mut h = old;
                 h.all_inconsistent(Reason::Corrupt);
                 h.generation += 1;
-                self.disk.write_header(&h)?;
-                self.disk.sync()?;
+                self.disk.commit(&h)?;
                 h
             }
         };
-        {
-            let mem = self.mem();
-            if mem.header == h {
-                return Ok(());
-            }
+        // The same header and a file as long as its layout (a truncation
+        // while served is seen here): nothing to do.
+        if self.mem().header == h && super::index::short(&self.disk, &h)?.is_none() {
+            return Ok(());
         }
         let h = if h.granularity != self.granularity || h.chunks() != self.chunks {
             // Rewritten with another geometry (a header repaired without
@@ -347,14 +377,18 @@ impl Tracker {
             h.all_inconsistent(Reason::Corrupt);
             h.generation += 1;
             h.open = true;
-            self.disk.write_header(&h)?;
-            self.disk.sync()?;
+            self.disk.commit(&h)?;
             h
         } else {
             h
         };
-        let fresh = load(&self.disk, h)?;
-        *self.mem_mut() = fresh;
+        let mut h = h;
+        let (loaded, damage) = load_checked(&self.disk, &mut h)?;
+        if let Some(what) = damage {
+            warn_damage(&h, &self.target, &what);
+            self.disk.commit(&h)?;
+        }
+        *self.mem_mut() = mem_of(h, loaded);
         Ok(())
     }
 
@@ -427,11 +461,10 @@ impl Tracker {
                         h.stamp.size,
                         st.stamp.size
                     );
-                    h.all_inconsistent(Reason::SizeChanged);
+                    h.all_inconsistent(Reason::SizeChangedTracked);
                     h.stamp.size = st.stamp.size;
                 }
-                self.disk.write_header(&h)?;
-                self.disk.sync()?;
+                self.disk.commit(&h)?;
                 self.mem_mut().header = h;
                 Ok(())
             })
@@ -453,11 +486,13 @@ impl Tracker {
     /// `name`, read under the mutation lock.
     pub(crate) fn persisted(&self, name: &str) -> Vec<u64> {
         self.with_mutation(|| {
-            let Read::Ok(h) = self.disk.read_header()? else {
+            let Read::Ok(mut h) = self.disk.read_header()? else {
                 panic!("unreadable header");
             };
             let k = h.find(name).expect("no such checkpoint");
-            let bits = super::file::changed_since(&self.disk, &h, k)?;
+            let (loaded, damage) = load_checked(&self.disk, &mut h)?;
+            assert_eq!(damage, None);
+            let bits = super::file::changed_since(&h, &loaded, k);
             Ok((0..h.chunks()).filter(|&c| bits.get(c)).collect())
         })
         .unwrap()
@@ -472,21 +507,21 @@ impl Drop for Tracker {
     }
 }
 
-/// Memory for header `h`: the bitmap of every consistent checkpoint.
-fn load(disk: &Disk, header: Header) -> Result<Mem, CbtError> {
-    let maps = header
-        .checkpoints
-        .iter()
-        .map(|e| match e.reason {
-            None => disk.read_slot(&header, e.slot).map(Some),
-            Some(_) => Ok(None),
+/// Memory for header `header` and its checked bitmaps.
+fn mem_of(header: Header, loaded: Vec<Option<Loaded>>) -> Mem {
+    let (maps, index) = loaded
+        .into_iter()
+        .map(|l| match l {
+            Some((bits, idx)) => (Some(bits), Some(idx)),
+            None => (None, None),
         })
-        .collect::<Result<_, _>>()?;
-    Ok(Mem {
+        .unzip();
+    Mem {
         header,
         maps,
+        index,
         unsynced: BTreeSet::new(),
-    })
+    }
 }
 
 // Shared by every connection of a server.

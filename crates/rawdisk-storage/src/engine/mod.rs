@@ -676,6 +676,7 @@ fn open_how(opts: &OpenOptions) -> OpenHow {
         create_new: opts.create_new,
         truncate: opts.truncate,
         exclusive: opts.exclusive,
+        ..OpenHow::default()
     }
 }
 

@@ -570,6 +570,12 @@ fn open_flags(how: OpenHow) -> rustix::fs::OFlags {
     if how.exclusive {
         flags |= OFlags::EXCL;
     }
+    if how.no_follow {
+        flags |= OFlags::NOFOLLOW;
+    }
+    if how.directory {
+        flags |= OFlags::DIRECTORY;
+    }
     // Non-blocking, so a FIFO (or a device that waits for a peer) opens at
     // once and its type can be refused; `blocking` clears it before any I/O.
     flags | OFlags::NONBLOCK

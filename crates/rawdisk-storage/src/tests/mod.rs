@@ -10,6 +10,7 @@ use crate::sys::{CallKind, FallocMode, FaultSys, RealSys, Sys};
 use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, Tri, ZeroFlags};
 
 mod cbt;
+mod cbt_damage;
 mod direct;
 mod kinds;
 mod map;

@@ -151,7 +151,8 @@ fn state_exists(c: &Common) -> anyhow::Result<bool> {
         }
     }
     let p = cbt::state_path(&c.target, c.state_dir.as_deref())?;
-    Ok(Path::new(&p).exists())
+    // Not followed: a symlink there is refused by the open, not skipped.
+    Ok(std::fs::symlink_metadata(Path::new(&p)).is_ok())
 }
 
 /// A malformed name is a bad command line (exit 2), said before any I/O.

@@ -90,7 +90,8 @@ pub struct Args {
     /// Allocation of a file made by --create.
     #[arg(long, value_enum, requires = "create", default_value = "off")]
     pub(super) preallocation: PreallocArg,
-    /// Write the server's pid here once it is ready; removed at exit.
+    /// Write the server's pid here once it is ready (mode 0644, renamed into
+    /// place; a symlink here is refused); removed at exit.
     #[arg(short = 'P', long, value_name = "PATH")]
     pub(super) pid_file: Option<PathBuf>,
     /// Write the server's totals here as JSON when it exits (SIGUSR1 logs

@@ -108,19 +108,66 @@ impl Drop for Cleanup {
     }
 }
 
-/// Opens (creates) the pid file now, so a bad path fails before anything is
-/// made; the pid is written once the server is ready.
-pub(super) fn open_pid_file(
-    args: &Args,
-    cleanup: &mut Cleanup,
-) -> anyhow::Result<Option<fs::File>> {
+/// The pid file being made: a new file next to its path, renamed over it
+/// once the pid is in it, so a file (or a symlink) put at the path is
+/// replaced, never written through.
+pub(super) struct PidFile {
+    file: fs::File,
+    tmp: PathBuf,
+    path: PathBuf,
+}
+
+/// Makes the pid file's temporary file now (O_EXCL | O_NOFOLLOW, mode 0644
+/// whatever the umask), so a bad path fails before anything is made; a
+/// symlink or anything but a regular file at the path is refused. The pid
+/// is written once the server is ready ([`PidFile::write`]).
+pub(super) fn open_pid_file(args: &Args, cleanup: &mut Cleanup) -> anyhow::Result<Option<PidFile>> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let Some(p) = &args.pid_file else {
         return Ok(None);
     };
-    let f =
-        fs::File::create(p).with_context(|| format!("cannot write pid file '{}'", p.display()))?;
+    let what = || format!("cannot write pid file '{}'", p.display());
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_symlink() => {
+            bail!("{}: refusing to follow a symlink there", what())
+        }
+        Ok(m) if !m.is_file() => bail!("{}: it exists and is not a regular file", what()),
+        _ => {}
+    }
+    let Some(name) = p.file_name() else {
+        bail!("{}: the path names no file", what());
+    };
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = p.with_file_name(tmp_name);
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o644)
+        .open(&tmp)
+        .with_context(what)?;
+    cleanup.files.push(tmp.clone());
+    // fchmod: the mode asked for, not what the umask left of it.
+    file.set_permissions(fs::Permissions::from_mode(0o644))
+        .with_context(what)?;
     cleanup.files.push(p.clone());
-    Ok(Some(f))
+    Ok(Some(PidFile {
+        file,
+        tmp,
+        path: p.clone(),
+    }))
+}
+
+impl PidFile {
+    /// Write `pid` and put the file at its path (rename: atomic, and a
+    /// symlink put there meanwhile is replaced, not followed).
+    pub(super) fn write(mut self, pid: u32) -> anyhow::Result<()> {
+        let what = || format!("cannot write pid file '{}'", self.path.display());
+        writeln!(self.file, "{pid}").with_context(what)?;
+        fs::rename(&self.tmp, &self.path).with_context(what)
+    }
 }
 
 /// Starts `sh -c CMD` with $uri (and $unixsocket on a Unix socket) set; when it exits the server is stopped as

@@ -40,7 +40,7 @@ pub use args::Args;
 pub use args::LogArg;
 use args::{server_tls, TlsSetup, WriteBehindArg};
 use daemon::{
-    detach_stderr, fork_into_background, handle_signals, open_pid_file, start_run, Cleanup,
+    detach_stderr, fork_into_background, handle_signals, open_pid_file, start_run, Cleanup, PidFile,
 };
 use listen::{listen, Bound, Listening};
 use open::open_target;
@@ -189,7 +189,7 @@ async fn serve(
     server: Server,
     what: String,
     Listening { bound, uri, socket }: Listening,
-    pid_file: Option<fs::File>,
+    pid_file: Option<PidFile>,
     mut cleanup: Cleanup,
     ready: Option<fs::File>,
 ) -> anyhow::Result<ExitCode> {
@@ -237,9 +237,8 @@ async fn serve(
     let stop_tx = Arc::new(stop_tx);
     handle_signals(stop_tx.clone(), server.clone())?;
 
-    if let (Some(mut f), Some(p)) = (pid_file, &args.pid_file) {
-        writeln!(f, "{}", std::process::id())
-            .with_context(|| format!("cannot write pid file '{}'", p.display()))?;
+    if let Some(f) = pid_file {
+        f.write(std::process::id())?;
     }
     // Serving starts: the created image stays whatever happens next.
     cleanup.created = None;
