@@ -54,6 +54,10 @@ pub struct Tracker {
     /// Serializes persist, refresh and close.
     io: Mutex<()>,
     closed: AtomicBool,
+    /// An fdatasync of the state file failed: the marks it held may be
+    /// lost, so no later persist (nor close) may succeed (the flush-failure
+    /// rule, as for the target). Cleared only by a new open.
+    sync_failed: AtomicBool,
 }
 
 impl Tracker {
@@ -142,6 +146,7 @@ impl Tracker {
             mem: RwLock::new(mem),
             io: Mutex::new(()),
             closed: AtomicBool::new(false),
+            sync_failed: AtomicBool::new(false),
         })
     }
 
@@ -232,6 +237,13 @@ impl Tracker {
     /// With `io` held. Clearing `dirty` before taking U: a mark whose bits
     /// miss this take raises it again after.
     fn persist_locked(&self) -> Result<(), CbtError> {
+        if self.sync_failed.load(Ordering::SeqCst) {
+            return Err(CbtError::io(
+                "persist changed-block state after a failed sync of",
+                &self.disk.path,
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
+        }
         if !self.dirty.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
@@ -268,7 +280,7 @@ impl Tracker {
             let done = self
                 .disk
                 .write_page_bytes(&h, slot, &pages)
-                .and_then(|()| self.disk.sync());
+                .and_then(|()| self.sync());
             if done.is_err() {
                 self.u.give_back(&taken);
             } else {
@@ -280,6 +292,21 @@ impl Tracker {
         });
         if r.is_err() {
             self.dirty.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// fdatasync of the state file; the first failure is remembered and
+    /// said once.
+    fn sync(&self) -> Result<(), CbtError> {
+        let r = self.disk.sync();
+        if let Err(e) = &r {
+            if !self.sync_failed.swap(true, Ordering::SeqCst) {
+                tracing::error!(
+                    "{e}: the marks it held may be lost, so every later FLUSH and FUA write \
+                     fails with EIO and the next start finds the state not closed cleanly"
+                );
+            }
         }
         r
     }
@@ -431,7 +458,7 @@ impl Tracker {
                     h.stamp.size = st.stamp.size;
                 }
                 self.disk.write_header(&h)?;
-                self.disk.sync()?;
+                self.sync()?;
                 self.mem_mut().header = h;
                 Ok(())
             })

@@ -11,6 +11,7 @@ use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, 
 
 mod cbt;
 mod direct;
+mod flush;
 mod kinds;
 mod map;
 mod model;
