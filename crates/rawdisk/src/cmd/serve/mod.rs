@@ -235,7 +235,7 @@ async fn serve(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
-    handle_signals(stop_tx.clone(), server.clone())?;
+    handle_signals(stop_tx.clone(), server.clone(), cleanup.at_exit())?;
 
     if let (Some(mut f), Some(p)) = (pid_file, &args.pid_file) {
         writeln!(f, "{}", std::process::id())
