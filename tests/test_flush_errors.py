@@ -16,9 +16,10 @@ import subprocess
 import nbd
 import pytest
 
+import servers
 import storage
 from conftest import require_root
-from helpers import connected, random_bytes
+from helpers import connected, make_image, random_bytes
 
 MiB = 1 << 20
 SIZE = 32 * MiB
@@ -138,3 +139,21 @@ def test_the_rule_ends_with_a_restart(serve, failing_disk):
         h.pwrite(data, 0)
         h.flush()
         assert h.pread(len(data), 0) == data
+
+
+def test_copy_fails_on_a_failed_final_flush_and_so_does_the_next(serve, failing_disk, workdir):
+    srv = serve(failing_disk.dev)
+    src, _ = make_image(workdir, "src.img", 4 * MiB, seed=4)
+    small, _ = make_image(workdir, "small.img", 64 << 10, seed=5)
+    r = subprocess.run([servers.RAWDISK_BIN, "copy", "-n", "--retry-timeout", "5s", src, srv.uri],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "flush" in r.stderr and "EIO" in r.stderr, r.stderr
+    # Room now, so a new fdatasync would succeed: the copy must not.
+    failing_disk.make_room()
+    r = subprocess.run([servers.RAWDISK_BIN, "copy", "-n", "--retry-timeout", "5s", small,
+                        srv.uri], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "flush" in r.stderr and "EIO" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    stop(srv)
