@@ -350,7 +350,7 @@ impl Tracker {
                 h.all_inconsistent(Reason::Corrupt);
                 h.generation += 1;
                 self.disk.write_header(&h)?;
-                self.disk.sync()?;
+                self.sync()?;
                 h
             }
         };
@@ -375,7 +375,7 @@ impl Tracker {
             h.generation += 1;
             h.open = true;
             self.disk.write_header(&h)?;
-            self.disk.sync()?;
+            self.sync()?;
             h
         } else {
             h
