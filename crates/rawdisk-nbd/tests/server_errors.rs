@@ -133,10 +133,14 @@ fn storage_errors_are_mapped_and_the_connection_survives() {
         fault.fail_from(CallKind::Fsync, 1, libc::EIO);
         assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, NBD_EIO);
         fault.clear_rules();
+        // The flush-failure rule: failed for good, on every connection.
+        assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, NBD_EIO);
         assert_eq!(c.read(0, 4096), h.model[..4096]);
         c.disc();
     }
-    h.stop().unwrap();
+    // The final flush fails too.
+    let e = h.stop().unwrap_err();
+    assert!(e.to_string().contains("final flush"), "{e}");
     h.check_file();
 }
 

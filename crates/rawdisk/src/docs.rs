@@ -107,8 +107,8 @@ const SIGNALS_SERVE: &[(&str, &str)] = &[
     ),
     (
         "a second signal",
-        "Any of those while the requests in flight finish: exit 1 at once, without \
-         waiting for them.",
+        "Any of those while the requests in flight finish: remove the socket and \
+         pid files and exit 1 at once, without waiting for them.",
     ),
     (
         "SIGUSR1",

@@ -1,7 +1,8 @@
 //! Surviving a dropped NBD connection (`--retry-timeout`): a side whose
-//! connection breaks (the server closed it, reset it, the pipe broke, or
-//! left requests unanswered for `--request-timeout`, which the client
-//! reports as a broken connection) is reopened from the same URI, with the same options, by the first worker
+//! connection breaks (the server closed it, reset it, the pipe broke,
+//! answered NBD_ESHUTDOWN because it is restarting, or left requests
+//! unanswered for `--request-timeout`, which the client reports as a
+//! broken connection) is reopened from the same URI, with the same options, by the first worker
 //! that notices; the others wait for it. The new export must be the same
 //! size (and still writable, for the destination: `Endpoint::open_with`
 //! refuses a read-only one), else the copy stops with that error. Every
@@ -275,9 +276,13 @@ fn gave_up(name: &str, cause: &endpoint::Error, timeout: Duration, why: &str) ->
     }
 }
 
-/// The connection broke, under a request or in the handshake.
+/// The connection broke, under a request or in the handshake, or the
+/// server answered that it is shutting down (a graceful restart: the
+/// request was not run, and the connection closes next).
 fn is_disconnect(e: &endpoint::Error) -> bool {
-    e.nbd.as_ref().is_some_and(|c| c.is_dropped())
+    e.nbd
+        .as_ref()
+        .is_some_and(|c| c.is_dropped() || c.is_shutdown())
 }
 
 /// A failed reconnect that waiting can mend: the server is not back yet

@@ -68,6 +68,18 @@ impl Error {
         )
     }
 
+    /// The server answered NBD_ESHUTDOWN: it is going down (a restart)
+    /// and did not run the request. Reconnecting may help.
+    pub fn is_shutdown(&self) -> bool {
+        matches!(
+            self,
+            Error::Server {
+                errno: NBD_ESHUTDOWN,
+                ..
+            }
+        )
+    }
+
     /// The server's NBD_REP_ERR_* when it refused the handshake with one.
     pub fn refusal(&self) -> Option<u32> {
         match self {

@@ -245,6 +245,22 @@ commands! {
     Resize = 8, "NBD_CMD_RESIZE", "resize";
 }
 
+impl Command {
+    /// Whether NBD_REPLY_TYPE_ERROR_OFFSET is a valid reply to it (the
+    /// spec's list); every other command's error is NBD_REPLY_TYPE_ERROR.
+    pub const fn allows_error_offset(self) -> bool {
+        matches!(
+            self,
+            Command::Read
+                | Command::Write
+                | Command::Trim
+                | Command::Cache
+                | Command::WriteZeroes
+                | Command::BlockStatus
+        )
+    }
+}
+
 /// What an all-zero request header carries (NBD_CMD_READ).
 impl Default for Command {
     fn default() -> Command {

@@ -210,9 +210,26 @@ pub(super) fn storage_error(
     op: &str,
     e: &rawdisk_storage::Error,
 ) -> Encoded {
-    let off =
-        (e.offset >= req.offset && e.offset < req.offset + req.length.max(1)).then_some(e.offset);
-    failed(sh, s, req, to, op, e, storage_errno(e), off)
+    failed(
+        sh,
+        s,
+        req,
+        to,
+        op,
+        e,
+        storage_errno(e),
+        error_offset(req, e),
+    )
+}
+
+/// Where `req` failed, for NBD_REPLY_TYPE_ERROR_OFFSET: only for the
+/// commands the spec allows it on, and only inside the request's range.
+/// Elsewhere (FLUSH, a zero-length request, an error with no place in the
+/// range) the reply is NBD_REPLY_TYPE_ERROR: a client checks the offset,
+/// and libnbd drops the connection for one outside the range.
+fn error_offset(req: &Request, e: &rawdisk_storage::Error) -> Option<u64> {
+    let inside = e.len > 0 && e.offset >= req.offset && e.offset - req.offset < req.length;
+    (req.command.allows_error_offset() && inside).then_some(e.offset)
 }
 
 /// The reply carrying `err` for `req`, which failed in the storage with

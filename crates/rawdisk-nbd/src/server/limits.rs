@@ -375,6 +375,18 @@ impl RateLimit {
         }
     }
 
+    /// Reports what is held back now: at exit, where the timer would not
+    /// get to run.
+    pub(super) fn report_held(&self) {
+        let held = {
+            let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
+            std::mem::take(&mut w.held)
+        };
+        if held > 0 {
+            (self.summary)(held);
+        }
+    }
+
     /// Starts the timer that reports the held-back count at `end`; false
     /// when there is no runtime to run it on.
     fn arm(&self, end: Instant) -> bool {

@@ -196,6 +196,8 @@ struct Shared {
     tls_refusals: RateLimit,
     evictions: RateLimit,
     storage_errors: RateLimit,
+    /// accept(2) failures (EMFILE: out of descriptors), one a second.
+    accept_errors: RateLimit,
     bytes_per_conn: usize,
     reserve_per_conn: usize,
     pool: BufPool,
@@ -297,6 +299,9 @@ impl Server {
                 storage_errors: RateLimit::new(|n| {
                     warn!("{n} more storage error(s) answered NBD_ENOSPC or NBD_EIO in the last second")
                 }),
+                accept_errors: RateLimit::new(|n| {
+                    warn!("accept failed {n} more time(s) in the last second")
+                }),
                 bytes_per_conn,
                 reserve_per_conn,
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
@@ -353,7 +358,9 @@ impl Server {
                 Ok(c) => c,
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
-                    warn!("accept failed: {e}");
+                    if sh.accept_errors.allow() {
+                        warn!("accept failed: {e}");
+                    }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
@@ -384,6 +391,26 @@ impl Server {
             );
             tasks.shutdown().await;
         }
+        let closed = self.close_exports().await;
+        // The timers that would say how many lines were held back do not
+        // run once the server returns.
+        for limit in [
+            &sh.refusals,
+            &sh.export_refusals,
+            &sh.tls_refusals,
+            &sh.evictions,
+            &sh.storage_errors,
+            &sh.accept_errors,
+        ] {
+            limit.report_held();
+        }
+        closed
+    }
+
+    /// The final flush of every export still open, then the clean close of
+    /// every tracker.
+    async fn close_exports(&self) -> io::Result<()> {
+        let sh = &self.shared;
         for e in sh.exports.open() {
             if e.read_only {
                 continue;

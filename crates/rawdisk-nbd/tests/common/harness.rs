@@ -523,7 +523,22 @@ impl Conn {
                         r.error = error;
                         r.message = message;
                     }
-                    Chunk::ErrorOffset { error, message, .. } => {
+                    Chunk::ErrorOffset {
+                        error,
+                        message,
+                        offset,
+                    } => {
+                        // As libnbd checks (it drops the connection): only
+                        // for a ranged command, inside its range.
+                        assert!(
+                            p.typ.allows_error_offset(),
+                            "NBD_REPLY_TYPE_ERROR_OFFSET for {:?}",
+                            p.typ
+                        );
+                        assert!(
+                            offset >= p.offset && offset - p.offset < p.len,
+                            "error offset {offset} outside the request {p:?}"
+                        );
                         r.error = error;
                         r.message = message;
                     }

@@ -353,12 +353,18 @@ impl Disk {
     /// new file, a new geometry, a conversion, a short file repaired) and
     /// fdatasync: the commit point of every change.
     pub(crate) fn commit(&self, h: &Header) -> Result<(), CbtError> {
+        self.commit_unsynced(h)?;
+        self.sync()
+    }
+
+    /// [`Disk::commit`] without the fdatasync, for a caller that syncs
+    /// through its own rule (the tracker: a failed sync stays failed).
+    pub(crate) fn commit_unsynced(&self, h: &Header) -> Result<(), CbtError> {
         if self.len()? < h.file_len() {
             retry(|| self.sys.ftruncate(self.fd.as_fd(), h.file_len()))
                 .map_err(self.err("extend changed-block state"))?;
         }
-        self.write_header(h)?;
-        self.sync()
+        self.write_header(h)
     }
 
     /// A slot's bitmap; holes are skipped (SEEK_DATA) and only pages with

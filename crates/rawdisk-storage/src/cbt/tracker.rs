@@ -58,6 +58,10 @@ pub struct Tracker {
     /// Serializes persist, refresh and close.
     io: Mutex<()>,
     closed: AtomicBool,
+    /// An fdatasync of the state file failed: the marks it held may be
+    /// lost, so no later persist (nor close) may succeed (the flush-failure
+    /// rule, as for the target). Cleared only by a new open.
+    sync_failed: AtomicBool,
 }
 
 impl Tracker {
@@ -149,6 +153,7 @@ impl Tracker {
             mem: RwLock::new(mem),
             io: Mutex::new(()),
             closed: AtomicBool::new(false),
+            sync_failed: AtomicBool::new(false),
         })
     }
 
@@ -249,6 +254,13 @@ impl Tracker {
     /// With `io` held. Clearing `dirty` before taking U: a mark whose bits
     /// miss this take raises it again after.
     fn persist_locked(&self) -> Result<(), CbtError> {
+        if self.sync_failed.load(Ordering::SeqCst) {
+            return Err(CbtError::io(
+                "persist changed-block state after a failed sync of",
+                &self.disk.path,
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
+        }
         if !self.dirty.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
@@ -300,7 +312,7 @@ impl Tracker {
                 mem.header = h;
                 mem.index[k] = Some(idx);
             }
-            let done = written.and_then(|()| self.disk.sync());
+            let done = written.and_then(|()| self.sync());
             if done.is_err() {
                 self.u.give_back(&taken);
             } else {
@@ -312,6 +324,21 @@ impl Tracker {
         });
         if r.is_err() {
             self.dirty.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// fdatasync of the state file; the first failure is remembered and
+    /// said once.
+    fn sync(&self) -> Result<(), CbtError> {
+        let r = self.disk.sync();
+        if let Err(e) = &r {
+            if !self.sync_failed.swap(true, Ordering::SeqCst) {
+                tracing::error!(
+                    "{e}: the marks it held may be lost, so every later FLUSH and FUA write \
+                     fails with EIO and the next start finds the state not closed cleanly"
+                );
+            }
         }
         r
     }
@@ -354,7 +381,8 @@ impl Tracker {
                 let mut h = old;
                 h.all_inconsistent(Reason::Corrupt);
                 h.generation += 1;
-                self.disk.commit(&h)?;
+                self.disk.commit_unsynced(&h)?;
+                self.sync()?;
                 h
             }
         };
@@ -377,7 +405,8 @@ impl Tracker {
             h.all_inconsistent(Reason::Corrupt);
             h.generation += 1;
             h.open = true;
-            self.disk.commit(&h)?;
+            self.disk.commit_unsynced(&h)?;
+            self.sync()?;
             h
         } else {
             h
@@ -386,7 +415,8 @@ impl Tracker {
         let (loaded, damage) = load_checked(&self.disk, &mut h)?;
         if let Some(what) = damage {
             warn_damage(&h, &self.target, &what);
-            self.disk.commit(&h)?;
+            self.disk.commit_unsynced(&h)?;
+            self.sync()?;
         }
         *self.mem_mut() = mem_of(h, loaded);
         Ok(())
@@ -464,7 +494,8 @@ impl Tracker {
                     h.all_inconsistent(Reason::SizeChangedTracked);
                     h.stamp.size = st.stamp.size;
                 }
-                self.disk.commit(&h)?;
+                self.disk.commit_unsynced(&h)?;
+                self.sync()?;
                 self.mem_mut().header = h;
                 Ok(())
             })

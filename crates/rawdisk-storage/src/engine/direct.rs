@@ -261,8 +261,7 @@ impl Direct {
                     if fua && written.is_ok() {
                         // RWF_DSYNC made the padded size durable; make the
                         // real one durable too.
-                        retry(|| t.sys.fdatasync(t.fd()))
-                            .map_err(|e| Error::new("write (FUA sync)", p_off, p_len, e))?;
+                        t.sync("write (FUA sync)", p_off, p_len)?;
                     }
                 }
                 t.known_size.store(want, Ordering::Relaxed);

@@ -25,7 +25,7 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::caps::{Capabilities, Method, Tri, TriCell};
@@ -241,6 +241,12 @@ pub struct Target {
     memory_only: bool,
     /// pwritev2(RWF_DSYNC) for FUA.
     dsync: TriCell,
+    /// A sync of this target failed: the kernel may have dropped the dirty
+    /// pages it could not write, so no later sync may report success
+    /// (`rw.rs`, the flush-failure rule). Cleared only by a new open.
+    sync_failed: AtomicBool,
+    /// Held across each fdatasync/fsync (`rw.rs`, `sync`).
+    sync_lock: std::sync::Mutex<()>,
     /// preadv2(RWF_NOWAIT) for [`Target::read_cached`] (file systems
     /// without nowait buffered reads answer EOPNOTSUPP).
     nowait: TriCell,
@@ -485,6 +491,8 @@ impl Target {
             punch_alloc_timed,
             memory_only,
             dsync: TriCell::default(),
+            sync_failed: AtomicBool::new(false),
+            sync_lock: std::sync::Mutex::new(()),
             nowait: TriCell::default(),
             sysfs_dev,
             write_map: OnceLock::new(),

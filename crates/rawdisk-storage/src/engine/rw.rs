@@ -1,9 +1,17 @@
 //! Reading and writing: whole-length pread/pwrite loops, FUA by
 //! pwritev2(RWF_DSYNC) or fdatasync, splice of page-cache reads into a pipe,
 //! flush and write-back. O_DIRECT requests go through `direct.rs`.
+//!
+//! The flush-failure rule: once a sync of the target (fdatasync, fsync, or
+//! a FUA write's RWF_DSYNC failing with EIO) failed, every later flush and
+//! FUA write fails with EIO without trying, until the target is opened
+//! again. The kernel reports a write-back error once and may have dropped
+//! the pages it could not write, so a later sync would succeed for data
+//! that is lost.
 
 use std::io;
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
 
 use super::{Kind, Target};
 use crate::caps::{Method, Tri};
@@ -135,6 +143,9 @@ impl Target {
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.check_writable("write", offset, buf.len() as u64)?;
         check_offset("write", offset, buf.len())?;
+        if fua {
+            self.check_synced(offset, buf.len() as u64)?;
+        }
         if let Some(d) = &self.direct {
             return d.write_at(self, buf, offset, fua);
         }
@@ -149,7 +160,8 @@ impl Target {
         let mut dsync_failed = false;
         while done < buf.len() {
             let off = offset + done as u64;
-            let r = if use_dsync && !dsync_failed {
+            let dsynced = use_dsync && !dsync_failed;
+            let r = if dsynced {
                 match self.sys.pwrite_dsync(self.fd(), &buf[done..], off) {
                     Err(e) if is_unsupported(&e, Einval::Invalid) => {
                         // pwritev2 (4.6) or RWF_DSYNC (4.7) missing.
@@ -177,16 +189,61 @@ impl Target {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => return Err(Error::new("write", offset, buf.len() as u64, e)),
+                Err(e) => {
+                    // RWF_DSYNC syncs the written range, which reports (and
+                    // consumes) a write-back error of the file.
+                    if dsynced && e.raw_os_error() == Some(libc::EIO) {
+                        self.sync_failed_with(&e);
+                    }
+                    return Err(Error::new("write", offset, buf.len() as u64, e));
+                }
             }
         }
         if fua && (!use_dsync || dsync_failed) {
-            retry(|| self.datasync_raw())
-                .map_err(|e| Error::new("write (FUA sync)", offset, buf.len() as u64, e))?;
+            self.sync("write (FUA sync)", offset, buf.len() as u64)?;
         } else if use_dsync {
             self.dsync.set(Tri::Works);
+            // A sync that failed meanwhile may have taken this write's error.
+            self.check_synced(offset, buf.len() as u64)?;
         }
         Ok(())
+    }
+
+    /// fdatasync (fsync on a block device) under the flush-failure rule.
+    pub(super) fn sync(&self, op: &'static str, offset: u64, len: u64) -> Result<()> {
+        // One at a time: the kernel tells one caller of a write-back error,
+        // so a sync overlapping a failing one could return success.
+        let _one = self.sync_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_synced(offset, len)?;
+        retry(|| self.datasync_raw()).map_err(|e| {
+            self.sync_failed_with(&e);
+            Error::new(op, offset, len, e)
+        })
+    }
+
+    /// EIO once a sync of this target failed (the flush-failure rule).
+    fn check_synced(&self, offset: u64, len: u64) -> Result<()> {
+        if !self.sync_failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        Err(Error::new(
+            "refused: an earlier flush of this target failed, data written before it may be lost",
+            offset,
+            len,
+            errno(libc::EIO),
+        ))
+    }
+
+    /// Records the first failed sync, and says once why every later flush
+    /// and FUA write will fail.
+    fn sync_failed_with(&self, e: &io::Error) {
+        if !self.sync_failed.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                "writing back {} failed ({e}): the kernel may have dropped the data it could not \
+                 write, so every later flush and FUA write fails with EIO until it is opened again",
+                self.path.display()
+            );
+        }
     }
 
     fn datasync_raw(&self) -> io::Result<()> {
@@ -220,8 +277,9 @@ impl Target {
         }
     }
 
+    /// Makes every completed write durable; see the flush-failure rule above.
     pub fn flush(&self) -> Result<()> {
-        retry(|| self.datasync_raw()).map_err(|e| Error::new("flush", 0, 0, e))
+        self.sync("flush", 0, 0)
     }
 }
 

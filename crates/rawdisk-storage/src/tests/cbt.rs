@@ -295,7 +295,7 @@ fn persist_does_io_only_for_newly_marked_chunks() {
 /// Wait for the served lock of an abandoned tracker to go: a child of a
 /// test running beside this one, forked but not yet exec'd, briefly shares
 /// the descriptor and so the lock.
-fn wait_unserved(sf: &StateFile) {
+pub(super) fn wait_unserved(sf: &StateFile) {
     let t0 = std::time::Instant::now();
     while sf.served().unwrap() {
         assert!(
@@ -665,12 +665,6 @@ fn failing_persist(kind: CallKind, errno: i32) {
 fn persist_failing_on_pwrite_keeps_the_bits_for_the_next() {
     failing_persist(CallKind::Pwrite, libc::EIO);
     failing_persist(CallKind::Pwrite, libc::ENOSPC);
-}
-
-#[test]
-fn persist_failing_on_fdatasync_keeps_the_bits_for_the_next() {
-    failing_persist(CallKind::Fdatasync, libc::EIO);
-    failing_persist(CallKind::Fdatasync, libc::ENOSPC);
 }
 
 /// The state file of a 1 TiB sparse target with a few marks stays small:

@@ -12,6 +12,7 @@ use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, 
 mod cbt;
 mod cbt_damage;
 mod direct;
+mod flush;
 mod kinds;
 mod map;
 mod model;

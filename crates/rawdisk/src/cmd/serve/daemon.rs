@@ -97,9 +97,39 @@ pub(super) struct Cleanup {
     pub(super) stats: Option<PathBuf>,
 }
 
+impl Cleanup {
+    /// The socket and pid files and their directories, for an exit that
+    /// skips `drop` (a second signal).
+    pub(super) fn at_exit(&self) -> ExitFiles {
+        ExitFiles {
+            files: self.files.clone(),
+            dirs: self.dirs.clone(),
+        }
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        for f in self.files.iter().chain(&self.created).chain(&self.stats) {
+        for f in self.created.iter().chain(&self.stats) {
+            let _ = fs::remove_file(f);
+        }
+        ExitFiles {
+            files: std::mem::take(&mut self.files),
+            dirs: std::mem::take(&mut self.dirs),
+        }
+        .remove();
+    }
+}
+
+/// What [`Cleanup`] removes whenever the server exits.
+pub(super) struct ExitFiles {
+    files: Vec<PathBuf>,
+    dirs: Vec<PathBuf>,
+}
+
+impl ExitFiles {
+    fn remove(&self) {
+        for f in &self.files {
             let _ = fs::remove_file(f);
         }
         for d in &self.dirs {
@@ -206,9 +236,14 @@ pub(super) fn start_run(
 
 /// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
 /// otherwise end the process without a flush): stop accepting, finish
-/// in-flight requests, flush, exit 0; a second one exits at once with
-/// status 1. SIGUSR1: log the totals (the `--stats` document) and go on.
-pub(super) fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> anyhow::Result<()> {
+/// in-flight requests, flush, exit 0; a second one removes the socket and
+/// pid files (`files`) and exits at once with status 1. SIGUSR1: log the
+/// totals (the `--stats` document) and go on.
+pub(super) fn handle_signals(
+    stop: Arc<watch::Sender<bool>>,
+    server: Server,
+    files: ExitFiles,
+) -> anyhow::Result<()> {
     let kinds = [
         (SignalKind::terminate(), "SIGTERM"),
         (SignalKind::interrupt(), "SIGINT"),
@@ -237,6 +272,10 @@ pub(super) fn handle_signals(stop: Arc<watch::Sender<bool>>, server: Server) -> 
         // A second signal while draining: give up waiting.
         if let Some(name) = rx.recv().await {
             tracing::warn!("second signal ({name}): exiting without waiting");
+            // process::exit runs no destructors: remove them here, so the
+            // next start finds no stale socket or pid file (GNU timeout and
+            // impatient operators send two signals).
+            files.remove();
             std::process::exit(1);
         }
     });

@@ -235,7 +235,7 @@ async fn serve(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
-    handle_signals(stop_tx.clone(), server.clone())?;
+    handle_signals(stop_tx.clone(), server.clone(), cleanup.at_exit())?;
 
     if let Some(f) = pid_file {
         f.write(std::process::id())?;
