@@ -48,10 +48,10 @@ R=$(printf '%q' "$RAWDISK_STABLE")
 # custom = rawdisk with the page cache (its default), custom:direct = O_DIRECT,
 export SERVER_CMD="$R serve --cache writeback --socket {socket} {file}"
 export SERVER_CMD_direct="$R serve --cache none --socket {socket} {file}"
-# custom (the default, --write-behind auto) beside custom:wb (always on)
+# custom (the default, --write-behind=auto) beside custom:wb (always on)
 # and custom:wboff (never), to judge auto against both.
-export SERVER_CMD_wb="$R serve --cache writeback --write-behind on --socket {socket} {file}"
-export SERVER_CMD_wboff="$R serve --cache writeback --write-behind off --socket {socket} {file}"
+export SERVER_CMD_wb="$R serve --cache writeback --write-behind=on --socket {socket} {file}"
+export SERVER_CMD_wboff="$R serve --cache writeback --write-behind=off --socket {socket} {file}"
 # custom:mw = page cache with --map-writes (payloads received straight into
 # the page cache; opt-in, see docs/architecture.md).
 export SERVER_CMD_mw="$R serve --cache writeback --map-writes --socket {socket} {file}"

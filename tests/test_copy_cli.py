@@ -1,7 +1,8 @@
 """`rawdisk copy` as nbdcopy and qemu-img users call it: `null:` and `-`
 destinations, the option aliases (`--destination-is-zero`, `--flush`, `-R`),
 a server that caps its connections, a larger existing destination refused
-without `--force`, a destination that is the source through a symlink, and
+without `--force`, a smaller one refused with `-n` (and a smaller NBD export or
+block device always), a destination that is the source through a symlink, and
 SIGINT / SIGTERM in the middle of a copy; a destination server that stops
 answering (SIGSTOP) or dies in the first handshake, and the progress bar and
 summary line of a copy that reconnected."""
@@ -20,7 +21,8 @@ import time
 import pytest
 
 import servers
-from helpers import MiB, assert_export_is, assert_target_is, make_image, read_target
+from helpers import (MiB, assert_export_is, assert_target_is, fill_device, make_image,
+                     read_target)
 
 SIZE = 12 * MiB + 4096 + 1237
 
@@ -125,6 +127,56 @@ def test_larger_existing_destination_needs_force(workdir):
     small, _ = make_image(workdir, "small.img", MiB, seed=70)
     ok(rawdisk_copy(src, small))
     assert_target_is(small, model)
+
+
+def refused_as_smaller(res, dst, dst_size):
+    assert res.returncode == 1, res
+    err = res.stderr.decode()
+    assert f"is {dst_size} bytes, smaller than the source ({SIZE} bytes)" in err, err
+    assert err.count("\n") == 1, err
+
+
+def test_no_create_onto_a_smaller_destination_is_refused(workdir, serve):
+    """-n: the destination exists as it is (qemu-img convert -n refuses an
+    output smaller than the input); a smaller file is not grown, nothing is
+    written. An NBD export smaller than the source is refused the same way."""
+    src, model = make_image(workdir, "src.img", SIZE, seed=72)
+    small = SIZE - 4096 - 1
+    dst, junk = make_image(workdir, "dst.img", small, seed=73)
+    refused_as_smaller(rawdisk_copy("-n", src, dst), dst, small)
+    assert "-n" in rawdisk_copy("-n", src, dst).stderr.decode()
+    assert_target_is(dst, junk, "refused -n destination")
+    srv = serve(dst)
+    for n in [["-n"], []]:
+        refused_as_smaller(rawdisk_copy(*n, src, srv.uri), srv.uri, small)
+    assert_export_is(srv.uri, junk)
+    assert srv.terminate() == 0
+    assert_target_is(dst, junk, "refused NBD destination")
+    # Same size: copied exactly.
+    same, _ = make_image(workdir, "same.img", SIZE, seed=74)
+    ok(rawdisk_copy("-n", src, same))
+    assert_target_is(same, model)
+
+
+def test_block_device_destination_smaller_refused_larger_kept(workdir, loop512):
+    """A block device cannot grow: smaller is refused untouched, with or
+    without -n; larger takes the source and keeps its tail."""
+    junk = fill_device(loop512, seed=75)
+    big = os.path.join(workdir, "big.img")
+    with open(big, "wb") as f:
+        f.truncate(len(junk) + 512)
+    f_src, _ = make_image(workdir, "src.img", SIZE, seed=76)
+    for n in [["-n"], []]:
+        res = rawdisk_copy(*n, big, loop512)
+        assert res.returncode == 1, res
+        err = res.stderr.decode()
+        assert f"is {len(junk)} bytes, smaller than the source ({len(junk) + 512} bytes)" \
+            in err, err
+        assert err.count("\n") == 1, err
+    assert_target_is(loop512, junk, "refused block device")
+    ok(rawdisk_copy("-n", f_src, loop512))
+    junk[:SIZE] = read_target(f_src)
+    assert_target_is(loop512, junk, "block device larger than the source")
 
 
 def test_destination_that_is_the_source_through_a_symlink_is_refused(workdir):

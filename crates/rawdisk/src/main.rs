@@ -59,6 +59,18 @@ fn main() -> ExitCode {
                 eprintln!("rawdisk: {e} (see '{}')", help_of_typed());
                 return ExitCode::from(EXIT_USAGE);
             }
+            // `--write-behind on disk.img`: `on` parsed as an argument of
+            // its own, which is not what the user meant.
+            if let Some(d) = detached_value().filter(|d| d.is_value) {
+                eprintln!(
+                    "rawdisk: '{}' after {} is read as an argument, not as its value; {} (see '{}')",
+                    d.word,
+                    d.flag,
+                    d.hint(),
+                    help_of_typed()
+                );
+                return ExitCode::from(EXIT_USAGE);
+            }
             cli
         }
         Err(e) => {
@@ -77,9 +89,10 @@ fn main() -> ExitCode {
             // users read it. The detail (missing names, allowed values, "did
             // you mean") is kept.
             let sub = subcommand_typed();
+            let hint = detached_value().map(|d| d.hint());
             eprintln!(
                 "rawdisk: {}",
-                usage_line(&e.render().to_string(), sub.as_deref())
+                usage_line(&e.render().to_string(), sub.as_deref(), hint)
             );
             return ExitCode::from(EXIT_USAGE);
         }
@@ -159,7 +172,7 @@ fn one_line(e: &anyhow::Error) -> String {
 /// Flattens clap's rendered error into one line: the message and its detail
 /// lines (missing arguments, possible values, tips) joined, then a hint naming
 /// the help of the subcommand the user was typing.
-fn usage_line(text: &str, sub: Option<&str>) -> String {
+fn usage_line(text: &str, sub: Option<&str>, hint: Option<String>) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut help = match sub {
         Some(sub) => format!("rawdisk {sub} --help"),
@@ -203,7 +216,18 @@ fn usage_line(text: &str, sub: Option<&str>) -> String {
     if parts.is_empty() {
         parts.push("invalid arguments".into());
     }
+    parts.extend(hint);
     format!("{} (see '{help}')", parts.join("; "))
+}
+
+/// An optional-value flag given its value as a separate word.
+fn detached_value() -> Option<cmd::detached::Detached> {
+    use clap::CommandFactory;
+    let args: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    cmd::detached::find(&Cli::command(), &args)
 }
 
 /// The subcommand named on the command line, when clap's error does not carry

@@ -84,6 +84,8 @@ pub struct CopyOptions {
     pub offload: OffloadMode,
     /// Shrink an existing regular file larger than the source.
     pub force: bool,
+    /// `-n`: the destination exists and is never grown (qemu-img convert -n).
+    pub no_create: bool,
     /// Set (by a signal handler) to stop handing out work: the copy then
     /// ends with [`CopyError::Interrupted`].
     pub cancel: Option<Arc<AtomicBool>>,
@@ -132,6 +134,7 @@ impl Default for CopyOptions {
             rate_limit: 0,
             offload: OffloadMode::Auto,
             force: false,
+            no_create: false,
             cancel: None,
             retry_timeout: Duration::from_secs(60),
             request_timeout: Duration::from_secs(60),

@@ -66,6 +66,16 @@ pub fn open_destination(spec: &str, size: u64, opts: &CopyOptions) -> Result<Des
             )));
         }
     }
+    if let Some(m) = meta.as_ref().filter(|m| m.is_file() && m.len() < size) {
+        if opts.no_create {
+            // As qemu-img convert -n: growing is creating what -n says exists.
+            return Err(CopyError::Setup(format!(
+                "destination {spec} is {} bytes, smaller than the source ({size} bytes): \
+                 -n does not grow it",
+                m.len()
+            )));
+        }
+    }
     match is_file {
         Some(false) => {
             // Block device (or something the storage engine will refuse).

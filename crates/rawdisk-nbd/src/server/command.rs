@@ -89,7 +89,10 @@ pub(super) fn validate(s: &Session, req: &Request) -> Result<(), Reject> {
     if req.command == Command::Read && req.length > s.max_payload as u64 {
         return Err((NBD_EINVAL, "read longer than the maximum payload"));
     }
-    if s.enforce_min_block && s.min_block > 1 && req.command != Command::BlockStatus {
+    // TRIM is advisory, and qemu sends it unaligned on purpose (and fails
+    // the guest's I/O on EINVAL): the storage trims the aligned part.
+    let exempt = matches!(req.command, Command::BlockStatus | Command::Trim);
+    if s.enforce_min_block && s.min_block > 1 && !exempt {
         // min_block is a power of two.
         let mask = s.min_block as u64 - 1;
         let end = req.offset + req.length;

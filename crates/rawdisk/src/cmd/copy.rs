@@ -229,6 +229,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             OffloadArg::Auto => OffloadMode::Auto,
         },
         force: a.force,
+        no_create: a.no_create,
         cancel: Some(cancel),
         retry_timeout: a.retry_timeout,
         request_timeout: a.request_timeout,

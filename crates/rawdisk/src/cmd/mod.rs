@@ -4,6 +4,7 @@ pub mod checksum;
 pub mod compare;
 pub mod copy;
 pub mod create;
+pub mod detached;
 pub mod info;
 pub mod map;
 pub mod probe;

@@ -123,9 +123,10 @@ pub struct Args {
     /// on (faster imports that end with a flush, slower streams of writes
     /// that are never flushed), off, or auto: on until the clients rewrite
     /// what they wrote since their last flush. `--write-behind` alone is
-    /// on. No effect with --cache none or on tmpfs/ramfs.
+    /// on; a mode is given attached (`--write-behind=off`). No effect with
+    /// --cache none or on tmpfs/ramfs.
     #[arg(long, value_enum, value_name = "WHEN", default_value = "auto",
-          num_args = 0..=1, default_missing_value = "on")]
+          num_args = 0..=1, require_equals = true, default_missing_value = "on")]
     pub(super) write_behind: WriteBehindArg,
     /// Receive write payloads of 64 KiB or more straight into the file's
     /// page cache through a shared mapping (regular files, pages already
