@@ -97,7 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         export_name: args.export_name.clone(),
         description: args.description.clone().unwrap_or_default(),
         read_only: args.read_only,
-        max_connections: args.max_connections.max(1),
+        max_connections: args.connection_cap(),
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         idle_timeout: args.idle_timeout,
         write_behind: args.write_behind.into(),
@@ -105,6 +105,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tls,
         track_changes: track,
         raw: args.format.raw(),
+        serving: args.serving(),
         ..Default::default()
     };
     let open = OpenOptions {
@@ -233,9 +234,19 @@ async fn serve(
         },
     );
 
+    tracing::debug!("{}", args.aio_path());
+
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
     handle_signals(stop_tx.clone(), server.clone())?;
+    if args.exit_last {
+        let (server, stop) = (server.clone(), stop_tx.clone());
+        tokio::spawn(async move {
+            server.all_closed().await;
+            tracing::info!("--exit-last: the last client disconnected; stopping");
+            let _ = stop.send(true);
+        });
+    }
 
     if let (Some(mut f), Some(p)) = (pid_file, &args.pid_file) {
         writeln!(f, "{}", std::process::id())
