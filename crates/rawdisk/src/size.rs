@@ -1,7 +1,7 @@
 //! Sizes as qemu-img and nbdkit users type them: `10G`, `512`, `1.5T`,
 //! `4k`, `64KiB`. Suffixes are binary (1K = 1024), as in qemu-img; `GB` and
 //! `MB` are refused as qemu-img refuses them, since they read as decimal.
-//! Hexadecimal (`0x1000`, `0x10M`) as qemu-img takes it: whole numbers only.
+//! Hexadecimal (`0x1000`) as qemu-img takes it: bytes, no suffix.
 
 /// The largest size: what an off_t holds, as qemu-img's 8 EiB limit.
 const MAX_SIZE: u64 = i64::MAX as u64;
@@ -31,9 +31,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             .unwrap_or(t.len()),
     };
     let (num, suffix) = t.split_at(split);
-    if hex.is_some() && (num.len() == 2 || suffix.starts_with('.')) {
+    if hex.is_some() && (num.len() == 2 || !suffix.trim().is_empty()) {
         return Err(format!(
-            "invalid size '{s}': hexadecimal sizes are whole numbers (0x1000)"
+            "invalid size '{s}': a hexadecimal size is a whole number of bytes with no suffix \
+             (0x1000), as qemu-img takes it"
         ));
     }
     if num.is_empty() {
@@ -136,10 +137,10 @@ mod tests {
         assert_eq!(parse_size("0x1000"), Ok(4096));
         assert_eq!(parse_size("0X1000"), Ok(4096));
         assert_eq!(parse_size("0x1E"), Ok(30));
-        assert_eq!(parse_size("0x10M"), Ok(16 << 20));
+        assert!(parse_size("0x10M").unwrap_err().contains("no suffix"));
         assert_eq!(parse_size("0x7fffffffffffffff"), Ok(i64::MAX as u64));
         assert!(parse_size("0x").is_err());
-        assert!(parse_size("0x1.8").unwrap_err().contains("whole numbers"));
+        assert!(parse_size("0x1.8").unwrap_err().contains("whole number"));
         assert!(parse_size("0x8000000000000000")
             .unwrap_err()
             .contains("at most 9223372036854775807 bytes"));
