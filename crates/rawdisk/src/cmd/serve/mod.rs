@@ -3,7 +3,10 @@
 //! [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--log stderr|syslog|null]
 //! [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
-//! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
+//! [--idle-timeout DURATION] [--max-connections|--shared N] [--exit-last]
+//! [--discard ignore|unmap] [--detect-zeroes off|on|unmap]
+//! [--aio threads|native|io_uring] [--print-uri]
+//! [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer]
 //! [--track-changes [--bitmap-granularity SIZE] [--state-dir DIR]] [-v] TARGET`
 //!
