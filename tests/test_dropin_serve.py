@@ -202,6 +202,25 @@ def test_detect_zeroes_thin_import_with_cache_none_and_map_writes(workdir, serve
         os.unlink(dst)
 
 
+def test_detect_zeroes_marks_changed_blocks(workdir, serve):
+    """A zero write that became a hole is a change: --track-changes marks
+    exactly its range in the checkpoint's context."""
+    path, model = make_image(workdir, "disk.img", 4 * MiB, seed=44)
+    srv = serve(path, extra=["--track-changes", "--detect-zeroes=unmap"])
+    r = rawdisk("checkpoint", "create", "--name", "a", path)
+    assert r.returncode == 0, r.stderr
+    qemu_io(srv.uri, f"write -P 0 {MiB} {MiB}")
+    model[MiB:2 * MiB] = bytes(MiB)
+    r = rawdisk("info", "--map=rawdisk:changed:a", "--output", "json", srv.uri)
+    assert r.returncode == 0, r.stderr
+    changed = [(e["offset"], e["length"]) for e in json.loads(r.stdout) if e["type"] == 1]
+    assert changed == [(MiB, MiB)], r.stdout
+    assert_export_is(srv.uri, model)
+    assert srv.terminate() == 0
+    assert is_hole_at(seek_hole_extents(path), MiB)
+    assert_target_is(path, model)
+
+
 # -- --aio ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("aio,path_named,through_aio", [
@@ -300,7 +319,7 @@ def test_exit_last_waits_for_every_client(workdir, serve):
 def test_exit_last_and_persistent_conflict(workdir):
     path, _ = make_image(workdir, "disk.img", MiB, seed=41)
     r = rawdisk("serve", "-t", "--exit-last", path)
-    assert r.returncode == 2 and "--exit-last" in r.stderr, r.stderr
+    assert r.returncode == 2 and "cannot be used with" in r.stderr, r.stderr
 
 
 def test_persistent_serves_after_the_last_client(workdir, serve):
