@@ -107,7 +107,8 @@ pub struct Args {
     /// What an all-zero WRITE becomes (qemu-nbd's --detect-zeroes): `on`, a
     /// zero of its range kept allocated; `unmap`, a zero that leaves a hole
     /// where --discard unmap allows (thin imports stay thin); `off`, written
-    /// as it came.
+    /// as it came. `on` and `unmap` turn --map-writes off (the payload must
+    /// be seen before it lands).
     #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
     pub(super) detect_zeroes: DetectZeroesArg,
     /// I/O path of --cache none (qemu-nbd's --aio): `native`, Linux AIO for

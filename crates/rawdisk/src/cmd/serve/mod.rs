@@ -230,7 +230,10 @@ async fn serve(
             (WriteBehindArg::Off, CacheArg::Writeback) => ", write-behind off",
             _ => "",
         },
-        if args.map_writes && args.cache == CacheArg::Writeback {
+        if args.map_writes
+            && args.cache == CacheArg::Writeback
+            && args.serving().detect_zeroes == rawdisk_nbd::server::DetectZeroes::Off
+        {
             ", map-writes"
         } else {
             ""
