@@ -684,6 +684,22 @@ mod tests {
     const MIB: usize = 1 << 20;
     const KIB64: u64 = 64 << 10;
 
+    /// Zero detection looks at every byte, the tail past the last 16 too.
+    #[test]
+    fn zero_payloads_are_found_whole() {
+        for len in [0, 1, 15, 16, 17, 4096, 4099] {
+            let mut buf = vec![0u8; len];
+            assert!(super::is_zero(&buf), "{len}");
+            for at in [0, len / 2, len.saturating_sub(1)] {
+                if len > 0 {
+                    buf[at] = 1;
+                    assert!(!super::is_zero(&buf), "{len} {at}");
+                    buf[at] = 0;
+                }
+            }
+        }
+    }
+
     /// What a storage call learns is logged by the layer right after that
     /// call, whoever made it: the request loop has no part in it.
     #[test]
