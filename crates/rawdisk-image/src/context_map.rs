@@ -128,9 +128,99 @@ pub fn to_json(context: &str, runs: &[Run]) -> String {
     format!("[\n{}\n]\n", items.join(",\n"))
 }
 
+/// `--map --totals`: the bytes of each type, the types in ascending order,
+/// with their share of the export (the sum of the runs).
+pub fn totals(runs: &[Run]) -> Vec<(u64, f64, u64)> {
+    let size: u64 = runs.iter().map(|r| r.1).sum();
+    let mut by_type: std::collections::BTreeMap<u64, u64> = Default::default();
+    for &(_, len, flags) in runs {
+        *by_type.entry(flags).or_default() += len;
+    }
+    by_type
+        .into_iter()
+        .map(|(flags, n)| (n, 100.0 * n as f64 / size.max(1) as f64, flags))
+        .collect()
+}
+
+/// nbdinfo's `--map --totals` text: `%10u %5.1f%% %3u description`.
+pub fn totals_to_text(context: &str, runs: &[Run]) -> String {
+    let mut s = String::new();
+    for (n, pct, flags) in totals(runs) {
+        s.push_str(&format!("{n:>10} {pct:>5.1}% {flags:>3}"));
+        if let Some(d) = describe(context, flags) {
+            s.push(' ');
+            s.push_str(d);
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// nbdinfo's `--map --totals --json`: the percentage as C's `%g`.
+pub fn totals_to_json(context: &str, runs: &[Run]) -> String {
+    let items: Vec<String> = totals(runs)
+        .into_iter()
+        .map(|(n, pct, flags)| {
+            let d = describe(context, flags)
+                .map(|d| format!(", \"description\": \"{d}\""))
+                .unwrap_or_default();
+            format!(
+                "{{ \"size\": {n}, \"percent\": {}, \"type\": {flags}{d} }}",
+                c_g(pct)
+            )
+        })
+        .collect();
+    if items.is_empty() {
+        return "[\n]\n".into();
+    }
+    format!("[\n{}\n]\n", items.join(",\n"))
+}
+
+/// C's `%g` for a percentage (0 to 100): six significant digits, trailing
+/// zeros dropped.
+fn c_g(v: f64) -> String {
+    let digits = if v >= 1.0 {
+        (v.log10().floor() as i32 + 1).clamp(1, 6)
+    } else {
+        1
+    };
+    let decimals = if v == 0.0 {
+        0
+    } else {
+        (6 - digits).max(0) as usize
+    };
+    let s = format!("{v:.decimals$}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nbdinfo_totals() {
+        let runs = [
+            (0, 1048576, 0),
+            (1048576, 1048576, 3),
+            (2097152, 1048576, 3),
+        ];
+        assert_eq!(
+            totals_to_text(BASE_ALLOCATION, &runs),
+            "   1048576  33.3%   0 data\n   2097152  66.7%   3 hole,zero\n"
+        );
+        assert_eq!(
+            totals_to_json(BASE_ALLOCATION, &runs),
+            "[\n{ \"size\": 1048576, \"percent\": 33.3333, \"type\": 0, \"description\": \"data\" },\n\
+             { \"size\": 2097152, \"percent\": 66.6667, \"type\": 3, \"description\": \"hole,zero\" }\n]\n"
+        );
+        assert_eq!(c_g(50.0), "50");
+        assert_eq!(c_g(100.0), "100");
+        assert_eq!(c_g(0.5), "0.5");
+    }
 
     #[test]
     fn nbdinfo_forms() {

@@ -236,9 +236,10 @@ impl Info {
     }
 }
 
-/// The properties `--can` tests, as nbdinfo names them (plus block-status
-/// and extended-headers, which rawdisk's handshake reports too).
-pub const CAN_FLAGS: &[&str] = &[
+/// The properties `--can` and `--is` test, as nbdinfo 1.14 names them
+/// (it takes each name after either), plus block-status and
+/// extended-headers, which rawdisk's handshake reports too.
+pub const FLAGS: &[&str] = &[
     "block-status",
     "cache",
     "connect",
@@ -249,41 +250,38 @@ pub const CAN_FLAGS: &[&str] = &[
     "fua",
     "multi-conn",
     "read",
+    "read-only",
+    "readonly",
+    "rotational",
     "structured-reply",
+    "tls",
     "trim",
     "write",
     "zero",
 ];
-
-/// The properties `--is` tests, as nbdinfo names them.
-pub const IS_FLAGS: &[&str] = &["read-only", "rotational", "tls"];
 
 impl Info {
     /// `--can FLAG` (`is` false) or `--is FLAG`: whether the property
     /// holds. An unknown name, or one only an NBD export has asked of a
     /// local target, is an error.
     pub fn test_flag(&self, is: bool, flag: &str) -> Result<bool> {
-        let (opt, names) = if is {
-            ("--is", IS_FLAGS)
-        } else {
-            ("--can", CAN_FLAGS)
-        };
-        if !names.contains(&flag) {
+        let opt = if is { "--is" } else { "--can" };
+        if !FLAGS.contains(&flag) {
             return Err(Error::msg(format!(
                 "unknown {opt} flag '{flag}' (one of: {})",
-                names.join(", ")
+                FLAGS.join(", ")
             )));
         }
-        let local = match (is, flag) {
-            (true, "read-only") => Some(self.read_only),
-            (true, "rotational") => Some(self.rotational),
-            (false, "write") => Some(!self.read_only),
-            (false, "connect" | "read") => Some(true),
+        let local = match flag {
+            "read-only" | "readonly" => Some(self.read_only),
+            "rotational" => Some(self.rotational),
+            "write" => Some(!self.read_only),
+            "connect" | "read" => Some(true),
             _ => None,
         };
         let Some(n) = &self.nbd else {
-            return match (is, flag) {
-                (true, "tls") => Ok(false),
+            return match flag {
+                "tls" => Ok(false),
                 _ => local.ok_or_else(|| {
                     Error::msg(format!(
                         "{opt} {flag} needs an NBD URI; '{}' is a local target",

@@ -102,7 +102,51 @@ pub fn looks_like_nbd_uri(s: &str) -> bool {
 }
 
 impl NbdUri {
+    /// qemu's legacy form, which libvirt and old scripts still write:
+    /// `nbd:unix:PATH[:exportname=NAME]` or `nbd:HOST[:PORT][:exportname=NAME]`
+    /// (no percent-encoding, no TLS); None when `uri` is not one.
+    fn parse_legacy(uri: &str) -> Option<Result<NbdUri, UriError>> {
+        let rest = uri
+            .get(..4)?
+            .eq_ignore_ascii_case("nbd:")
+            .then(|| &uri[4..])?;
+        if rest.starts_with("//") {
+            return None;
+        }
+        let invalid = |why: String| UriError::Invalid {
+            uri: uri.to_string(),
+            why,
+        };
+        let (addr, export) = match rest.split_once(":exportname=") {
+            Some((a, e)) => (a, e.to_string()),
+            None => (rest, String::new()),
+        };
+        let transport = match addr.strip_prefix("unix:") {
+            Some("") => return Some(Err(invalid("empty socket path".into()))),
+            Some(path) => Transport::Unix { path: path.into() },
+            None if addr.is_empty() => return Some(Err(invalid("no host".into()))),
+            None => {
+                let (host, port) = match split_host_port(addr) {
+                    Ok(hp) => hp,
+                    Err(why) => return Some(Err(invalid(why))),
+                };
+                Transport::Tcp {
+                    host: host.to_string(),
+                    port,
+                }
+            }
+        };
+        Some(Ok(NbdUri {
+            transport,
+            export,
+            tls: None,
+        }))
+    }
+
     pub fn parse(uri: &str) -> Result<NbdUri, UriError> {
+        if let Some(legacy) = NbdUri::parse_legacy(uri) {
+            return legacy;
+        }
         let invalid = |why: &str| UriError::Invalid {
             uri: uri.to_string(),
             why: why.to_string(),
@@ -537,6 +581,32 @@ mod tests {
             NbdUri::parse("/dev/sda").unwrap_err(),
             UriError::NotNbd(_)
         ));
+    }
+
+    #[test]
+    fn qemu_legacy_forms() {
+        let p = |u: &str| NbdUri::parse(u).unwrap();
+        let unix = |path: &str, export: &str| NbdUri {
+            transport: Transport::Unix { path: path.into() },
+            export: export.into(),
+            tls: None,
+        };
+        assert_eq!(p("nbd:unix:/tmp/s.sock"), unix("/tmp/s.sock", ""));
+        assert_eq!(
+            p("nbd:unix:/tmp/s.sock:exportname=vm"),
+            unix("/tmp/s.sock", "vm")
+        );
+        assert_eq!(p("nbd:localhost:10810"), tcp("localhost", 10810, ""));
+        assert_eq!(
+            p("NBD:10.0.0.1:10809:exportname=a b"),
+            tcp("10.0.0.1", 10809, "a b")
+        );
+        assert_eq!(p("nbd:[::1]:99:exportname=e"), tcp("::1", 99, "e"));
+        assert_eq!(p("nbd:host"), tcp("host", DEFAULT_PORT, ""));
+        assert!(looks_like_nbd_uri("nbd:unix:/tmp/s.sock"));
+        for bad in ["nbd:", "nbd:unix:", "nbd:h:99999", "nbd:h:x"] {
+            assert!(NbdUri::parse(bad).is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

@@ -1,6 +1,14 @@
 //! Sizes as qemu-img and nbdkit users type them: `10G`, `512`, `1.5T`,
 //! `4k`, `64KiB`. Suffixes are binary (1K = 1024), as in qemu-img; `GB` and
 //! `MB` are refused as qemu-img refuses them, since they read as decimal.
+//! Hexadecimal (`0x1000`) as qemu-img takes it: bytes, no suffix.
+
+/// The largest size: what an off_t holds, as qemu-img's 8 EiB limit.
+const MAX_SIZE: u64 = i64::MAX as u64;
+
+fn too_large(s: &str) -> String {
+    format!("size '{s}' is too large (at most {MAX_SIZE} bytes, 8E - 1)")
+}
 
 /// Parse a size. Plain numbers are bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -11,10 +19,24 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if t.starts_with('-') {
         return Err(format!("invalid size '{s}': negative size"));
     }
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let hex = t
+        .get(..2)
+        .is_some_and(|p| p.eq_ignore_ascii_case("0x"))
+        .then(|| &t[2..]);
+    let split = match hex {
+        // B and E are hex digits, as in qemu: 0x1E is 30 bytes.
+        Some(h) => 2 + h.find(|c: char| !c.is_ascii_hexdigit()).unwrap_or(h.len()),
+        None => t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len()),
+    };
     let (num, suffix) = t.split_at(split);
+    if hex.is_some() && (num.len() == 2 || !suffix.trim().is_empty()) {
+        return Err(format!(
+            "invalid size '{s}': a hexadecimal size is a whole number of bytes with no suffix \
+             (0x1000), as qemu-img takes it"
+        ));
+    }
     if num.is_empty() {
         return Err(format!("invalid size '{s}': no number"));
     }
@@ -40,7 +62,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         }
     };
     let mult = 1u128 << shift;
-    let bytes: u128 = if let Some((int, frac)) = num.split_once('.') {
+    let bytes: u128 = if hex.is_some() {
+        u128::from_str_radix(&num[2..], 16)
+            .ok()
+            .and_then(|v| v.checked_mul(mult))
+            .ok_or_else(|| too_large(s))?
+    } else if let Some((int, frac)) = num.split_once('.') {
         if frac.contains('.') || (int.is_empty() && frac.is_empty()) {
             return Err(format!("invalid size '{s}'"));
         }
@@ -60,7 +87,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         let total = int
             .checked_mul(mult)
             .and_then(|v| v.checked_add(frac_v.checked_mul(mult)? / scale))
-            .ok_or_else(|| format!("size '{s}' is too large"))?;
+            .ok_or_else(|| too_large(s))?;
         // qemu-img refuses fractional byte counts; so do we.
         if frac_v
             .checked_mul(mult)
@@ -74,12 +101,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         num.parse::<u128>()
             .ok()
             .and_then(|v| v.checked_mul(mult))
-            .ok_or_else(|| format!("size '{s}' is too large"))?
+            .ok_or_else(|| too_large(s))?
     };
     u64::try_from(bytes)
         .ok()
-        .filter(|b| *b <= i64::MAX as u64)
-        .ok_or_else(|| format!("size '{s}' is too large"))
+        .filter(|b| *b <= MAX_SIZE)
+        .ok_or_else(|| too_large(s))
 }
 
 /// For clap's `value_parser`.
@@ -103,6 +130,21 @@ mod tests {
         assert_eq!(parse_size("1T"), Ok(1 << 40));
         assert_eq!(parse_size("1.5G"), Ok(3 << 29));
         assert_eq!(parse_size("6442450944"), Ok(6442450944));
+    }
+
+    #[test]
+    fn hexadecimal_as_qemu_img() {
+        assert_eq!(parse_size("0x1000"), Ok(4096));
+        assert_eq!(parse_size("0X1000"), Ok(4096));
+        assert_eq!(parse_size("0x1E"), Ok(30));
+        assert!(parse_size("0x10M").unwrap_err().contains("no suffix"));
+        assert_eq!(parse_size("0x7fffffffffffffff"), Ok(i64::MAX as u64));
+        assert!(parse_size("0x").is_err());
+        assert!(parse_size("0x1.8").unwrap_err().contains("whole number"));
+        assert!(parse_size("0x8000000000000000")
+            .unwrap_err()
+            .contains("at most 9223372036854775807 bytes"));
+        assert!(parse_size("0xg").is_err());
     }
 
     #[test]

@@ -98,6 +98,9 @@ pub struct CopyOptions {
     pub request_timeout: Duration,
     /// `-f raw`: copy a source that looks like another image format as raw.
     pub raw: bool,
+    /// `--no-extents` (nbdcopy's): the source's extents are not asked for;
+    /// all of it is read, zero blocks still found by `sparse_size`.
+    pub no_extents: bool,
 }
 
 impl CopyOptions {
@@ -139,6 +142,7 @@ impl Default for CopyOptions {
             retry_timeout: Duration::from_secs(60),
             request_timeout: Duration::from_secs(60),
             raw: false,
+            no_extents: false,
         }
     }
 }
@@ -297,6 +301,8 @@ struct Planner<'a> {
     ahead: u64,
     /// While it may work, data goes out in pieces of `OFFLOAD_CHUNK`.
     offload: Option<&'a offload::Offload<'a>>,
+    /// `--no-extents`: every range is data to read.
+    no_extents: bool,
 }
 
 impl<'a> Planner<'a> {
@@ -311,6 +317,7 @@ impl<'a> Planner<'a> {
             zero_chunk,
             ahead: 64 << 20,
             offload: None,
+            no_extents: false,
         }
     }
 
@@ -336,7 +343,16 @@ impl<'a> Planner<'a> {
                     return Ok(None);
                 }
                 let (pos, len) = (self.pos, (self.size - self.pos).min(ahead));
-                let runs = self.src.with(|e| e.extents(pos, len))?;
+                let runs = if self.no_extents {
+                    vec![endpoint::MapExtent {
+                        offset: pos,
+                        len,
+                        data: true,
+                        zero: false,
+                    }]
+                } else {
+                    self.src.with(|e| e.extents(pos, len))?
+                };
                 self.pos = crate::scan::queue_runs(&mut self.queue, pos, self.size, runs);
             }
         }
@@ -516,6 +532,7 @@ fn run(
     let zero_chunk = if dst.is_nbd() { 32 << 20 } else { 1 << 30 };
     let mut planner = Planner::new(&src_link, request, zero_chunk);
     planner.offload = offload.as_ref();
+    planner.no_extents = opts.no_extents;
     planner.only = only.map(|r| r.iter().copied().collect());
     let planner = Mutex::new(planner);
     let worker = Worker {

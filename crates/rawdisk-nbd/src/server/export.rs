@@ -18,7 +18,11 @@
 //! - the hole-lookup skip: reads skip the lookup on fully allocated files,
 //!   and a zero or trim of ours resets that;
 //! - the learned capabilities are logged once per change, right after the
-//!   call that learned them.
+//!   call that learned them;
+//! - `--discard ignore`: trims do nothing and zeroes never punch holes;
+//!   `--detect-zeroes`: an all-zero write becomes a zero of its range
+//!   ([`Serving`]), on every write path (the mapped and in-kernel paths
+//!   leave such writes to [`Export::write`]).
 
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +50,66 @@ const SPARSE_LOOKUP_SLOW: Duration = Duration::from_micros(200);
 /// ...makes this many following reads skip the lookup.
 const SPARSE_SKIP_READS: u64 = 64;
 
+/// qemu-nbd's `--discard`: whether trims (and zeroes the client lets
+/// become holes) may deallocate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Discard {
+    /// NBD_FLAG_SEND_TRIM not advertised, a TRIM sent anyway does nothing,
+    /// and zeroes keep their range allocated.
+    Ignore,
+    /// Trims punch holes; zeroes may, unless the client says NO_HOLE.
+    #[default]
+    Unmap,
+}
+
+/// qemu-nbd's `--detect-zeroes`: what an all-zero write payload becomes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DetectZeroes {
+    /// Written as it came.
+    #[default]
+    Off,
+    /// A zero of the same range, kept allocated.
+    On,
+    /// A zero that may leave a hole, when [`Discard::Unmap`] allows it.
+    Unmap,
+}
+
+/// The I/O path of `--cache none` reads and writes (`serve --aio`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Aio {
+    /// Linux AIO for small O_DIRECT requests, the blocking pool for the rest.
+    #[default]
+    Native,
+    /// The blocking pool only.
+    Threads,
+}
+
+/// How an export treats discards, zero writes and its I/O path; the same
+/// for every export of a server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Serving {
+    pub discard: Discard,
+    pub detect_zeroes: DetectZeroes,
+    pub aio: Aio,
+}
+
+impl Serving {
+    /// Whether a zero may leave a hole where the client allows one.
+    fn may_unmap(&self) -> bool {
+        self.discard == Discard::Unmap
+    }
+}
+
+/// Whether a payload is all zeros (`--detect-zeroes`): 16 bytes at a time,
+/// stopping at the first that is not.
+fn is_zero(data: &[u8]) -> bool {
+    let mut words = data.chunks_exact(16);
+    words
+        .by_ref()
+        .all(|w| <[u8; 16]>::try_from(w).is_ok_and(|w| u128::from_ne_bytes(w) == 0))
+        && words.remainder().iter().all(|&b| b == 0)
+}
+
 /// One exported target, shared by every connection to it.
 pub(super) struct Export {
     pub name: String,
@@ -63,6 +127,8 @@ pub(super) struct Export {
     /// Changed-block tracking (`--track-changes`), shared with every other
     /// connection to the same target.
     tracker: Option<Arc<Tracker>>,
+    /// `--discard`, `--detect-zeroes`, `--aio`.
+    serving: Serving,
     /// (st_dev, st_ino) of what was opened: a file replaced under the same
     /// name is a new export.
     pub(super) id: (u64, u64),
@@ -201,7 +267,26 @@ impl Export {
             preferred_block,
             id,
             tracker,
+            serving: Serving::default(),
         }
+    }
+
+    /// The export with `serving`'s rules (`serve --discard`,
+    /// `--detect-zeroes`, `--aio`).
+    pub(super) fn with_serving(mut self, serving: Serving) -> Export {
+        self.serving = serving;
+        self
+    }
+
+    /// Whether NBD_FLAG_SEND_TRIM may be advertised.
+    pub(super) fn trims(&self) -> bool {
+        self.serving.discard == Discard::Unmap
+    }
+
+    /// Whether a write of `data` is left to [`Export::write`], which turns
+    /// it into a zero (`--detect-zeroes`), instead of a faster path.
+    pub(super) fn detects_zeroes(&self, data: Option<&[u8]>) -> bool {
+        self.serving.detect_zeroes != DetectZeroes::Off && data.is_none_or(is_zero)
     }
 
     /// The changed-block tracker, with `--track-changes`.
@@ -223,6 +308,18 @@ impl Export {
     /// NBD_CMD_WRITE of `data` at `offset`.
     pub(super) fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), Failure> {
         let len = data.len() as u64;
+        if self.detects_zeroes(Some(data)) {
+            // qemu's detect-zeroes: unmap only where discards may.
+            let flags = ZeroFlags {
+                may_trim: self.serving.detect_zeroes == DetectZeroes::Unmap
+                    && self.serving.may_unmap(),
+                fast_only: false,
+            };
+            return self.zero(offset, len, flags, fua).map_err(|f| Failure {
+                op: if f.op == ZERO_OP { "write" } else { f.op },
+                ..f
+            });
+        }
         let change = self.change(offset, len);
         self.target
             .write_at(data, offset, fua)
@@ -238,6 +335,9 @@ impl Export {
     /// A queue for cache=none reads and writes in flight in the kernel
     /// (Linux AIO), or None: served by the blocking pool.
     pub(super) fn direct_queue<T>(&self, depth: usize) -> Option<DirectQueue<T>> {
+        if self.serving.aio == Aio::Threads {
+            return None;
+        }
         self.target.direct_queue(depth)
     }
 
@@ -249,10 +349,16 @@ impl Export {
         q: &mut DirectQueue<T>,
         ops: Vec<DirectOp<T>>,
     ) -> Vec<DirectOp<T>> {
+        // Zero writes go the blocking way, to become zeroes there.
+        let (ops, mut zeros): (Vec<_>, Vec<_>) = ops.into_iter().partition(|op| {
+            !(op.write && self.detects_zeroes(op.buf.get(op.start..op.start + op.len)))
+        });
         for op in ops.iter().filter(|op| op.write) {
             self.mark(op.offset, op.len as u64);
         }
-        q.submit(ops)
+        let mut refused = q.submit(ops);
+        refused.append(&mut zeros);
+        refused
     }
 
     /// What `q` finished; `wait`: block for at least one, when any is in
@@ -293,6 +399,10 @@ impl Export {
     /// `head` (already at hand: [`Mapped::write_head`]), mapped to receive
     /// a write straight from the socket; None: write the ordinary way.
     pub(super) fn map_write(&self, offset: u64, len: u64, head: u64) -> Option<Mapped<'_>> {
+        // The payload is not seen before it lands: zero detection needs it.
+        if self.detects_zeroes(None) {
+            return None;
+        }
         let pages = self
             .target
             .map_write(offset + head, usize::try_from(len - head).ok()?);
@@ -318,6 +428,10 @@ impl Export {
         if len == 0 {
             return Ok(());
         }
+        let flags = ZeroFlags {
+            may_trim: flags.may_trim && self.serving.may_unmap(),
+            ..flags
+        };
         let change = self.change(offset, len);
         let outcome = self.target.zero(offset, len, flags);
         self.note_caps();
@@ -334,7 +448,7 @@ impl Export {
     /// NBD_CMD_TRIM. Advisory: "not supported" is success (and the spec
     /// reserves ENOTSUP for fast zero).
     pub(super) fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Failure> {
-        if len == 0 {
+        if len == 0 || !self.trims() {
             return Ok(());
         }
         let change = self.change(offset, len);
@@ -569,6 +683,22 @@ mod tests {
 
     const MIB: usize = 1 << 20;
     const KIB64: u64 = 64 << 10;
+
+    /// Zero detection looks at every byte, the tail past the last 16 too.
+    #[test]
+    fn zero_payloads_are_found_whole() {
+        for len in [0, 1, 15, 16, 17, 4096, 4099] {
+            let mut buf = vec![0u8; len];
+            assert!(super::is_zero(&buf), "{len}");
+            for at in [0, len / 2, len.saturating_sub(1)] {
+                if len > 0 {
+                    buf[at] = 1;
+                    assert!(!super::is_zero(&buf), "{len} {at}");
+                    buf[at] = 0;
+                }
+            }
+        }
+    }
 
     /// What a storage call learns is logged by the layer right after that
     /// call, whoever made it: the request loop has no part in it.

@@ -40,6 +40,8 @@ pub(super) struct Dir {
     trackers: Mutex<Trackers>,
     /// Export files that look like another image format as raw (`-f raw`).
     pub(super) raw: bool,
+    /// `--discard`, `--detect-zeroes`, `--aio` of every export.
+    pub(super) serving: super::Serving,
     /// Names a listing left out, each logged once (at most `UNLISTED_MAX`).
     unlisted: Mutex<HashSet<String>>,
 }
@@ -85,6 +87,7 @@ impl Exports {
             track,
             trackers: Mutex::new(HashMap::new()),
             raw: false,
+            serving: super::Serving::default(),
             unlisted: Mutex::new(HashSet::new()),
         })
     }
@@ -333,15 +336,18 @@ impl Dir {
             refuse_other_format(name, &target)?;
         }
         let tracker = self.tracker(name, &path, id, &target)?;
-        let e = Arc::new(Export::new(
-            name.to_string(),
-            Arc::new(target),
-            read_only,
-            write_behind,
-            max_payload,
-            id,
-            tracker,
-        ));
+        let e = Arc::new(
+            Export::new(
+                name.to_string(),
+                Arc::new(target),
+                read_only,
+                write_behind,
+                max_payload,
+                id,
+                tracker,
+            )
+            .with_serving(self.serving),
+        );
         debug!(
             "export {name:?}: {} bytes{}",
             e.target.size(),

@@ -32,7 +32,7 @@ fn transmission_flags(e: &Export) -> u16 {
         f |= FLAG_READ_ONLY;
     } else {
         f |= FLAG_SEND_WRITE_ZEROES;
-        if t.can_trim() {
+        if t.can_trim() && e.trims() {
             f |= FLAG_SEND_TRIM;
         }
         if t.can_fast_zero() {

@@ -62,6 +62,7 @@ use tracing::{debug, warn, Instrument};
 use crate::proto::*;
 use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN, POOL_IDLE};
+pub use export::{Aio, DetectZeroes, Discard, Serving};
 use exports::{Export, Exports};
 use handshake::Link;
 use limits::{HandshakeSlot, Handshakes, RateLimit, Stats};
@@ -129,6 +130,8 @@ pub struct ServerConfig {
     /// `--dir`: export files that look like another image format (qcow2,
     /// VMDK...) as raw (`serve -f raw`); without it NBD_OPT_GO refuses them.
     pub raw: bool,
+    /// `--discard`, `--detect-zeroes`, `--aio`: the same for every export.
+    pub serving: Serving,
 }
 
 impl Default for ServerConfig {
@@ -155,6 +158,7 @@ impl Default for ServerConfig {
             tls: None,
             track_changes: None,
             raw: false,
+            serving: Serving::default(),
         }
     }
 }
@@ -203,6 +207,9 @@ struct Shared {
     pool: BufPool,
     pipes: PipePool,
     next_conn: AtomicU64,
+    /// Told when the last connection in transmission ends
+    /// ([`Server::all_closed`]).
+    all_closed: tokio::sync::Notify,
 }
 
 impl Server {
@@ -236,7 +243,8 @@ impl Server {
             cfg.max_payload,
             (0, 0),
             tracker,
-        );
+        )
+        .with_serving(cfg.serving);
         Server::with_exports(Exports::One(Arc::new(export)), cfg)
     }
 
@@ -255,6 +263,7 @@ impl Server {
         };
         let mut dir = Exports::dir(dir, opts, default_export, cfg.track_changes.clone())?;
         dir.raw = cfg.raw;
+        dir.serving = cfg.serving;
         Ok(Server::with_exports(Exports::Dir(Box::new(dir)), cfg))
     }
 
@@ -307,6 +316,7 @@ impl Server {
                 pool: BufPool::new(16, (4 << 20) + 2 * DATA_ALIGN),
                 pipes: PipePool::new(),
                 next_conn: AtomicU64::new(1),
+                all_closed: tokio::sync::Notify::new(),
                 exports,
                 cfg,
             }),
@@ -497,6 +507,13 @@ impl Server {
     pub fn totals(&self) -> Totals {
         self.shared.stats.totals()
     }
+
+    /// Resolves once no connection is in transmission after one was
+    /// (`serve --exit-last`): a client that only lists or probes never
+    /// counts.
+    pub async fn all_closed(&self) {
+        self.shared.all_closed.notified().await
+    }
 }
 
 /// What an accepted connection holds: its place under the connection cap,
@@ -552,6 +569,7 @@ impl Shared {
         if self.stats.closed(id) {
             self.pipes.clear();
             self.pool.clear();
+            self.all_closed.notify_one();
         }
     }
 }

@@ -115,6 +115,18 @@ pub struct Args {
     /// Flush the destination at the end (the default; nbdcopy's spelling).
     #[arg(long, conflicts_with = "no_flush")]
     flush: bool,
+    /// Accepted for qemu-img convert's habit: writes always go out of
+    /// order (in parallel).
+    #[arg(short = 'W')]
+    _out_of_order: bool,
+    /// One request at a time on one connection (nbdcopy's --synchronous):
+    /// as -R 1 -C 1.
+    #[arg(long, conflicts_with_all = ["requests", "connections"])]
+    synchronous: bool,
+    /// Do not ask the source for its extents: read all of it, zero blocks
+    /// still found by --sparse-size (nbdcopy's --no-extents).
+    #[arg(long)]
+    no_extents: bool,
     /// Shrink an existing regular file that is larger than the source.
     #[arg(long)]
     force: bool,
@@ -208,8 +220,16 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let signal = Arc::new(AtomicI32::new(0));
     let cancel = cancel_on_signal(signal.clone());
     let opts = CopyOptions {
-        requests: a.requests.unwrap_or(0) as usize,
-        connections: a.connections.unwrap_or(0) as usize,
+        requests: if a.synchronous {
+            1
+        } else {
+            a.requests.unwrap_or(0) as usize
+        },
+        connections: if a.synchronous {
+            1
+        } else {
+            a.connections.unwrap_or(0) as usize
+        },
         request_size: a.request_size.unwrap_or(0),
         sparse_size: a.sparse_size,
         zero_mode: if a.target_is_zero {
@@ -234,6 +254,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         retry_timeout: a.retry_timeout,
         request_timeout: a.request_timeout,
         raw: a.format.raw(),
+        no_extents: a.no_extents,
     };
     if let Some(name) = &a.changed_since {
         return run_changed(&a, name, &opts, &signal);

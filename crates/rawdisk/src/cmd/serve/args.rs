@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::cmd::{CacheArg, PreallocArg};
-use rawdisk_nbd::server::WriteBehind;
+use rawdisk_nbd::server::{Aio, DetectZeroes, Discard, ServerConfig, Serving, WriteBehind};
 use rawdisk_nbd::tls::ServerTls;
 
 /// Export a file or block device over NBD.
@@ -13,7 +13,13 @@ use rawdisk_nbd::tls::ServerTls;
     rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
     rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
     rawdisk serve --cache none --tls-certificates /etc/pki/rawdisk /dev/vg0/lv0\n  \
-    rawdisk serve --dir /var/lib/images -U /run/images.sock")]
+    rawdisk serve --dir /var/lib/images -U /run/images.sock\n  \
+    rawdisk serve --discard=unmap --detect-zeroes=unmap --cache none -U /tmp/import.sock vm.img\n\n\
+Coming from nbdkit: -f is rawdisk's format flag (-f raw), not --foreground: serve\n\
+stays in the foreground already, so leave -f out (--fork goes to the background).\n\
+--print-uri is accepted: the URI is always printed. nbdkit's exitlast filter is\n\
+--exit-last. Coming from qemu-nbd: it exits after its last client unless -t;\n\
+rawdisk serves until stopped unless --exit-last. docs/coming-from.md maps the rest.")]
 pub struct Args {
     /// Listen on this Unix socket (replaces a stale socket file). -U as
     /// nbdkit, -k as qemu-nbd. `-U -`: a private socket in a new temporary
@@ -63,8 +69,17 @@ pub struct Args {
     pub(super) default_export: Option<String>,
     /// Accepted for qemu-nbd's habit: rawdisk always serves until stopped,
     /// whatever the clients do.
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, conflicts_with = "exit_last")]
     pub(super) persistent: bool,
+    /// Exit (0, after the final flush) once the last client in the
+    /// transmission phase disconnects, as qemu-nbd does without -t and
+    /// nbdkit's exitlast filter: a client that only lists the exports or
+    /// connects and closes does not count.
+    #[arg(long)]
+    pub(super) exit_last: bool,
+    /// Accepted for nbdkit's habit: the URI is always printed.
+    #[arg(long)]
+    pub(super) print_uri: bool,
     /// Run this shell command once the server is ready, with $uri set to
     /// the URI to connect to, then stop the server when it exits and exit
     /// with its status (nbdkit's --run). The URI is not printed.
@@ -83,6 +98,26 @@ pub struct Args {
     /// Page cache or O_DIRECT.
     #[arg(long, value_enum, default_value = "writeback")]
     pub(super) cache: CacheArg,
+    /// TRIM (qemu-nbd's --discard): `unmap` advertises it and punches
+    /// holes, and zeroes may too unless the client says NO_HOLE; `ignore`
+    /// does not advertise it, and zeroes keep their range allocated.
+    /// rawdisk's default is unmap (qemu-nbd's is ignore).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "unmap")]
+    pub(super) discard: DiscardArg,
+    /// What an all-zero WRITE becomes (qemu-nbd's --detect-zeroes): `on`, a
+    /// zero of its range kept allocated; `unmap`, a zero that leaves a hole
+    /// where --discard unmap allows (thin imports stay thin); `off`, written
+    /// as it came. `on` and `unmap` turn --map-writes off (the payload must
+    /// be seen before it lands).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
+    pub(super) detect_zeroes: DetectZeroesArg,
+    /// I/O path of --cache none (qemu-nbd's --aio): `native`, Linux AIO for
+    /// small reads and writes and the thread pool for the rest; `threads`,
+    /// the thread pool only; `io_uring`, which rawdisk lacks, is served as
+    /// native. Through the page cache every request uses the thread pool.
+    /// -v names the path used.
+    #[arg(long, value_enum, value_name = "MODE", default_value = "native")]
+    pub(super) aio: AioArg,
     /// Create TARGET with this size first (qemu-img suffixes); an existing
     /// target of the same size is served as it is, another size refused.
     #[arg(long, value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::size::size_arg)]
@@ -113,6 +148,10 @@ pub struct Args {
     /// in the handshake at once.
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub(super) max_connections: usize,
+    /// qemu-nbd's spelling of --max-connections; 0 (qemu-nbd's "no
+    /// limit") keeps rawdisk's cap of 100.
+    #[arg(long, value_name = "N", conflicts_with = "max_connections")]
+    pub(super) shared: Option<usize>,
     /// Close a connection that has had nothing in flight and sent nothing,
     /// or has read none of its replies, for this long (90, 90s, 15m, 2h)
     /// [default: never].
@@ -187,7 +226,75 @@ pub enum LogArg {
     Null,
 }
 
+/// `--discard`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum DiscardArg {
+    Ignore,
+    Unmap,
+}
+
+/// `--detect-zeroes`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum DetectZeroesArg {
+    Off,
+    On,
+    Unmap,
+}
+
+/// `--aio`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum AioArg {
+    Threads,
+    Native,
+    #[value(name = "io_uring")]
+    IoUring,
+}
+
 impl Args {
+    /// The connection cap: --shared as --max-connections, its 0 the default.
+    pub(super) fn connection_cap(&self) -> usize {
+        match self.shared {
+            Some(0) => ServerConfig::default().max_connections,
+            Some(n) => n,
+            None => self.max_connections,
+        }
+        .max(1)
+    }
+
+    /// --discard, --detect-zeroes and --aio for the server.
+    pub(super) fn serving(&self) -> Serving {
+        Serving {
+            discard: match self.discard {
+                DiscardArg::Ignore => Discard::Ignore,
+                DiscardArg::Unmap => Discard::Unmap,
+            },
+            detect_zeroes: match self.detect_zeroes {
+                DetectZeroesArg::Off => DetectZeroes::Off,
+                DetectZeroesArg::On => DetectZeroes::On,
+                DetectZeroesArg::Unmap => DetectZeroes::Unmap,
+            },
+            aio: match self.aio {
+                AioArg::Threads => Aio::Threads,
+                AioArg::Native | AioArg::IoUring => Aio::Native,
+            },
+        }
+    }
+
+    /// The I/O path --aio and --cache choose, for -v.
+    pub(super) fn aio_path(&self) -> &'static str {
+        match (self.cache, self.aio) {
+            (CacheArg::Writeback, AioArg::Threads) => "aio=threads: the thread pool",
+            (CacheArg::Writeback, _) => "aio: the thread pool (Linux AIO serves --cache none only)",
+            (CacheArg::None, AioArg::Threads) => "aio=threads: the thread pool only",
+            (CacheArg::None, AioArg::Native) => {
+                "aio=native: Linux AIO for small requests, the thread pool for the rest"
+            }
+            (CacheArg::None, AioArg::IoUring) => {
+                "aio=io_uring: rawdisk has no io_uring path; Linux AIO for small requests, \
+                 the thread pool for the rest"
+            }
+        }
+    }
     /// Where the server's messages go: --log, else syslog for a --fork
     /// daemon (nbdkit's default) and stderr in the foreground.
     pub fn log_dest(&self) -> LogArg {

@@ -3,7 +3,10 @@
 //! [-P|--pid-file PATH] [-t] [--run CMD | --fork] [--log stderr|syslog|null]
 //! [--cache writeback|none] [--write-behind] [--map-writes]
 //! [--create SIZE [--preallocation off|falloc|full]] [--pid-file PATH]
-//! [--idle-timeout DURATION] [--tls off|on|require] [--tls-certificates DIR]
+//! [--idle-timeout DURATION] [--max-connections|--shared N] [--exit-last]
+//! [--discard ignore|unmap] [--detect-zeroes off|on|unmap]
+//! [--aio threads|native|io_uring] [--print-uri]
+//! [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer]
 //! [--track-changes [--bitmap-granularity SIZE] [--state-dir DIR]] [-v] TARGET`
 //!
@@ -97,7 +100,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         export_name: args.export_name.clone(),
         description: args.description.clone().unwrap_or_default(),
         read_only: args.read_only,
-        max_connections: args.max_connections.max(1),
+        max_connections: args.connection_cap(),
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         idle_timeout: args.idle_timeout,
         write_behind: args.write_behind.into(),
@@ -105,6 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tls,
         track_changes: track,
         raw: args.format.raw(),
+        serving: args.serving(),
         ..Default::default()
     };
     let open = OpenOptions {
@@ -226,16 +230,29 @@ async fn serve(
             (WriteBehindArg::Off, CacheArg::Writeback) => ", write-behind off",
             _ => "",
         },
-        if args.map_writes && args.cache == CacheArg::Writeback {
+        if args.map_writes
+            && args.cache == CacheArg::Writeback
+            && args.serving().detect_zeroes == rawdisk_nbd::server::DetectZeroes::Off
+        {
             ", map-writes"
         } else {
             ""
         },
     );
 
+    tracing::debug!("{}", args.aio_path());
+
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
     handle_signals(stop_tx.clone(), server.clone(), cleanup.at_exit())?;
+    if args.exit_last {
+        let (server, stop) = (server.clone(), stop_tx.clone());
+        tokio::spawn(async move {
+            server.all_closed().await;
+            tracing::info!("--exit-last: the last client disconnected; stopping");
+            let _ = stop.send(true);
+        });
+    }
 
     if let Some(f) = pid_file {
         f.write(std::process::id())?;
