@@ -180,7 +180,8 @@ struct PassThrough {
     counts: Arc<Counts>,
     /// Inode number (the backing file's) to its path under `root`.
     paths: RwLock<HashMap<u64, PathBuf>>,
-    files: RwLock<HashMap<u64, Arc<File>>>,
+    /// Open handles: the inode and the backing file.
+    files: RwLock<HashMap<u64, (u64, Arc<File>)>>,
     next_fh: AtomicU64,
 }
 
@@ -247,6 +248,12 @@ impl PassThrough {
             .ok_or(Errno::ENOENT)
     }
 
+    /// The inode at `path` is gone from it (unlinked, or replaced by a
+    /// rename): requests for it by path must not reach what comes next.
+    fn forget_path(&self, path: &Path) {
+        self.paths.write().unwrap().retain(|_, p| p != path);
+    }
+
     fn child(&self, parent: INodeNo, name: &OsStr) -> Result<PathBuf, Errno> {
         Ok(self.path(parent)?.join(name))
     }
@@ -306,13 +313,24 @@ impl PassThrough {
             .read()
             .unwrap()
             .get(&fh.0)
-            .cloned()
+            .map(|(_, f)| f.clone())
             .ok_or(Errno::EBADF)
     }
 
-    fn keep(&self, f: File) -> FileHandle {
+    /// A handle open on `ino`: how an inode unlinked or renamed over while
+    /// open is still reached (the kernel's fstat sends no handle), as the
+    /// NFS client's silly rename keeps it reachable.
+    fn open_file_of(&self, ino: INodeNo) -> Option<Arc<File>> {
+        let files = self.files.read().unwrap();
+        files
+            .values()
+            .find(|(i, _)| *i == ino.0)
+            .map(|(_, f)| f.clone())
+    }
+
+    fn keep(&self, f: File, ino: INodeNo) -> FileHandle {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.files.write().unwrap().insert(fh, Arc::new(f));
+        self.files.write().unwrap().insert(fh, (ino.0, Arc::new(f)));
         FileHandle(fh)
     }
 
@@ -364,23 +382,38 @@ impl PassThrough {
         size: Option<u64>,
         times: (Option<TimeOrNow>, Option<TimeOrNow>),
     ) -> Result<FileAttr, Errno> {
-        let path = self.path(ino)?;
+        let held = match fh {
+            Some(fh) => Some(self.file(fh)?),
+            None => self.open_file_of(ino),
+        };
+        let path = self.path(ino);
         if let Some(m) = mode {
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(m & 0o7777))
-                .map_err(errno)?;
+            let perm = std::fs::Permissions::from_mode(m & 0o7777);
+            match (&held, &path) {
+                (Some(f), _) => f.set_permissions(perm),
+                (None, Ok(p)) => std::fs::set_permissions(p, perm),
+                (None, Err(_)) => Err(io::ErrorKind::NotFound.into()),
+            }
+            .map_err(errno)?;
         }
         if owner.0.is_some() || owner.1.is_some() {
-            std::os::unix::fs::lchown(&path, owner.0, owner.1).map_err(errno)?;
+            match (&held, &path) {
+                (Some(f), _) => std::os::unix::fs::fchown(&**f, owner.0, owner.1),
+                (None, Ok(p)) => std::os::unix::fs::lchown(p, owner.0, owner.1),
+                (None, Err(_)) => Err(io::ErrorKind::NotFound.into()),
+            }
+            .map_err(errno)?;
         }
         let open = |write: bool| -> Result<Arc<File>, Errno> {
-            match fh {
-                Some(fh) => self.file(fh),
-                None => OpenOptions::new()
+            match (&held, &path) {
+                (Some(f), _) => Ok(f.clone()),
+                (None, Ok(p)) => OpenOptions::new()
                     .write(write)
                     .read(!write)
-                    .open(&path)
+                    .open(p)
                     .map(Arc::new)
                     .map_err(errno),
+                (None, Err(e)) => Err(*e),
             }
         };
         if let Some(s) = size {
@@ -400,7 +433,11 @@ impl PassThrough {
             }
             open(false)?.set_times(ft).map_err(errno)?;
         }
-        self.remember(path)
+        match (held, path) {
+            (Some(f), _) => Ok(self.attr(&f.metadata().map_err(errno)?)),
+            (None, Ok(p)) => self.remember(p),
+            (None, Err(e)) => Err(e),
+        }
     }
 }
 
@@ -429,11 +466,16 @@ impl Filesystem for PassThrough {
             return reply.attr(&Duration::ZERO, &self.stats_attr());
         }
         self.op();
-        let md = match fh.map(|fh| self.file(fh)) {
-            Some(Ok(f)) => f.metadata().map_err(errno),
-            _ => self
-                .path(ino)
-                .and_then(|p| std::fs::symlink_metadata(p).map_err(errno)),
+        let held = fh.and_then(|fh| self.file(fh).ok());
+        let md = match held {
+            Some(f) => f.metadata().map_err(errno),
+            None => match self.path(ino) {
+                Ok(p) => std::fs::symlink_metadata(p).map_err(errno),
+                Err(e) => match self.open_file_of(ino) {
+                    Some(f) => f.metadata().map_err(errno),
+                    None => Err(e),
+                },
+            },
         };
         match md {
             Ok(md) => reply.attr(&TTL, &self.attr(&md)),
@@ -523,17 +565,22 @@ impl Filesystem for PassThrough {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.op();
-        let r = self.child(parent, name);
-        answer_empty(
-            reply,
-            r.and_then(|p| std::fs::remove_file(p).map_err(errno)),
-        )
+        let r = self.child(parent, name).and_then(|p| {
+            std::fs::remove_file(&p).map_err(errno)?;
+            self.forget_path(&p);
+            Ok(())
+        });
+        answer_empty(reply, r)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.op();
-        let r = self.child(parent, name);
-        answer_empty(reply, r.and_then(|p| std::fs::remove_dir(p).map_err(errno)))
+        let r = self.child(parent, name).and_then(|p| {
+            std::fs::remove_dir(&p).map_err(errno)?;
+            self.forget_path(&p);
+            Ok(())
+        });
+        answer_empty(reply, r)
     }
 
     fn symlink(
@@ -569,13 +616,28 @@ impl Filesystem for PassThrough {
             let cwd = nix::fcntl::AT_FDCWD;
             let fl = nix::fcntl::RenameFlags::from_bits_retain(flags.bits());
             nix::fcntl::renameat2(cwd, &from, cwd, &to, fl).map_err(nix_errno)?;
-            // Everything at or under the old name now lives under the new one.
+            let exchange = flags.contains(RenameFlags::RENAME_EXCHANGE);
+            // `p` moved from under `a` to under `b`.
+            let moved = |p: &Path, a: &Path, b: &Path| {
+                let rest = p.strip_prefix(a).ok()?;
+                Some(if rest.as_os_str().is_empty() {
+                    b.to_path_buf()
+                } else {
+                    b.join(rest)
+                })
+            };
+            // Everything at or under the old name now lives under the new
+            // one (and the other way round for an exchange); what the new
+            // name held before is gone.
             let mut paths = self.paths.write().unwrap();
             for p in paths.values_mut() {
-                if let Ok(rest) = p.strip_prefix(&from) {
-                    *p = to.join(rest);
+                if let Some(n) = moved(p, &from, &to) {
+                    *p = n;
+                } else if let Some(n) = moved(p, &to, &from) {
+                    *p = if exchange { n } else { PathBuf::new() };
                 }
             }
+            paths.retain(|_, p| !p.as_os_str().is_empty());
             Ok(())
         })();
         answer_empty(reply, r)
@@ -613,7 +675,7 @@ impl Filesystem for PassThrough {
             // Keep the page cache across opens, as an NFS client does when
             // close-to-open revalidation finds the file unchanged: every
             // change goes through this one mount, so it is never stale.
-            Ok(f) => reply.opened(self.keep(f), FopenFlags::FOPEN_KEEP_CACHE),
+            Ok(f) => reply.opened(self.keep(f, ino), FopenFlags::FOPEN_KEEP_CACHE),
             Err(e) => reply.error(e),
         }
     }
@@ -848,7 +910,8 @@ impl Filesystem for PassThrough {
             }
             let f = o.open(&p).map_err(errno)?;
             let a = self.remember(p)?;
-            Ok((a, self.keep(f)))
+            let fh = self.keep(f, a.ino);
+            Ok((a, fh))
         });
         match r {
             Ok((a, fh)) => reply.created(&TTL, &a, Generation(0), fh, FopenFlags::FOPEN_KEEP_CACHE),
@@ -1148,5 +1211,34 @@ mod tests {
                 .collect();
             assert!(!names.iter().any(|n| n == STATS_NAME), "{names:?}");
         }
+    }
+
+    /// A file renamed over while open stays reachable through its handle
+    /// (fstat and ftruncate send no handle to FUSE), and the name reaches
+    /// the new file, as NFS's silly rename behaves.
+    #[test]
+    #[ignore = "needs root"]
+    fn a_file_renamed_over_while_open_stays_reachable() {
+        if let Some(why) = FsKind::Nfs3.unavailable() {
+            eprintln!("nfs3 skipped: {why}");
+            return;
+        }
+        let fs = Fs::new(FsKind::Nfs3, 16 * MIB);
+        let a = fs.sparse_file("a", MIB);
+        let f = File::options().read(true).write(true).open(&a).unwrap();
+        f.write_all_at(b"old", 100).unwrap();
+        let b = fs.sparse_file("b", 2 * MIB);
+        std::fs::rename(&b, &a).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), MIB);
+        f.set_len(3 * MIB).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 3 * MIB);
+        let mut got = [0u8; 3];
+        f.read_exact_at(&mut got, 100).unwrap();
+        assert_eq!(&got, b"old");
+        assert_eq!(std::fs::metadata(&a).unwrap().len(), 2 * MIB);
+        assert!(!b.exists());
+        drop(f);
+        std::fs::remove_file(&a).unwrap();
+        assert!(!a.exists());
     }
 }
