@@ -88,12 +88,17 @@ impl StorageKind {
         matches!(self, StorageKind::Nfs3 | StorageKind::Nfs42)
     }
 
+    /// Why this machine cannot build the kind (see [`FsKind::unavailable`]).
+    pub fn unavailable(self) -> Option<String> {
+        self.fs_kind().and_then(FsKind::unavailable)
+    }
+
     /// [`StorageKind::ALL`] less the kinds this machine cannot build, each
     /// named in one line on stderr (see [`FsKind::usable`]).
     pub fn usable() -> Vec<StorageKind> {
         StorageKind::ALL
             .into_iter()
-            .filter(|k| match k.fs_kind().and_then(FsKind::unavailable) {
+            .filter(|k| match k.unavailable() {
                 None => true,
                 Some(why) => {
                     eprintln!("rawdisk-testkit: {k} skipped: {why}");
