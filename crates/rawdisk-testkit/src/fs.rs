@@ -111,10 +111,12 @@ impl Fs {
         }
     }
 
-    /// btrfs of `max(size, 256 MiB)` bytes on a loop device backed by a
-    /// sparse file on tmpfs (mkfs.btrfs refuses devices under about 110 MiB).
+    /// btrfs of `max(size * 5 / 4, 256 MiB)` bytes on a loop device backed
+    /// by a sparse file on tmpfs: mkfs.btrfs refuses devices under about
+    /// 110 MiB, and its metadata (two copies) takes more than ext4's, so
+    /// `size` bytes of data still fit.
     pub fn btrfs(size: u64) -> Fs {
-        Fs::on_loop(FsKind::Btrfs, size.max(256 * MIB), &[])
+        Fs::on_loop(FsKind::Btrfs, (size + size / 4).max(256 * MIB), &[])
     }
 
     /// The NFS-like FUSE file system (nfs_like.rs) over a tmpfs of `size`
