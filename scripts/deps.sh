@@ -20,6 +20,7 @@ want nbdcopy libnbd-bin
 want nbdkit nbdkit
 want mkfs.xfs xfsprogs
 want mkfs.ext4 e2fsprogs
+want mkfs.btrfs btrfs-progs
 want losetup util-linux
 want blkdiscard util-linux
 want fallocate util-linux

@@ -19,7 +19,9 @@ is_root() { [ "$(id -u)" = 0 ]; }
 
 scripts/deps.sh
 # The kernel modules the fixtures use; harmless when built in or absent.
-if is_root; then modprobe loop 2>/dev/null || true; modprobe xfs 2>/dev/null || true; fi
+if is_root; then
+    for m in loop xfs btrfs fuse; do modprobe "$m" 2>/dev/null || true; done
+fi
 
 cargo build --release --workspace --bins
 export RAWDISK_BIN="$PWD/target/release/rawdisk"

@@ -1,9 +1,10 @@
 """Fixtures: the server under test (a command template chosen by TEST_SERVER),
 the TLS test PKI, scratch directories, and storage stacks (tmpfs, ramfs,
-ext4, XFS, loop devices) that need root.
+ext4, XFS, btrfs, the NFS-like nfs3 and nfs42, loop devices) that need root.
 
-Without root the storage fixtures skip with the reason "needs root"; as root a
-failure to build them is an error, never a skip.
+Without root the storage fixtures skip with the reason "needs root", and the
+NFS-like ones without /dev/fuse with that reason; as root a failure to build
+them is an error, never a skip.
 """
 
 import os
@@ -138,6 +139,34 @@ def ext4_dir():
 def xfs_dir():
     require_root()
     with storage.filesystem_on_loop("xfs", 512) as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def btrfs_dir():
+    require_root()
+    with storage.filesystem_on_loop("btrfs", 512) as d:
+        yield d
+
+
+def _nfs_like(profile):
+    require_root()
+    why = storage.fuse_unavailable()
+    if why:
+        pytest.skip(f"{profile}: {why}")
+    # Latency 0: the functional suite counts operations, the benchmarks time them.
+    return storage.nfs_like(profile, 1536, latency_us=0)
+
+
+@pytest.fixture(scope="session")
+def nfs3_dir():
+    with _nfs_like("nfs3") as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def nfs42_dir():
+    with _nfs_like("nfs42") as d:
         yield d
 
 

@@ -1,5 +1,6 @@
-"""Storage stacks for the tests: private tmpfs/ramfs mounts, ext4 and XFS on a
-loop device, and bare loop block devices.
+"""Storage stacks for the tests: private tmpfs/ramfs mounts, ext4, XFS and
+btrfs on a loop device, the NFS-like FUSE file system (nfs3, nfs42) over a
+tmpfs, and bare loop block devices.
 
 Every stack is a context manager that undoes what it did in reverse order,
 also when setting up a later layer failed. Backing files of loop devices live
@@ -8,14 +9,32 @@ on a private tmpfs so nothing touches the disk and concurrent runs
 """
 
 import contextlib
+import json
 import os
 import shutil
 import stat
 import subprocess
 import tempfile
+import time
 import uuid
 
 MiB = 1 << 20
+
+# Every file system kind the tests are parametrized over, by fixture name
+# (conftest.py): `FILE_SYSTEMS` in test files means all of these.
+FILE_SYSTEMS = ["tmpfs_dir", "ramfs_dir", "ext4_dir", "xfs_dir", "btrfs_dir",
+                "nfs3_dir", "nfs42_dir"]
+
+# The NFS-like FUSE file system's daemon (crates/rawdisk-testkit,
+# src/bin/nfs-like-fs.rs), built beside the rawdisk binary by
+# `cargo build --release --workspace --bins`.
+NFS_LIKE_BIN = os.environ.get("NFS_LIKE_BIN") or os.path.join(
+    os.path.dirname(os.path.abspath(os.environ.get("RAWDISK_BIN") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "rawdisk"))),
+    "nfs-like-fs")
+NFS_STATS = ".nfs-like-stats"
+# The backing directory of each NFS-like mount (what the "server" holds).
+NFS_BACKING = {}
 
 
 def is_root():
@@ -110,6 +129,8 @@ def filesystem_on_loop(fstype, size_mib):
         "ext4": ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0"],
         # xfsprogs >= 5.19 refuses file systems under 300 MiB.
         "xfs": ["mkfs.xfs", "-q", "-f"],
+        # mkfs.btrfs refuses devices under about 110 MiB.
+        "btrfs": ["mkfs.btrfs", "-q", "-f"],
     }[fstype]
     with tmpfs(size_mib + 64) as backing_dir, \
             sparse_file(backing_dir, f"{fstype}.img", size_mib * MiB) as backing, \
@@ -117,6 +138,62 @@ def filesystem_on_loop(fstype, size_mib):
         run(*mkfs, dev, timeout=120)
         with mounted(fstype, dev) as mnt:
             yield mnt
+
+
+def fuse_unavailable():
+    """Why the NFS-like kinds cannot run here (no /dev/fuse), or None."""
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as e:
+        return f"no FUSE (/dev/fuse: {e.strerror})"
+    if not os.access(NFS_LIKE_BIN, os.X_OK):
+        raise RuntimeError(f"NFS_LIKE_BIN={NFS_LIKE_BIN} is not an executable; build it "
+                           "(cargo build --release -p rawdisk-testkit --bins) or set NFS_LIKE_BIN")
+    return None
+
+
+@contextlib.contextmanager
+def nfs_like(profile, size_mib=512, latency_us=0):
+    """The NFS-like FUSE file system (docs/capabilities.md, NFS) with `profile`
+    ("nfs3" or "nfs42") over a private tmpfs; its daemon is stopped by
+    unmounting it."""
+    with tmpfs(size_mib) as backing, scratch_dir(prefix=f"rawdisk-{profile}-") as mnt:
+        proc = subprocess.Popen(
+            [NFS_LIKE_BIN, "--profile", profile, "--latency-us", str(latency_us), backing, mnt],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            if line.strip() != "ready":
+                proc.wait(timeout=10)
+                raise RuntimeError(f"nfs-like-fs {profile} did not start: {proc.stderr.read().strip()}")
+            NFS_BACKING[mnt] = backing
+            yield mnt
+        finally:
+            NFS_BACKING.pop(mnt, None)
+            res = subprocess.run(["umount", mnt], capture_output=True)
+            if res.returncode != 0:
+                subprocess.run(["umount", "-l", mnt], capture_output=True)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def nfs_backing(path):
+    """The file in the NFS-like file system's backing directory ("on the
+    server") behind `path` on one of its mounts."""
+    for mnt, backing in NFS_BACKING.items():
+        if path.startswith(mnt.rstrip("/") + "/"):
+            return backing + path[len(mnt.rstrip("/")):]
+    raise ValueError(f"{path} is on no NFS-like mount")
+
+
+def nfs_counts(mnt):
+    """What the NFS-like file system mounted on `mnt` received so far (a
+    dict: ops, writes, write_bytes, fallocate_alloc, ..., see nfs_like.rs)."""
+    with open(os.path.join(mnt, NFS_STATS)) as f:
+        return json.load(f)
 
 
 @contextlib.contextmanager
@@ -153,3 +230,17 @@ def logical_block_size(path):
     dev = st.st_rdev if stat.S_ISBLK(st.st_mode) else st.st_dev
     with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue/logical_block_size") as f:
         return int(f.read())
+
+
+def direct_io_alignment(path):
+    """The alignment O_DIRECT needs for `path`: the logical sector of the
+    device under ext4/XFS or of a block device; btrfs's sector size (its
+    st_dev is anonymous, and direct I/O must be aligned to the file system's
+    blocks); 4096 on the NFS-like FUSE kinds, which report no STATX_DIOALIGN
+    (nor does NFS): the engine's default."""
+    kind = fs_type(path)
+    if kind == "btrfs":
+        return os.statvfs(path).f_bsize
+    if kind.startswith("fuse"):
+        return 4096
+    return logical_block_size(path)

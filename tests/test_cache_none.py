@@ -26,7 +26,10 @@ from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, fi
                      make_image, open_flags, random_bytes, write_target)
 
 O_DIRECT = 0o40000  # x86-64 / aarch64 value, as /proc/PID/fdinfo shows it (octal flags)
-DIRECT_STORAGE = ["ext4_dir", "xfs_dir", "loop512", "loop4096"]
+# The NFS-like kinds take O_DIRECT as the NFS client does (FUSE sends the
+# requests uncached; no STATX_DIOALIGN, so the 4096-byte default).
+DIRECT_STORAGE = ["ext4_dir", "xfs_dir", "btrfs_dir", "nfs3_dir", "nfs42_dir", "loop512",
+                  "loop4096"]
 NO_HOLE = 2  # NBD_CMD_FLAG_NO_HOLE
 # io_setup and io_destroy by machine; libc wraps neither.
 AIO_SYSCALLS = {"x86_64": (206, 207), "aarch64": (0, 1)}
@@ -96,7 +99,7 @@ def test_minimum_block_size_is_the_direct_io_alignment(target, serve):
     srv = serve(path, cache="none")
     with connected(srv.uri) as h:
         minimum = h.get_block_size(nbd.SIZE_MINIMUM)
-    assert minimum == storage.logical_block_size(path)
+    assert minimum == storage.direct_io_alignment(path)
 
 
 @pytest.mark.rawdisk_only("nbdkit 1.32 advertises no minimum, so it accepts anything")

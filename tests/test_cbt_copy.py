@@ -78,7 +78,8 @@ def mutate(uri, rnd):
             offset = rnd.randrange(0, SIZE - length) // 512 * 512
             if op == "write":
                 h.pwrite(rnd.randbytes(length), offset)
-            elif op == "zero":
+            elif op == "zero" or not h.can_trim():
+                # Storage that cannot punch (NFS 3) advertises no trim.
                 h.zero(length, offset)
             else:
                 h.trim(length, offset)
@@ -115,9 +116,9 @@ def incremental(src_spec, backup, since, snapshot, touched, rnd, extra=(), dst_s
     return changed, out
 
 
-@pytest.fixture(params=["tmpfs_dir", "ext4_dir"])
+@pytest.fixture(params=["tmpfs_dir", "ext4_dir", "btrfs_dir", "nfs3_dir", "nfs42_dir"])
 def chain_dir(request):
-    """A fresh directory on tmpfs or on ext4 (root only)."""
+    """A fresh directory on tmpfs, ext4, btrfs or the NFS-like kinds (root only)."""
     d = tempfile.mkdtemp(prefix="cbt-", dir=request.getfixturevalue(request.param))
     yield d
     shutil.rmtree(d, ignore_errors=True)

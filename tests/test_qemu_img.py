@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+import storage
+
 from helpers import (MiB, assert_export_is, assert_target_is, is_hole_at, make_image, read_target,
                      seek_hole_extents, write_target)
 
@@ -68,7 +70,7 @@ def test_convert_with_write_behind(workdir, serve, mode):
 
 
 @pytest.mark.rawdisk_only("rawdisk serve's --map-writes")
-@pytest.mark.parametrize("fs_dir", ["tmpfs_dir", "ramfs_dir", "ext4_dir", "xfs_dir"],
+@pytest.mark.parametrize("fs_dir", storage.FILE_SYSTEMS,
                          indirect=True)
 def test_convert_with_map_writes(fs_dir, serve):
     """--map-writes receives big write payloads straight into the page cache

@@ -1,6 +1,6 @@
 """The server on every kind of storage docs/capabilities.md covers: tmpfs, ramfs,
-ext4 and XFS (on loop devices), and bare loop devices with 512 and 4096-byte
-sectors. Ordinary I/O works everywhere; FAST_ZERO is honest everywhere:
+ext4, XFS and btrfs (on loop devices), the NFS-like nfs3 and nfs42, and bare
+loop devices with 512 and 4096-byte sectors. Ordinary I/O works everywhere; FAST_ZERO is honest everywhere:
 it succeeds quickly where the storage can zero without writing (punching on
 tmpfs, ext4, XFS, a loop device on ext4), and on ramfs fails at once with
 ENOTSUP and changes nothing. Zero with may-trim frees space on file systems
@@ -19,7 +19,7 @@ from helpers import (MiB, allocated_bytes, assert_export_is, assert_target_is, c
                      fill_device, make_image, random_bytes, wait_all)
 
 SIZE = 32 * MiB
-FILE_SYSTEMS = ["tmpfs_dir", "ramfs_dir", "ext4_dir", "xfs_dir"]
+FILE_SYSTEMS = storage.FILE_SYSTEMS
 DEVICES = ["loop512", "loop4096", "loop_on_ext4"]
 
 
@@ -86,8 +86,10 @@ def fast_zero(h, length, offset, no_hole):
 
 # Where FAST_ZERO must succeed: (storage, NO_HOLE set?).
 MUST_BE_FAST = [("tmpfs_dir", False), ("ext4_dir", False), ("ext4_dir", True),
-                ("xfs_dir", False), ("xfs_dir", True), ("loop_on_ext4", False),
-                ("loop_on_ext4", True)]
+                ("xfs_dir", False), ("xfs_dir", True), ("btrfs_dir", False), ("btrfs_dir", True),
+                # NFS 4.2: DEALLOCATE, and DEALLOCATE + ALLOCATE to keep the space.
+                ("nfs42_dir", False), ("nfs42_dir", True),
+                ("loop_on_ext4", False), ("loop_on_ext4", True)]
 
 
 @pytest.mark.rawdisk_only("nbdkit 1.32's file plugin has no fast zero")
@@ -107,11 +109,11 @@ def test_fast_zero_succeeds(target, no_hole, serve):
 
 
 @pytest.mark.rawdisk_only("nbdkit 1.32's file plugin has no fast zero")
-@pytest.mark.parametrize("target", ["ramfs_dir"], indirect=True)
+@pytest.mark.parametrize("target", ["ramfs_dir", "nfs3_dir"], indirect=True)
 @pytest.mark.parametrize("no_hole", [False, True], ids=["trim", "nohole"])
-def test_fast_zero_on_ramfs_fails_fast_and_changes_nothing(target, no_hole, serve):
-    """ramfs cannot punch or zero a range: the only way to zero is to write,
-    which is exactly what FAST_ZERO forbids."""
+def test_fast_zero_without_fallocate_fails_fast_and_changes_nothing(target, no_hole, serve):
+    """ramfs and the NFS 3 client cannot punch or zero a range: the only way
+    to zero is to write, which is exactly what FAST_ZERO forbids."""
     path, model = target
     srv = serve(path)
     with connected(srv.uri) as h:
@@ -149,7 +151,8 @@ def test_fast_zero_is_honest(target, no_hole, serve):
     check_everything(srv, path, model)
 
 
-@pytest.mark.parametrize("target", ["tmpfs_dir", "ext4_dir", "xfs_dir"], indirect=True)
+@pytest.mark.parametrize("target", ["tmpfs_dir", "ext4_dir", "xfs_dir", "btrfs_dir", "nfs42_dir"],
+                         indirect=True)
 def test_zero_may_trim_frees_and_no_hole_keeps(target, serve):
     path, model = target
     srv = serve(path)

@@ -369,7 +369,7 @@ fn mem_available() -> u64 {
 fn main() {
     let mut size = 4 * GIB;
     let mut reps = 3usize;
-    let mut kinds: Vec<StorageKind> = StorageKind::ALL.to_vec();
+    let mut kinds: Vec<StorageKind> = StorageKind::usable();
     let mut caps_only = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {

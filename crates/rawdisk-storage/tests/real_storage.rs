@@ -1,6 +1,7 @@
 //! The storage engine on real storage the tests mount and attach themselves
-//! (tmpfs, ramfs, ext4, XFS, loop devices with 512 and 4096-byte sectors, a
-//! loop device on tmpfs that loses its write-zeroes offload at run time).
+//! (tmpfs, ramfs, ext4, XFS, btrfs, the NFS-like nfs3 and nfs42, loop
+//! devices with 512 and 4096-byte sectors, a loop device on tmpfs that
+//! loses its write-zeroes offload at run time).
 //!
 //! Everything here needs root and is `#[ignore = "needs root"]`; the suite
 //! runs it with `--include-ignored` as root. One test binary, so the
@@ -28,7 +29,8 @@ mod write_zeroes;
 mod zero;
 
 /// One `#[test]` per storage kind calling `$module::$func(kind)`, named
-/// `$module::$func::<kind>` so a failure names the storage.
+/// `$module::$func::<kind>` so a failure names the storage. A kind this
+/// machine cannot build (no /dev/fuse) says so in one line and returns.
 #[macro_export]
 macro_rules! per_kind {
     ($func:ident: $($name:ident => $kind:ident),+ $(,)?) => {
@@ -37,7 +39,12 @@ macro_rules! per_kind {
                 #[test]
                 #[ignore = "needs root"]
                 fn $name() {
-                    super::$func(rawdisk_testkit::StorageKind::$kind)
+                    let kind = rawdisk_testkit::StorageKind::$kind;
+                    if let Some(why) = kind.unavailable() {
+                        eprintln!("{kind} skipped: {why}");
+                        return;
+                    }
+                    super::$func(kind)
                 }
             )+
         }
@@ -48,6 +55,9 @@ macro_rules! per_kind {
             ramfs => Ramfs,
             ext4 => Ext4,
             xfs => Xfs,
+            btrfs => Btrfs,
+            nfs3 => Nfs3,
+            nfs42 => Nfs42,
             loop512 => Loop512,
             loop4k => Loop4k,
             loop_tmpfs => LoopTmpfs,

@@ -1,10 +1,14 @@
-//! File systems: [`FsKind`] and the [`Fs`] guard (tmpfs, ramfs, and ext4 or
-//! XFS on a loop device over a tmpfs file).
+//! File systems: [`FsKind`] and the [`Fs`] guard (tmpfs, ramfs, ext4, XFS or
+//! btrfs on a loop device over a tmpfs file, and the NFS-like FUSE file
+//! system over a tmpfs directory).
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
+use std::time::Duration;
+
 use crate::cmd::{mkfs_ext4, run};
+use crate::nfs_like::{fuse_available, Counts, NfsLike, Options, Profile};
 use crate::stack::{sparse_file, tmpfs_size_for, Stack};
 use crate::{require_root, MIB};
 
@@ -15,10 +19,23 @@ pub enum FsKind {
     Ramfs,
     Ext4,
     Xfs,
+    Btrfs,
+    /// The NFS-like FUSE file system as an NFS 3 client sees it (nfs_like.rs).
+    Nfs3,
+    /// The NFS-like FUSE file system as an NFS 4.2 client sees it.
+    Nfs42,
 }
 
 impl FsKind {
-    pub const ALL: [FsKind; 4] = [FsKind::Tmpfs, FsKind::Ramfs, FsKind::Ext4, FsKind::Xfs];
+    pub const ALL: [FsKind; 7] = [
+        FsKind::Tmpfs,
+        FsKind::Ramfs,
+        FsKind::Ext4,
+        FsKind::Xfs,
+        FsKind::Btrfs,
+        FsKind::Nfs3,
+        FsKind::Nfs42,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -26,7 +43,41 @@ impl FsKind {
             FsKind::Ramfs => "ramfs",
             FsKind::Ext4 => "ext4",
             FsKind::Xfs => "xfs",
+            FsKind::Btrfs => "btrfs",
+            FsKind::Nfs3 => "nfs3",
+            FsKind::Nfs42 => "nfs42",
         }
+    }
+
+    /// The NFS-like profile of an NFS kind.
+    pub fn nfs_profile(self) -> Option<Profile> {
+        match self {
+            FsKind::Nfs3 => Some(Profile::Nfs3),
+            FsKind::Nfs42 => Some(Profile::Nfs42),
+            _ => None,
+        }
+    }
+
+    /// Why this machine cannot mount the kind (no /dev/fuse for the NFS-like
+    /// kinds), or None.
+    pub fn unavailable(self) -> Option<String> {
+        self.nfs_profile()?;
+        fuse_available().err()
+    }
+
+    /// [`FsKind::ALL`] less the kinds this machine cannot mount, each of
+    /// those named in one line on stderr: skipped, never silently.
+    pub fn usable() -> Vec<FsKind> {
+        FsKind::ALL
+            .into_iter()
+            .filter(|k| match k.unavailable() {
+                None => true,
+                Some(why) => {
+                    eprintln!("rawdisk-testkit: {k} skipped: {why}");
+                    false
+                }
+            })
+            .collect()
     }
 }
 
@@ -42,6 +93,7 @@ pub struct Fs {
     dir: PathBuf,
     device: Option<PathBuf>,
     backing: Option<PathBuf>,
+    nfs: Option<NfsLike>,
     _stack: Stack,
 }
 
@@ -53,7 +105,58 @@ impl Fs {
             FsKind::Ramfs => Fs::ramfs(),
             FsKind::Ext4 => Fs::ext4(size),
             FsKind::Xfs => Fs::xfs(size),
+            FsKind::Btrfs => Fs::btrfs(size),
+            FsKind::Nfs3 => Fs::nfs_like(Options::new(Profile::Nfs3), size),
+            FsKind::Nfs42 => Fs::nfs_like(Options::new(Profile::Nfs42), size),
         }
+    }
+
+    /// btrfs of `max(size * 5 / 4, 256 MiB)` bytes on a loop device backed
+    /// by a sparse file on tmpfs: mkfs.btrfs refuses devices under about
+    /// 110 MiB, and its metadata (two copies) takes more than ext4's, so
+    /// `size` bytes of data still fit.
+    pub fn btrfs(size: u64) -> Fs {
+        Fs::on_loop(FsKind::Btrfs, (size + size / 4).max(256 * MIB), &[])
+    }
+
+    /// The NFS-like FUSE file system (nfs_like.rs) over a tmpfs of `size`
+    /// bytes, answered by threads of this process.
+    pub fn nfs_like(opts: Options, size: u64) -> Fs {
+        require_root();
+        let kind = match opts.profile {
+            Profile::Nfs3 => FsKind::Nfs3,
+            Profile::Nfs42 => FsKind::Nfs42,
+        };
+        let mut st = Stack::new();
+        let base = st.unique_dir(kind.name());
+        let backing = st.subdir(&base, "backing");
+        st.tmpfs(&backing, size, "0755");
+        let dir = st.subdir(&base, "mnt");
+        let nfs = NfsLike::mount(&backing, &dir, opts)
+            .unwrap_or_else(|e| panic!("mount {kind} on {}: {e}", dir.display()));
+        // Unmounted by the stack (retried, lazily at worst) before the tmpfs;
+        // the threads answering the mount end with it.
+        st.mounted(&dir);
+        Fs {
+            kind,
+            dir,
+            device: None,
+            backing: Some(backing),
+            nfs: Some(nfs),
+            _stack: st,
+        }
+    }
+
+    /// [`Fs::nfs_like`] with a latency per operation.
+    pub fn nfs_like_with_latency(profile: Profile, size: u64, latency: Duration) -> Fs {
+        let mut o = Options::new(profile);
+        o.latency = latency;
+        Fs::nfs_like(o, size)
+    }
+
+    /// What the NFS-like file system received so far (None for other kinds).
+    pub fn nfs_counts(&self) -> Option<&Counts> {
+        self.nfs.as_ref().map(NfsLike::counts)
     }
 
     /// A tmpfs limited to `size` bytes.
@@ -73,6 +176,7 @@ impl Fs {
             dir,
             device: None,
             backing: None,
+            nfs: None,
             _stack: st,
         }
     }
@@ -90,6 +194,7 @@ impl Fs {
             dir,
             device: None,
             backing: None,
+            nfs: None,
             _stack: st,
         }
     }
@@ -115,12 +220,7 @@ impl Fs {
         let mut st = Stack::new();
         let base = st.unique_dir(kind.name());
         let ram = st.subdir(&base, "backing");
-        st.mount(
-            "tmpfs",
-            "rawdisk-testkit",
-            Some(&format!("size={},mode=0700", tmpfs_size_for(size))),
-            &ram,
-        );
+        st.tmpfs(&ram, tmpfs_size_for(size), "0700");
         let img = ram.join("fs.img");
         sparse_file(&img, size);
         let dev = st.attach(&img, 512);
@@ -138,7 +238,13 @@ impl Fs {
                 args.push(dev.as_os_str());
                 run("mkfs.xfs", args);
             }
-            FsKind::Tmpfs | FsKind::Ramfs => unreachable!(),
+            FsKind::Btrfs => {
+                run(
+                    "mkfs.btrfs",
+                    [OsStr::new("-q"), OsStr::new("-f"), dev.as_os_str()],
+                );
+            }
+            _ => unreachable!("{kind} is not made on a loop device"),
         }
         let dir = st.subdir(&base, "mnt");
         let dev_s = dev.to_string_lossy().into_owned();
@@ -152,6 +258,7 @@ impl Fs {
             dir,
             device: Some(dev),
             backing: Some(img),
+            nfs: None,
             _stack: st,
         }
     }
@@ -182,7 +289,8 @@ impl Fs {
         self.device.as_deref()
     }
 
-    /// The tmpfs file backing the loop device under ext4/XFS.
+    /// The tmpfs file backing the loop device under ext4/XFS/btrfs, or the
+    /// tmpfs directory behind the NFS-like file system.
     pub fn backing(&self) -> Option<&Path> {
         self.backing.as_deref()
     }
@@ -197,7 +305,7 @@ mod tests {
     #[ignore = "needs root"]
     fn guards_mount_and_clean_up() {
         let mut dirs = Vec::new();
-        for kind in FsKind::ALL {
+        for kind in FsKind::usable() {
             let fs = Fs::new(kind, 64 * MIB);
             assert_eq!(fs.kind(), kind);
             let p = fs.sparse_file("f", 3 * MIB);

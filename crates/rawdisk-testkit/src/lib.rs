@@ -15,6 +15,8 @@
 //! | [`Fs::ramfs`] | ramfs | no fallocate at all, no O_DIRECT, no size limit |
 //! | [`Fs::ext4`] | ext4 on loop on a tmpfs file | mounted `noinit_itable` so no background writes |
 //! | [`Fs::xfs`] | XFS on loop on a tmpfs file | device at least 320 MiB: xfsprogs ≥ 5.19 refuses smaller |
+//! | [`Fs::btrfs`] | btrfs on loop on a tmpfs file | device at least 256 MiB; reflink |
+//! | [`Fs::nfs_like`] | the NFS-like FUSE file system ([`nfs_like`]) over a tmpfs, served by threads of the test process | profiles `nfs3` (no fallocate, no SEEK_DATA, no server-side copy) and `nfs42` (`fallocate(0)` and `PUNCH_HOLE` only, SEEK_DATA, COPY); latency per operation, 1 MiB writes, counts ([`Fs::nfs_counts`]); needs /dev/fuse: [`FsKind::usable`] names a kind it skips |
 //! | [`LoopDev::new`] | loop device (512 or 4096-byte sectors, `--direct-io=on`) backed by a sparse file on ext4 (itself on tmpfs) | write-zeroes and discard offload work (ext4 has ZERO_RANGE and PUNCH_HOLE) |
 //! | [`LoopDev::on_tmpfs`] | loop device backed directly by a tmpfs file | "blk-nowz": the loop driver advertises write-zeroes, the first one fails in tmpfs (no ZERO_RANGE) and the driver sets `write_zeroes_max_bytes` to 0 for good; later BLKZEROOUT writes zero pages in the kernel and PUNCH_HOLE on the device fails with EOPNOTSUPP |
 //! | [`Scratch::new`] | one of the above by [`StorageKind`], with a target of `size` bytes (a sparse file or the device) | for tests parametrized over all kinds; [`Scratch::with_room`] for files that grow |
@@ -61,6 +63,7 @@
 //! | `cmd.rs` | [`run`], and `try_run` for cleanup that must go on after a failure |
 //! | `stack.rs` | the undo stack every guard keeps (unique dirs, mounts, loop attaches, undone on drop), [`sweep_stale`], sparse files, tmpfs sizing |
 //! | `fs.rs` | [`FsKind`], [`Fs`] |
+//! | `nfs_like.rs` | the NFS-like FUSE file system (also the `nfs-like-fs` binary, `src/bin/`, for the Python tests and benchmarks) |
 //! | `loopdev.rs` | [`LoopDev`] |
 //! | `scratch.rs` | [`StorageKind`], [`Scratch`] |
 //! | `data.rs` | the data helpers above: [`pattern`], [`write_pattern`], [`check_pattern`], [`check_zero`], [`first_difference`], [`assert_same`], [`allocated_bytes`], [`drop_cache`], … |
@@ -71,6 +74,7 @@ mod data;
 mod fs;
 mod loopdev;
 mod nbd;
+pub mod nfs_like;
 mod scratch;
 mod stack;
 

@@ -12,6 +12,11 @@ pub enum StorageKind {
     Ramfs,
     Ext4,
     Xfs,
+    Btrfs,
+    /// The NFS-like FUSE file system, NFS 3 profile (latency 0).
+    Nfs3,
+    /// The NFS-like FUSE file system, NFS 4.2 profile (latency 0).
+    Nfs42,
     /// Loop device, 512-byte sectors, on an ext4 file.
     Loop512,
     /// Loop device, 4096-byte sectors, on an ext4 file.
@@ -21,11 +26,14 @@ pub enum StorageKind {
 }
 
 impl StorageKind {
-    pub const ALL: [StorageKind; 7] = [
+    pub const ALL: [StorageKind; 10] = [
         StorageKind::Tmpfs,
         StorageKind::Ramfs,
         StorageKind::Ext4,
         StorageKind::Xfs,
+        StorageKind::Btrfs,
+        StorageKind::Nfs3,
+        StorageKind::Nfs42,
         StorageKind::Loop512,
         StorageKind::Loop4k,
         StorageKind::LoopTmpfs,
@@ -37,6 +45,9 @@ impl StorageKind {
             StorageKind::Ramfs => "ramfs",
             StorageKind::Ext4 => "ext4",
             StorageKind::Xfs => "xfs",
+            StorageKind::Btrfs => "btrfs",
+            StorageKind::Nfs3 => "nfs3",
+            StorageKind::Nfs42 => "nfs42",
             StorageKind::Loop512 => "loop512",
             StorageKind::Loop4k => "loop4k",
             StorageKind::LoopTmpfs => "loop-tmpfs",
@@ -65,8 +76,36 @@ impl StorageKind {
             StorageKind::Ramfs => Some(FsKind::Ramfs),
             StorageKind::Ext4 => Some(FsKind::Ext4),
             StorageKind::Xfs => Some(FsKind::Xfs),
+            StorageKind::Btrfs => Some(FsKind::Btrfs),
+            StorageKind::Nfs3 => Some(FsKind::Nfs3),
+            StorageKind::Nfs42 => Some(FsKind::Nfs42),
             _ => None,
         }
+    }
+
+    /// Whether this is one of the NFS-like kinds.
+    pub fn is_nfs(self) -> bool {
+        matches!(self, StorageKind::Nfs3 | StorageKind::Nfs42)
+    }
+
+    /// Why this machine cannot build the kind (see [`FsKind::unavailable`]).
+    pub fn unavailable(self) -> Option<String> {
+        self.fs_kind().and_then(FsKind::unavailable)
+    }
+
+    /// [`StorageKind::ALL`] less the kinds this machine cannot build, each
+    /// named in one line on stderr (see [`FsKind::usable`]).
+    pub fn usable() -> Vec<StorageKind> {
+        StorageKind::ALL
+            .into_iter()
+            .filter(|k| match k.unavailable() {
+                None => true,
+                Some(why) => {
+                    eprintln!("rawdisk-testkit: {k} skipped: {why}");
+                    false
+                }
+            })
+            .collect()
     }
 }
 
@@ -173,7 +212,7 @@ mod tests {
     #[test]
     #[ignore = "needs root"]
     fn scratch_of_every_kind_is_big_and_cheap() {
-        for kind in StorageKind::ALL {
+        for kind in StorageKind::usable() {
             let size = if kind == StorageKind::Ramfs {
                 64 * MIB
             } else {

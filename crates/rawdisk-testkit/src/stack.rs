@@ -67,6 +67,18 @@ impl Stack {
         self.undo.push(Undo::Umount(dir.to_owned()));
     }
 
+    /// A tmpfs of `size` bytes on `dir`, its root of `mode` (octal).
+    pub(crate) fn tmpfs(&mut self, dir: &Path, size: u64, mode: &str) {
+        let opts = format!("size={size},mode={mode}");
+        self.mount("tmpfs", "rawdisk-testkit", Some(&opts), dir);
+    }
+
+    /// Registers a mount made by other means (the NFS-like FUSE file system)
+    /// to be unmounted like the others.
+    pub(crate) fn mounted(&mut self, dir: &Path) {
+        self.undo.push(Undo::Umount(dir.to_owned()));
+    }
+
     /// Attaches `file` to a free loop device and returns the device path.
     pub(crate) fn attach(&mut self, file: &Path, sector_size: u32) -> PathBuf {
         let ss = sector_size.to_string();

@@ -131,12 +131,17 @@ fn check_write_zeroes(j: &serde_json::Value) -> bool {
 #[test]
 #[ignore = "needs root"]
 fn probe_on_every_file_system() {
-    for kind in FsKind::ALL {
+    for kind in FsKind::usable() {
         let fs = Fs::new(kind, 128 * MIB);
         let img = fs.sparse_file("p.img", 8 * MIB);
         write_pattern(&img, MIB, 2 * MIB, 6);
         let j = probe_file_unchanged(&img);
-        assert_eq!(j["filesystem"]["type"], kind.name());
+        let fstype = if kind.nfs_profile().is_some() {
+            "fuse"
+        } else {
+            kind.name()
+        };
+        assert_eq!(j["filesystem"]["type"], fstype, "{j}");
         let st = |m: &str| method(&j, m)["state"].as_str().unwrap().to_string();
         let with_trim = j["zero"]["with-trim"]["method"].as_str().unwrap();
         let without = j["zero"]["without-trim"]["method"].as_str().unwrap();
@@ -153,7 +158,9 @@ fn probe_on_every_file_system() {
                 assert_eq!(j["zero"]["fast-zero"], false);
                 assert_eq!(j["direct-io"], "works");
             }
-            FsKind::Ramfs => {
+            // ramfs and the NFS 3 client: no fallocate at all. NFS 3 has
+            // O_DIRECT, and no SEEK (the kernel reports all data).
+            FsKind::Ramfs | FsKind::Nfs3 => {
                 for m in [
                     "punch-hole",
                     "falloc-write-zeroes",
@@ -161,15 +168,42 @@ fn probe_on_every_file_system() {
                     "punch-alloc",
                     "fallocate",
                 ] {
-                    assert_eq!(st(m), "known to fail", "ramfs {m}: {j}");
+                    assert_eq!(st(m), "known to fail", "{kind} {m}: {j}");
                 }
                 assert_eq!(with_trim, "write-zeros");
                 assert_eq!(without, "write-zeros");
                 assert_eq!(j["zero"]["fast-zero"], false);
                 assert_eq!(j["zero"]["trim"], false);
-                assert_eq!(j["direct-io"], "known to fail");
+                if kind == FsKind::Nfs3 {
+                    assert_eq!(j["direct-io"], "works");
+                    assert!(method(&j, "seek-hole")["detail"]
+                        .as_str()
+                        .unwrap()
+                        .contains("everything as data"));
+                } else {
+                    assert_eq!(j["direct-io"], "known to fail");
+                }
             }
-            FsKind::Ext4 | FsKind::Xfs => {
+            // The NFS 4.2 client: ALLOCATE and DEALLOCATE, no ZERO_RANGE, so a
+            // zero that keeps the space punches and allocates again.
+            FsKind::Nfs42 => {
+                for m in ["punch-hole", "punch-alloc", "fallocate", "seek-hole"] {
+                    assert_eq!(st(m), "works", "nfs42 {m}: {j}");
+                }
+                for m in ["falloc-write-zeroes", "zero-range"] {
+                    assert_eq!(st(m), "known to fail", "nfs42 {m}: {j}");
+                }
+                assert!(method(&j, "seek-hole")["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("reports holes"));
+                assert_eq!(with_trim, "punch-hole");
+                assert_eq!(without, "punch-alloc");
+                assert_eq!(j["zero"]["fast-zero"], true);
+                assert_eq!(j["zero"]["trim"], true);
+                assert_eq!(j["direct-io"], "works");
+            }
+            FsKind::Ext4 | FsKind::Xfs | FsKind::Btrfs => {
                 for m in [
                     "punch-hole",
                     "zero-range",

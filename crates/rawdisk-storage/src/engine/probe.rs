@@ -313,9 +313,15 @@ impl Target {
                 self.sys
                     .fallocate(self.fd(), FallocMode::AllocateKeepSize, off, n)
             });
-            let t = self.judge(Method::Fallocate, off, n, r);
             free();
-            t
+            match r {
+                // KEEP_SIZE is only the probe's way not to grow the file; a
+                // refusal says nothing of mode 0, which the engine uses (the
+                // NFS 4.2 client has mode 0 and PUNCH_HOLE | KEEP_SIZE only):
+                // not learned, left to be learned by use.
+                Err(e) if is_unsupported(&e, Method::Fallocate.einval()) => Ok(Try::Unsupported(e)),
+                r => self.judge(Method::Fallocate, off, n, r),
+            }
         }));
         // PUNCH_HOLE + fallocate(0) works exactly when both parts do.
         let pa = match (

@@ -27,16 +27,17 @@ fn probe_check(t: &Target, s: &rawdisk_testkit::Scratch, kind: rawdisk_testkit::
             ],
             [w, f, w, w]
         ),
-        K::Ramfs => assert_eq!(
+        // KEEP_SIZE refused teaches nothing of fallocate(0): left to use.
+        K::Ramfs | K::Nfs3 => assert_eq!(
             [
                 got(PunchHole),
                 got(ZeroRange),
                 got(Fallocate),
                 got(PunchAlloc)
             ],
-            [f, f, f, f]
+            [f, f, Some(Tri::Unknown), f]
         ),
-        K::Ext4 | K::Xfs => assert_eq!(
+        K::Ext4 | K::Xfs | K::Btrfs => assert_eq!(
             [
                 got(PunchHole),
                 got(ZeroRange),
@@ -44,6 +45,17 @@ fn probe_check(t: &Target, s: &rawdisk_testkit::Scratch, kind: rawdisk_testkit::
                 got(PunchAlloc)
             ],
             [w, w, w, w]
+        ),
+        // The NFS 4.2 client refuses fallocate(KEEP_SIZE), the probe's way
+        // past the end, but has fallocate(0).
+        K::Nfs42 => assert_eq!(
+            [
+                got(PunchHole),
+                got(ZeroRange),
+                got(Fallocate),
+                got(PunchAlloc)
+            ],
+            [w, f, Some(Tri::Unknown), None]
         ),
         K::Loop512 | K::Loop4k => assert_eq!(
             [
@@ -86,10 +98,13 @@ fn smoke_every_storage_kind() {
         may_trim: false,
         fast_only: true,
     };
-    let handles: Vec<_> = StorageKind::ALL
+    let kinds: Vec<StorageKind> = StorageKind::usable()
         .into_iter()
         .filter(|k| std::env::var("RAWDISK_SMOKE_KIND").map_or(true, |v| v == k.name()))
-        .map(|kind| {
+        .collect();
+    let handles: Vec<_> = kinds
+        .iter()
+        .map(|&kind| {
             thread::spawn(move || {
                 let size = 8 * MIB;
                 let s = Scratch::new(kind, size);
@@ -152,9 +167,20 @@ fn smoke_every_storage_kind() {
                             .to_string();
                             assert!(e.contains("O_DIRECT") && e.contains("disk.img"), "{e}");
                         }
-                        StorageKind::Ext4 | StorageKind::Xfs => {
+                        StorageKind::Ext4 | StorageKind::Xfs | StorageKind::Btrfs => {
                             assert_eq!((m1, m2), (vec![PunchHole], vec![ZeroRange]));
                             assert_eq!(o3.unwrap(), vec![ZeroRange]);
+                        }
+                        // The NFS 3 client: no fallocate; O_DIRECT works.
+                        StorageKind::Nfs3 => {
+                            assert_eq!((m1, m2), (vec![w], vec![w]), "{cache:?}");
+                            assert_eq!(o3.unwrap_err().errno(), Some(libc::ENOTSUP));
+                        }
+                        // The NFS 4.2 client: DEALLOCATE, then ALLOCATE again
+                        // for a zero that keeps the space (no ZERO_RANGE).
+                        StorageKind::Nfs42 => {
+                            assert_eq!((m1, m2), (vec![PunchHole], vec![PunchAlloc]));
+                            assert_eq!(o3.unwrap(), vec![PunchAlloc]);
                         }
                         StorageKind::Loop512 | StorageKind::Loop4k => {
                             assert_eq!((m1, m2), (vec![PunchHole, w], vec![ZeroRange, w]));
@@ -190,7 +216,7 @@ fn smoke_every_storage_kind() {
         })
         .collect();
     let mut failed = Vec::new();
-    for (h, k) in handles.into_iter().zip(StorageKind::ALL) {
+    for (h, k) in handles.into_iter().zip(kinds) {
         if h.join().is_err() {
             failed.push(k);
         }

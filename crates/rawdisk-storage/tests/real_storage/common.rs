@@ -110,12 +110,15 @@ pub fn fail_always(fault: &FaultSys, kinds: &[CallKind], errno: i32) {
 pub fn expected_zero_method(kind: StorageKind, may_trim: bool) -> Method {
     use StorageKind::*;
     match (kind, may_trim) {
-        (Ramfs, _) => Method::WriteZeros,
-        (Tmpfs, true) | (Ext4, true) | (Xfs, true) => Method::PunchHole,
+        // No fallocate at all (ramfs, the NFS 3 client).
+        (Ramfs | Nfs3, _) => Method::WriteZeros,
+        (Tmpfs | Ext4 | Xfs | Btrfs | Nfs42, true) => Method::PunchHole,
+        // The NFS 4.2 client has ALLOCATE and DEALLOCATE, no ZERO_RANGE.
+        (Nfs42, false) => Method::PunchAlloc,
         // Punch + fallocate(0) works on tmpfs but costs twice what writing
         // zeros does, so the engine writes.
         (Tmpfs, false) => Method::WriteZeros,
-        (Ext4, false) | (Xfs, false) => Method::ZeroRange,
+        (Ext4 | Xfs | Btrfs, false) => Method::ZeroRange,
         (Loop512 | Loop4k | LoopTmpfs, true) => Method::PunchHole,
         (Loop512 | Loop4k | LoopTmpfs, false) => Method::ZeroRange,
     }
@@ -147,10 +150,16 @@ pub fn offload_align(kind: StorageKind) -> u64 {
     }
 }
 
-/// Whether punching frees the allocation on this kind (for st_blocks checks
-/// of trimmed ranges). ramfs cannot punch.
+/// Whether punching works and frees the allocation on this kind (for
+/// trims and st_blocks checks). ramfs and the NFS 3 client cannot punch.
 pub fn punch_frees(kind: StorageKind) -> bool {
-    kind != StorageKind::Ramfs
+    !matches!(kind, StorageKind::Ramfs | StorageKind::Nfs3)
+}
+
+/// Whether SEEK_HOLE reports every file as one data run here: ramfs, and
+/// the NFS 3 client (no SEEK operation: the kernel answers from the size).
+pub fn all_data(kind: StorageKind) -> bool {
+    matches!(kind, StorageKind::Ramfs | StorageKind::Nfs3)
 }
 
 /// Asserts the state of `m` in the target's learned capabilities.

@@ -97,8 +97,16 @@ pub fn cached_read(kind: StorageKind) {
     let mut back = vec![0u8; data.len()];
     let cached = p.target.read_cached(&mut back, MIB + 1000).unwrap();
     let memory_only = matches!(kind, StorageKind::Tmpfs | StorageKind::Ramfs);
-    if memory_only || !kind.is_block() {
+    // FUSE has no RWF_NOWAIT (EOPNOTSUPP, learned once): the NFS-like kinds
+    // answer "not cached", and the server reads on its threads.
+    if memory_only || !(kind.is_block() || kind.is_nfs()) {
         assert!(cached, "{kind}: just-written data not read from the cache");
+    }
+    if kind.is_nfs() {
+        assert!(!cached, "{kind}: RWF_NOWAIT worked on FUSE?");
+        assert!(!p.target.read_cached(&mut back, MIB + 1000).unwrap());
+        let asked = p.fault.calls(CallKind::PreadNowait);
+        assert_eq!(asked, 1, "{kind}: RWF_NOWAIT asked again after EOPNOTSUPP");
     }
     if cached {
         assert_same(&format!("{kind} cached read"), MIB + 1000, &back, &data);
@@ -142,6 +150,9 @@ per_kind!(direct_io:
     tmpfs => Tmpfs,
     ext4 => Ext4,
     xfs => Xfs,
+    btrfs => Btrfs,
+    nfs3 => Nfs3,
+    nfs42 => Nfs42,
     loop512 => Loop512,
     loop4k => Loop4k,
 );
@@ -232,7 +243,7 @@ pub fn concurrent_disjoint(kind: StorageKind) {
                                 if mb > ma {
                                     or_zero[ma as usize..mb as usize].fill(true);
                                 }
-                            } else if kind != StorageKind::Ramfs {
+                            } else if punch_frees(kind) {
                                 val[a..b].fill(0);
                             }
                         }
@@ -264,6 +275,9 @@ per_kind!(concurrent_disjoint:
     ramfs => Ramfs,
     ext4 => Ext4,
     xfs => Xfs,
+    btrfs => Btrfs,
+    nfs3 => Nfs3,
+    nfs42 => Nfs42,
     loop512 => Loop512,
     loop4k => Loop4k,
 );

@@ -146,7 +146,7 @@ pub fn model(kind: StorageKind) {
                 t.trim(off, len)
                     .unwrap_or_else(|e| panic!("{}: trim: {e}", what(i)));
                 match kind {
-                    StorageKind::Ramfs => {}
+                    k if !punch_frees(k) => {}
                     k if k.is_block() => {
                         let a = off.div_ceil(ss) * ss;
                         let b = (off + len) / ss * ss;

@@ -202,11 +202,18 @@ pub fn zero_ranges(kind: StorageKind) {
             // Never tried: writing zeros costs less there.
             (Method::PunchAlloc, Tri::Unknown),
         ],
-        StorageKind::Ramfs => &[
+        // The NFS 3 client has no fallocate at all.
+        StorageKind::Ramfs | StorageKind::Nfs3 => &[
             (Method::PunchHole, Tri::Fails),
             (Method::ZeroRange, Tri::Fails),
         ],
-        StorageKind::Ext4 | StorageKind::Xfs => &[
+        // The NFS 4.2 client: DEALLOCATE and ALLOCATE, no ZERO_RANGE.
+        StorageKind::Nfs42 => &[
+            (Method::PunchHole, Tri::Works),
+            (Method::ZeroRange, Tri::Fails),
+            (Method::PunchAlloc, Tri::Works),
+        ],
+        StorageKind::Ext4 | StorageKind::Xfs | StorageKind::Btrfs => &[
             (Method::PunchHole, Tri::Works),
             (Method::ZeroRange, Tri::Works),
         ],
@@ -388,6 +395,8 @@ per_kind!(zero_big:
     tmpfs => Tmpfs,
     ext4 => Ext4,
     xfs => Xfs,
+    btrfs => Btrfs,
+    nfs42 => Nfs42,
     loop512 => Loop512,
     loop4k => Loop4k,
     loop_tmpfs => LoopTmpfs,
@@ -442,6 +451,8 @@ per_kind!(write_zeros_advances:
     tmpfs => Tmpfs,
     ramfs => Ramfs,
     ext4 => Ext4,
+    nfs3 => Nfs3,
+    nfs42 => Nfs42,
     loop4k => Loop4k,
 );
 
