@@ -216,9 +216,11 @@ def test_serve_dir_refuses_such_exports_at_go(workdir, serve):
         return "nbd+unix:///%s?socket=%s" % (urllib.parse.quote(name), srv.sock)
 
     srv = serve(d, extra=("--dir",))
-    with pytest.raises(nbd.Error):
+    with pytest.raises(nbd.Error) as refused:
         with connected(uri(srv, "a.qcow2")):
             pass
+    # A policy refusal (NBD_REP_ERR_POLICY), not an unknown export.
+    assert "server policy prevents" in str(refused.value), refused.value
     # libnbd does not show the server's message; rawdisk's client does.
     res = rawdisk("info", uri(srv, "a.qcow2"))
     assert res.returncode == 1, res
@@ -226,6 +228,7 @@ def test_serve_dir_refuses_such_exports_at_go(workdir, serve):
           'the server exports it only when started with -f raw'
     assert why in res.stderr, res.stderr
     assert why in srv.stderr(), srv.stderr()
+    assert "(not served)" in srv.stderr() and "unknown export" not in srv.stderr()
     with connected(uri(srv, "plain.img")) as h:
         assert read_export(h) == read_target(plain)
     srv2 = serve(d, extra=("-f", "raw", "--dir"))

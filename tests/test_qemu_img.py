@@ -63,7 +63,7 @@ def test_convert_with_write_behind(workdir, serve, mode):
     same in every mode, the trailing FLUSH just has less to do."""
     src, model = make_image(workdir, "src.img", SIZE, seed=6, sparse=True)
     dst, _ = make_image(workdir, "dst.img", SIZE, seed=7)
-    srv = serve(dst, extra=("--write-behind", mode))
+    srv = serve(dst, extra=(f"--write-behind={mode}",))
     qemu_img("convert", "-n", "-W", "-m", "16", "-f", "raw", "-O", "raw", src, srv.uri)
     assert_export_is(srv.uri, model)
     assert_target_is(dst, model)

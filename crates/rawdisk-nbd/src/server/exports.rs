@@ -60,6 +60,25 @@ pub(super) enum Exports {
 /// Why a name does not open an export: the message for NBD_REP_ERR_UNKNOWN.
 pub(super) type Unknown = String;
 
+/// Why a client's NBD_OPT_INFO/GO/SET_META_CONTEXT gets no export: the reply
+/// (NBD_REP_ERR_UNKNOWN for a name that names no export it could open,
+/// NBD_REP_ERR_POLICY for one the server will not serve, e.g. another image
+/// format) and its message.
+#[derive(Debug)]
+pub(super) struct Refused {
+    pub(super) reply: u32,
+    pub(super) msg: String,
+}
+
+impl From<Unknown> for Refused {
+    fn from(msg: Unknown) -> Refused {
+        Refused {
+            reply: crate::proto::REP_ERR_UNKNOWN,
+            msg,
+        }
+    }
+}
+
 impl Exports {
     pub(super) fn dir(
         dir: &Path,
@@ -99,14 +118,14 @@ impl Exports {
         name: &str,
         write_behind: WriteBehind,
         max_payload: u32,
-    ) -> Result<Arc<Export>, Unknown> {
+    ) -> Result<Arc<Export>, Refused> {
         match self {
             Exports::One(e) if e.name == name => Ok(e.clone()),
-            Exports::One(e) => Err(format!(
+            Exports::One(e) => Err(Refused::from(format!(
                 "no export named {:?} (this server offers {:?})",
                 shorten(name),
                 e.name
-            )),
+            ))),
             Exports::Dir(d) => d.find(name, write_behind, max_payload),
         }
     }
@@ -304,13 +323,15 @@ impl Dir {
         name: &str,
         write_behind: WriteBehind,
         max_payload: u32,
-    ) -> Result<Arc<Export>, Unknown> {
+    ) -> Result<Arc<Export>, Refused> {
         let name = match (name, &self.default) {
             ("", Some(d)) => d.as_str(),
             ("", None) => {
-                return Err("this server exports a directory: pick an export by name \
-                            (list them with nbdinfo --list or rawdisk info --list)"
-                    .into())
+                return Err(Refused::from(
+                    "this server exports a directory: pick an export by name \
+                     (list them with nbdinfo --list or rawdisk info --list)"
+                        .to_string(),
+                ))
             }
             (n, _) => n,
         };
@@ -483,14 +504,18 @@ pub(super) fn open_tracker(target: &Target, opts: &TrackOptions) -> Result<Arc<T
 
 /// A client would take a qcow2 or VMDK file's bytes for its disk: only
 /// `serve -f raw` exports such a file.
-fn refuse_other_format(name: &str, target: &Target) -> Result<(), Unknown> {
+fn refuse_other_format(name: &str, target: &Target) -> Result<(), Refused> {
     match rawdisk_storage::format::probe_target(target) {
         Ok(None) => Ok(()),
-        Ok(Some(f)) => Err(format!(
-            "{:?} looks like a {f} image, not raw: the server exports it only when started with -f raw",
-            shorten(name)
-        )),
-        Err(e) => Err(format!("cannot read {:?}: {e}", shorten(name))),
+        Ok(Some(f)) => Err(Refused {
+            reply: crate::proto::REP_ERR_POLICY,
+            msg: format!(
+                "{:?} looks like a {f} image, not raw: the server exports it only when \
+                 started with -f raw",
+                shorten(name)
+            ),
+        }),
+        Err(e) => Err(format!("cannot read {:?}: {e}", shorten(name)).into()),
     }
 }
 

@@ -16,7 +16,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit};
 use tracing::{debug, trace, warn};
 
 use super::buffers::{Input, READ_AHEAD};
-use super::exports::Export;
+use super::exports::{Export, Refused};
 use super::limits::HandshakeSlot;
 use super::meta::{self, Context};
 use super::{protocol_error, BoxRead, BoxWrite, Session, Shared};
@@ -64,13 +64,13 @@ fn flags_for(fixed: &mut VecDeque<(String, u16)>, e: &Export) -> u16 {
 /// agree on, and a list of 65,536 long names is not held per connection.
 const FLAGS_KEPT: usize = 16;
 
-/// The export a client named, or the reason it gets NBD_REP_ERR_UNKNOWN
-/// (counted and logged: an operator wants to see clients asking for the
-/// wrong name).
-fn find(sh: &Shared, peer: &str, option: &str, name: &str) -> Result<Arc<Export>, String> {
+/// The export a client named, or why it gets none (counted and logged: an
+/// operator wants to see clients asking for the wrong name, or for a file
+/// the server will not serve).
+fn find(sh: &Shared, peer: &str, option: &str, name: &str) -> Result<Arc<Export>, Refused> {
     sh.exports
         .find(name, sh.cfg.write_behind, sh.cfg.max_payload)
-        .inspect_err(|msg| unknown_export(sh, peer, option, msg))
+        .inspect_err(|r| refused_export(sh, peer, option, r))
 }
 
 async fn send<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut Vec<u8>) -> io::Result<()> {
@@ -486,8 +486,8 @@ where
                     .find(&req.name, cfg.write_behind, cfg.max_payload)
                 {
                     Ok(e) => recent.insert(e).clone(),
-                    Err(msg) => {
-                        reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
+                    Err(r) => {
+                        reply_err(wr, &mut out, h.option, r.reply, &r.msg).await?;
                         continue;
                     }
                 };
@@ -510,8 +510,8 @@ where
                 let go = h.option == OPT_GO;
                 let e = match find(sh, peer, name, &req.name) {
                     Ok(e) => recent.insert(e).clone(),
-                    Err(msg) => {
-                        reply_err(wr, &mut out, h.option, REP_ERR_UNKNOWN, &msg).await?;
+                    Err(r) => {
+                        reply_err(wr, &mut out, h.option, r.reply, &r.msg).await?;
                         continue;
                     }
                 };
@@ -592,12 +592,18 @@ fn tls_required(sh: &Shared, peer: &str, what: &str, why: &str) {
     }
 }
 
-/// Logs (at most once a second) and counts an option refused for naming
-/// an export this server does not have.
-fn unknown_export(sh: &Shared, peer: &str, option: &str, why: &str) {
-    sh.stats.unknown_export();
+/// Logs (at most once a second) an option refused for naming an export
+/// this server does not have (counted as an unknown export) or will not
+/// serve (a policy refusal, logged as one).
+fn refused_export(sh: &Shared, peer: &str, option: &str, r: &Refused) {
+    let what = if r.reply == REP_ERR_POLICY {
+        "not served"
+    } else {
+        sh.stats.unknown_export();
+        "unknown export"
+    };
     if sh.export_refusals.allow() {
-        warn!("{peer}: refused {option}: {why}");
+        warn!("{peer}: refused {option} ({what}): {}", r.msg);
     }
 }
 
