@@ -16,7 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::bitmap::{self, Bits};
 use super::format::{Bad, Entry, Header, Reason, Stamp, PAGE};
 use super::{
-    valid_name, CbtError, CheckpointInfo, DEFAULT_GRANULARITY, MAX_CHECKPOINTS, MAX_NAME_LEN,
+    valid_name, CbtError, Chain, CheckpointInfo, DEFAULT_GRANULARITY, MAX_CHECKPOINTS, MAX_NAME_LEN,
 };
 use crate::errno::retry;
 use crate::sys::{FallocMode, LockCmd, LockKind, OpenHow, Sys};
@@ -379,7 +379,37 @@ pub(crate) fn new_header(granularity: u64, stamp: Stamp) -> Header {
         generation: 1,
         open: false,
         checkpoints: Vec::new(),
+        source_id: random_id(),
+        next_seq: 1,
     }
+}
+
+/// 16 random bytes: a new state file's source id. The kernel's, else (no
+/// /dev/urandom) the std hasher's OS-seeded keys mixed with the time and
+/// the process id.
+pub(crate) fn random_id() -> [u8; 16] {
+    use std::io::Read as _;
+    let mut id = [0u8; 16];
+    let kernel = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut id));
+    if kernel.is_err() || id == [0; 16] {
+        use std::hash::{BuildHasher, Hasher};
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        for half in id.chunks_exact_mut(8) {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(now);
+            h.write_u32(std::process::id());
+            half.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    id
+}
+
+/// Assigns a format-1 header's source id and sequence numbers; true when
+/// it did (the caller writes the header).
+pub(crate) fn assign_ids(h: &mut Header) -> bool {
+    !h.has_ids() && h.assign_ids(random_id())
 }
 
 /// A corrupt header made usable: every checkpoint whose name still parses
@@ -389,9 +419,13 @@ pub(crate) fn repair(h: Option<Header>, granularity: u64, stamp: Stamp) -> Heade
     if let Some(old) = h {
         fixed.generation = old.generation.wrapping_add(1);
         fixed.checkpoints = old.checkpoints;
+        // Under the new source id, numbered afresh: an old sequence number
+        // could be one the new counter hands out again.
         for e in &mut fixed.checkpoints {
             e.reason = Some(Reason::Corrupt);
+            e.seq = 0;
         }
+        fixed.assign_ids(fixed.source_id);
     }
     fixed
 }
@@ -437,7 +471,10 @@ pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason>
 pub(crate) fn infos(h: &Header) -> Vec<CheckpointInfo> {
     h.checkpoints
         .iter()
-        .map(|e| CheckpointInfo {
+        .enumerate()
+        .map(|(k, e)| CheckpointInfo {
+            id: h.identity(k),
+            seq: e.seq,
             name: e.name.clone(),
             created: e.created,
             consistent: e.reason.is_none(),
@@ -496,15 +533,20 @@ impl StateFile {
             disk,
             target: target.to_path_buf(),
         };
-        if create {
-            f.locked(LockKind::Write, |d| {
-                if let Read::Blank = d.read_header()? {
-                    d.write_header(&new_header(DEFAULT_GRANULARITY, st.stamp))?;
-                    d.sync()?;
-                }
-                Ok(())
-            })?;
-        }
+        f.locked(LockKind::Write, |d| match d.read_header()? {
+            Read::Blank if create => {
+                d.write_header(&new_header(DEFAULT_GRANULARITY, st.stamp))?;
+                d.sync()
+            }
+            // A format-1 file: its first opener gives it the identities
+            // (only those: the checks are the commands' own), durably, so
+            // every later reader sees the same.
+            Read::Ok(mut h) => match assign_ids(&mut h) {
+                true => Self::commit(d, &h),
+                false => Ok(()),
+            },
+            _ => Ok(()),
+        })?;
         Ok(f)
     }
 
@@ -618,22 +660,20 @@ impl StateFile {
             // that durable, then commit the header that points to it.
             d.clear_slot(&h, slot)?;
             d.sync()?;
+            assign_ids(&mut h);
             let e = Entry {
                 name,
                 created: now_secs(),
                 reason: None,
                 slot,
+                seq: h.next_seq,
             };
+            h.next_seq += 1;
             h.checkpoints.push(e.clone());
             h.generation += 1;
             Self::commit(d, &h)?;
             tracing::info!("checkpoint {} created in {}", e.name, d.path.display());
-            Ok(CheckpointInfo {
-                name: e.name,
-                created: e.created,
-                consistent: true,
-                reason: None,
-            })
+            Ok(infos(&h).pop().expect("the checkpoint just added"))
         })
     }
 
@@ -659,6 +699,7 @@ impl StateFile {
             }
             h.checkpoints.remove(k);
             h.generation += 1;
+            assign_ids(&mut h);
             Self::commit(d, &h)?;
             if victim.reason.is_none() {
                 // Give the freed slot's blocks back; nothing reads it again
@@ -692,9 +733,28 @@ impl StateFile {
     /// inconsistent when it is, from one look at the state. Logs nothing:
     /// the caller tells the user what it means for them.
     pub fn changes_since(&self, name: &str) -> Result<(Ranges, Option<String>), CbtError> {
+        self.changes_and_chain(name).map(|(r, why, _)| (r, why))
+    }
+
+    /// The source's identity and checkpoints as the checks leave them
+    /// (read under the mutation lock): what a full copy records.
+    pub fn chain(&self) -> Result<Chain, CbtError> {
+        self.locked(LockKind::Read, |d| {
+            let (h, _) = self.checked_header(d, false)?;
+            chain_of(d, &h)
+        })
+    }
+
+    /// [`StateFile::changes_since`] and the [`Chain`] of the same look at
+    /// the state: the checkpoints that existed when the ranges were read.
+    pub fn changes_and_chain(
+        &self,
+        name: &str,
+    ) -> Result<(Ranges, Option<String>, Chain), CbtError> {
         const OP: &str = "read changed ranges from";
         self.locked(LockKind::Read, |d| {
             let (h, served) = self.checked_header(d, false)?;
+            let chain = chain_of(d, &h)?;
             if served {
                 return Err(CbtError::msg(
                     OP,
@@ -710,7 +770,7 @@ impl StateFile {
             let size = h.stamp.size;
             if let Some(r) = h.checkpoints[k].reason {
                 let whole = if size == 0 { vec![] } else { vec![(0, size)] };
-                return Ok((whole, Some(r.text().to_string())));
+                return Ok((whole, Some(r.text().to_string()), chain));
             }
             let bits = changed_since(d, &h, k)?;
             let mut out = Vec::new();
@@ -723,9 +783,23 @@ impl StateFile {
                 }
                 at += len;
             }
-            Ok((out, None))
+            Ok((out, None, chain))
         })
     }
+}
+
+/// `h` as a [`Chain`]: its identities count only when they are the ones on
+/// disk (a header repaired or made in memory by a reader is not written).
+fn chain_of(d: &Disk, h: &Header) -> Result<Chain, CbtError> {
+    let durable = match d.read_header()? {
+        Read::Ok(disk) => disk.has_ids() && disk.source_id == h.source_id,
+        _ => false,
+    };
+    Ok(Chain {
+        source_id: durable.then(|| super::format::hex(&h.source_id)),
+        size: h.stamp.size,
+        checkpoints: infos(h),
+    })
 }
 
 fn check_name(op: &'static str, path: &Path, name: &str) -> Result<(), CbtError> {

@@ -26,6 +26,12 @@ const CRC_AT: usize = PAGE - 4;
 /// Bytes once reserved (zero), so files of version 1 without it still load,
 /// as "identity unknown".
 const ID_AT: usize = 80;
+/// The next checkpoint sequence number (u64) and the source id (16 bytes):
+/// zero in format-1 files, assigned by their first writer.
+const NEXT_SEQ_AT: usize = 100;
+const SOURCE_AT: usize = 108;
+/// A checkpoint entry's sequence number (u64), 0 = not yet assigned.
+const ENTRY_SEQ_AT: usize = 80;
 const _: () = assert!(TABLE + MAX_CHECKPOINTS * ENTRY <= CRC_AT);
 
 /// Why a checkpoint is inconsistent; the byte stored in its table entry.
@@ -91,6 +97,8 @@ pub(crate) struct Entry {
     pub reason: Option<Reason>,
     /// Bitmap slot; meaningless for an inconsistent entry.
     pub slot: u32,
+    /// Never reused within a source id (0: not yet assigned, format 1).
+    pub seq: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,6 +112,11 @@ pub(crate) struct Header {
     pub open: bool,
     /// Oldest first; inconsistent ones are a prefix.
     pub checkpoints: Vec<Entry>,
+    /// Random, made with the state file: with a sequence number, a
+    /// checkpoint's identity (all zero: not yet assigned, format 1).
+    pub source_id: [u8; 16],
+    /// The sequence number the next checkpoint gets (never reused).
+    pub next_seq: u64,
 }
 
 /// What a header page that is not a valid header is.
@@ -138,6 +151,37 @@ impl Header {
         self.checkpoints.iter().position(|e| e.name == name)
     }
 
+    /// Whether the source id and sequence numbers are assigned (a format-1
+    /// file has zeros there).
+    pub(crate) fn has_ids(&self) -> bool {
+        self.source_id != [0; 16] && self.checkpoints.iter().all(|e| e.seq != 0)
+    }
+
+    /// Give a header without them a source id (`fresh`) and its checkpoints
+    /// sequence numbers in table order, the counter past them. Returns
+    /// whether anything was assigned (the caller then writes the header).
+    pub(crate) fn assign_ids(&mut self, fresh: [u8; 16]) -> bool {
+        if self.has_ids() {
+            return false;
+        }
+        if self.source_id == [0; 16] {
+            self.source_id = fresh;
+        }
+        self.next_seq = self.next_seq.max(1);
+        for e in &mut self.checkpoints {
+            if e.seq == 0 {
+                e.seq = self.next_seq;
+                self.next_seq += 1;
+            }
+        }
+        true
+    }
+
+    /// The identity of the checkpoint at `k`: `<source id hex>:<seq>`.
+    pub(crate) fn identity(&self, k: usize) -> String {
+        identity(&self.source_id, self.checkpoints[k].seq)
+    }
+
     /// Mark every checkpoint inconsistent (their bitmaps are dropped).
     pub(crate) fn all_inconsistent(&mut self, reason: Reason) {
         if self.checkpoints.iter().any(|e| e.reason.is_none()) {
@@ -168,6 +212,8 @@ impl Header {
             put64(&mut p, ID_AT + 8, ino);
             put32(&mut p, ID_AT + 16, 1);
         }
+        put64(&mut p, NEXT_SEQ_AT, self.next_seq);
+        p[SOURCE_AT..SOURCE_AT + 16].copy_from_slice(&self.source_id);
         for (i, e) in self.checkpoints.iter().enumerate() {
             let at = TABLE + i * ENTRY;
             p[at..at + e.name.len()].copy_from_slice(e.name.as_bytes());
@@ -175,12 +221,16 @@ impl Header {
             p[at + 72] = u8::from(e.reason.is_none());
             p[at + 73] = e.reason.map_or(0, |r| r as u8);
             put32(&mut p, at + 76, e.slot);
+            put64(&mut p, at + ENTRY_SEQ_AT, e.seq);
         }
         let crc = crc32(&p[..CRC_AT]);
         put32(&mut p, CRC_AT, crc);
         p
     }
 
+    // The error is as large as a header: it carries the one that still
+    // parses, read once per open; no hot path returns it.
+    #[allow(clippy::result_large_err)]
     pub(crate) fn decode(p: &[u8; PAGE]) -> Result<Header, Bad> {
         if p.iter().all(|&b| b == 0) {
             return Err(Bad::Blank);
@@ -228,6 +278,7 @@ impl Header {
                 created: get64(p, at + 64),
                 reason,
                 slot: get32(p, at + 76),
+                seq: get64(p, at + ENTRY_SEQ_AT),
             });
         }
         Some(Header {
@@ -241,8 +292,20 @@ impl Header {
             generation: get64(p, 40),
             open: get32(p, 48) != 0,
             checkpoints,
+            source_id: p[SOURCE_AT..SOURCE_AT + 16].try_into().unwrap(),
+            next_seq: get64(p, NEXT_SEQ_AT),
         })
     }
+}
+
+/// A checkpoint's identity as printed: `<source id, 32 hex digits>:<seq>`.
+pub(crate) fn identity(source_id: &[u8; 16], seq: u64) -> String {
+    format!("{}:{seq}", hex(source_id))
+}
+
+/// A source id as printed: 32 lower-case hex digits.
+pub(crate) fn hex(source_id: &[u8; 16]) -> String {
+    source_id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(crate) fn slot_bytes(size: u64, granularity: u64) -> u64 {
@@ -323,14 +386,18 @@ mod tests {
                     created: 1,
                     reason: Some(Reason::Crash),
                     slot: 0,
+                    seq: 3,
                 },
                 Entry {
                     name: "a".repeat(MAX_NAME_LEN),
                     created: 2,
                     reason: None,
                     slot: 31,
+                    seq: u64::MAX - 1,
                 },
             ],
+            source_id: *b"0123456789abcdef",
+            next_seq: u64::MAX,
         }
     }
 
@@ -364,6 +431,26 @@ mod tests {
         let mut h = sample();
         h.checkpoints[0].reason = Some(Reason::Replaced);
         assert_eq!(Header::decode(&h.encode()), Ok(h));
+    }
+
+    #[test]
+    fn format_1_headers_get_ids_once_in_table_order() {
+        let mut h = sample();
+        h.source_id = [0; 16];
+        h.next_seq = 0;
+        for e in &mut h.checkpoints {
+            e.seq = 0;
+        }
+        let p = h.encode();
+        assert!(p[NEXT_SEQ_AT..SOURCE_AT + 16].iter().all(|&b| b == 0));
+        assert!(!Header::decode(&p).unwrap().has_ids());
+        assert!(h.assign_ids([7; 16]));
+        assert_eq!(h.source_id, [7; 16]);
+        let seqs: Vec<u64> = h.checkpoints.iter().map(|e| e.seq).collect();
+        assert_eq!((seqs, h.next_seq), (vec![1, 2], 3));
+        assert!(!h.assign_ids([8; 16]));
+        assert_eq!(Header::decode(&h.encode()), Ok(h.clone()));
+        assert_eq!(h.identity(1), format!("{}:2", "07".repeat(16)));
     }
 
     #[test]

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::bitmap::{self, AtomicBits, Bits, Leaves, Union};
 use super::file::{
-    check_unserved, infos, new_header, open_target, repair, stat_fd, state_path_for, Disk, Read,
-    MUTATION_BYTE, SERVED_BYTE,
+    assign_ids, check_unserved, infos, new_header, open_target, repair, stat_fd, state_path_for,
+    Disk, Read, MUTATION_BYTE, SERVED_BYTE,
 };
 use super::format::{Header, Reason};
 use super::{valid_granularity, CbtError, CheckpointInfo, TrackOptions, DEFAULT_GRANULARITY};
@@ -182,6 +182,7 @@ impl Tracker {
             }
         };
         check_unserved(&mut h, st);
+        assign_ids(&mut h);
         h.open = true;
         disk.write_header(&h)?;
         disk.sync()?;
