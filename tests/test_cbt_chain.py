@@ -272,6 +272,13 @@ def test_an_interrupted_copy_leaves_no_valid_record(workdir, serve, kind):
     ok(rawdisk("copy", "--changed-since", "c2", d.spec(), backup))
 
 
+def test_a_copy_without_flush_records_nothing_durable(workdir, serve):
+    d, backup = backed_up_at_c0(workdir, serve, "local")
+    res = rawdisk("copy", "--no-flush", "--changed-since", "c0", d.spec(), backup)
+    assert res.returncode == 0 and "no backup record written" in res.stderr.decode(), res
+    assert record(backup)["state"] == "incomplete"
+
+
 def test_an_untracked_full_copy_removes_the_record(workdir, serve):
     d, backup = backed_up_at_c0(workdir, serve, "local")
     plain, _ = make_image(workdir, "plain.img", SIZE, seed=3, sparse=True)

@@ -3,7 +3,8 @@
 //! - bytes 0..4096: the header page: magic, version, granularity, the size
 //!   the bitmaps cover, slot size, generation, open flag, checkpoint count,
 //!   the target's mtime/ctime and identity (device, inode) recorded at the
-//!   last clean close, the
+//!   last clean close, the next checkpoint sequence number and the source
+//!   id (a checkpoint's identity is the two), the
 //!   checkpoint table (32 entries of 96 bytes from byte 128), and at byte
 //!   4092 a CRC32 of bytes 0..4092;
 //! - from byte 4096: bitmap slot `s` at `4096 + s * slot_bytes`, one bit per
