@@ -5,8 +5,8 @@
 //! conversion of format 1, a format-2 file written before identities).
 
 use super::cbt_damage::{
-    all_changed_for_damage, list, make_format_1, opts, ranges, rewrite_header, state_path, tracked,
-    FILE_LEN, G, INDEX0, PAGE_SPAN, SIZE,
+    all_changed_for_damage, cut, list, make_format_1, opts, ranges, rewrite_header, state_path,
+    tracked, FILE_LEN, G, INDEX0, PAGE_SPAN, SIZE,
 };
 use super::Tmp;
 use crate::cbt::format::{crc32, Entry};
@@ -201,5 +201,54 @@ fn a_format_2_file_without_ids_is_stamped_anew() {
         }
         let seqs = reads_back_clean(&t, &want);
         assert_eq!(seqs, [1, 2]);
+    }
+}
+
+/// The source id of the state file, as listed (with a checkpoint).
+fn source_of(t: &Tmp) -> String {
+    let l = list(t);
+    l.last().expect("a checkpoint").id[..32].to_string()
+}
+
+/// A state file found zeroed, or with a corrupt header, and made usable by
+/// a writer (a checkpoint command or a tracking server) gets a new source
+/// id: its old counter cannot be trusted. A reader does not write the
+/// repair, so its chain names no source id.
+#[test]
+fn a_state_file_made_anew_or_repaired_gets_a_new_source_id() {
+    for (zeroed, server) in [(true, false), (true, true), (false, false), (false, true)] {
+        let (t, _) = two_checkpoints();
+        let p = state_path(&t);
+        let old = source_of(&t);
+        if zeroed {
+            cut(&p, 0);
+            cut(&p, FILE_LEN);
+        } else {
+            let mut b = rawdisk_testkit::read_range(&p, 52, 1);
+            b[0] ^= 0x40;
+            rawdisk_testkit::write_at(&p, 52, &b);
+            let chain = StateFile::open(&t.path, None, false)
+                .unwrap()
+                .chain()
+                .unwrap();
+            assert_eq!(chain.source_id, None, "a reader's repair is not durable");
+        }
+        if server {
+            Tracker::open(&t.path, SIZE, &opts())
+                .unwrap()
+                .close()
+                .unwrap();
+        }
+        let mut sf = StateFile::open(&t.path, None, true).unwrap();
+        sf.create_checkpoint(Some("new")).unwrap();
+        let new = source_of(&t);
+        assert_ne!(new, old, "zeroed {zeroed}, server {server}");
+        let chain = sf.chain().unwrap();
+        assert_eq!(chain.source_id.as_deref(), Some(new.as_str()));
+        // Survivors of a repair are renumbered under the new id, before
+        // the new checkpoint.
+        let seqs: Vec<u64> = chain.checkpoints.iter().map(|c| c.seq).collect();
+        let want: Vec<u64> = if zeroed { vec![1] } else { vec![1, 2, 3] };
+        assert_eq!(seqs, want, "zeroed {zeroed}, server {server}");
     }
 }
