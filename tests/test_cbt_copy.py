@@ -164,8 +164,9 @@ def test_chain_from_the_stopped_local_target(chain_dir, serve, state_dir):
         sd = os.path.join(chain_dir, "state")
         os.mkdir(sd)
     checkpoint(src, "c0", sd)
-    ok(rawdisk("copy", src, backup))
     sd_args = ["--state-dir", sd] if sd else []
+    # The state dir tells the full copy the identity its backup record holds.
+    ok(rawdisk("copy", *sd_args, src, backup))
     for n in range(1, ROUNDS + 1):
         srv = serve(src, extra=["--track-changes", *sd_args])
         touched = mutate(srv.uri, rnd)
@@ -191,13 +192,16 @@ def test_verify_catches_a_destination_that_loses_writes(chain_dir, workdir, serv
     sink = servers.Server(workdir, None, kind="nbdkit")
     sink.argv = ["nbdkit", "-f", "-P", sink.pid_file, "-U", sink.sock, "null", f"size={SIZE}"]
     sink.start()
+    # The sink holds no backup of anything: trusted, to reach --verify.
+    trust = ["--trust-destination", "--backup-record", os.path.join(workdir, "sink.rec")]
     try:
-        ok(rawdisk("copy", "--changed-since", "c0", srv.uri, sink.uri))
-        res = rawdisk("copy", "--verify", "--changed-since", "c0", srv.uri, sink.uri)
-        # The first byte the sink lost: the changed chunk's first non-zero.
+        ok(rawdisk("copy", *trust, "--changed-since", "c0", srv.uri, sink.uri))
+        res = rawdisk("copy", *trust, "--verify", "--changed-since", "c0", srv.uri, sink.uri)
+        # The whole destination is compared: the first byte the sink lost
+        # is the source's first non-zero one.
         data = read_target(src)
-        first = next(i for i in range(5 * MiB, 5 * MiB + GRAN) if data[i])
-        failed(res, 1, "verify:", f"differ at offset {first},")
+        first = next(i for i in range(SIZE) if data[i])
+        failed(res, 1, "verify:", f"differ at offset {first}")
     finally:
         sink.kill()
 
@@ -235,7 +239,6 @@ def test_flags_that_make_no_sense_are_usage_errors(chain_dir):
     for args in (["--target-is-zero"], ["--force"], ["--preallocation", "full"]):
         failed(rawdisk("copy", "--changed-since", "c0", *args, src, backup), 2, args[0])
     failed(rawdisk("copy", "--changed-since", "c0", src, "null:"), 2, "null:")
-    failed(rawdisk("copy", "--state-dir", chain_dir, src, backup), 2, "--changed-since")
     failed(rawdisk("copy", "--changed-since", "c0", "--state-dir", chain_dir,
                    "nbd+unix:///?socket=/nonexistent", backup), 2, "--state-dir")
     assert read_target(backup) == before
@@ -281,21 +284,23 @@ def test_chain_of_a_block_device_onto_an_nbd_backup(workdir, serve, dev):
     failed(rawdisk("checkpoint", "create", "--name", "c0", dev), 1, "--state-dir")
     checkpoint(dev, "c0", sd)
     backup = os.path.join(workdir, "backup.img")
-    ok(rawdisk("copy", dev, backup))
+    ok(rawdisk("copy", "--state-dir", sd, dev, backup))
     dst = serve(backup)
+    # Written through NBD, the backup's record is named.
+    rec = ["--backup-record", backup + ".rawdisk-backup"]
     for n in (1, 2):
         srv = serve(dev, extra=["--track-changes", "--state-dir", sd])
         touched = mutate(srv.uri, rnd)
         checkpoint(dev, f"c{n}", sd)
         incremental(srv.uri, backup, f"c{n - 1}", read_target(dev), touched, rnd,
-                    dst_spec=dst.uri)
+                    extra=rec, dst_spec=dst.uri)
         assert srv.terminate() == 0, srv.stderr()
     # And from the stopped device itself.
     srv = serve(dev, extra=["--track-changes", "--state-dir", sd])
     touched = mutate(srv.uri, rnd)
     assert srv.terminate() == 0, srv.stderr()
     incremental(dev, backup, "c2", read_target(dev), touched, rnd,
-                extra=["--state-dir", sd], dst_spec=dst.uri)
+                extra=["--state-dir", sd, *rec], dst_spec=dst.uri)
     dst.assert_alive()
 
 

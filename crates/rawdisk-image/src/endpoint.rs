@@ -94,6 +94,9 @@ pub struct EndpointOptions {
     /// NBD: metadata contexts to select besides base:allocation, for
     /// [`Endpoint::context_status`]; the connection fails without them.
     pub extra_contexts: Vec<String>,
+    /// NBD: metadata context queries to list at connect time (the answer
+    /// is in [`Endpoint::nbd_info`]).
+    pub list_contexts: Vec<String>,
     /// The user said the image is raw (`-f raw`): read-only opens take its
     /// bytes as raw whatever they look like. Otherwise an input that looks
     /// like another image format is refused ([`Endpoint::open_with`]).
@@ -109,6 +112,7 @@ impl Default for EndpointOptions {
             connect_timeout: None,
             request_timeout: None,
             extra_contexts: Vec::new(),
+            list_contexts: Vec::new(),
             raw: false,
         }
     }
@@ -241,6 +245,7 @@ impl Endpoint {
             connections: opts.connections.max(1),
             request_timeout: opts.request_timeout,
             extra_contexts: opts.extra_contexts.clone(),
+            list_contexts: opts.list_contexts.clone(),
             ..Default::default()
         };
         if let Some(t) = opts.connect_timeout {

@@ -204,11 +204,20 @@ const FILES_SERVE: &[(&str, &str)] = &[
     ),
 ];
 
-const FILES_COPY: &[(&str, &str)] = &[(
-    "SOURCE.rawdisk-cbt",
-    "With --changed-since and a local source: the source's changed-block tracking \
-     state (DIR/NAME.rawdisk-cbt with --state-dir DIR).",
-)];
+const FILES_COPY: &[(&str, &str)] = &[
+    (
+        "SOURCE.rawdisk-cbt",
+        "With a local source: the source's changed-block tracking state \
+         (DIR/NAME.rawdisk-cbt with --state-dir DIR), read for --changed-since and \
+         for the backup record.",
+    ),
+    (
+        "DESTINATION.rawdisk-backup",
+        "The backup record of a file destination (--backup-record FILE for a block \
+         device or NBD destination): the source and checkpoint it holds, written \
+         after a copy from a tracked source, checked by --changed-since.",
+    ),
+];
 
 /// rawdisk-checkpoint(1) and its nested commands' pages differ only in
 /// the command.

@@ -48,13 +48,20 @@ fn create_list_delete() {
         .collect();
     assert_eq!(lines.len(), 3, "{human}");
     for (l, name) in lines.iter().zip(["cp-1", "monday", "cp-2"]) {
-        assert_eq!(l.len(), 3, "{human}");
+        assert_eq!(l.len(), 4, "{human}");
         assert_eq!(l[0], name);
         assert!(
             l[1].len() == 20 && l[1].ends_with('Z') && l[1].contains('T'),
             "{human}"
         );
-        assert_eq!(l[2], "consistent");
+        assert_eq!(l[3], "consistent");
+    }
+    // Identities: one source id, sequence numbers in creation order.
+    let ids: Vec<&str> = lines.iter().map(|l| l[2]).collect();
+    let source = &ids[0]["id=".len()..ids[0].len() - 2];
+    assert_eq!(source.len(), 32, "{human}");
+    for (id, seq) in ids.iter().zip(1..) {
+        assert_eq!(*id, format!("id={source}:{seq}"), "{human}");
     }
     // Names are padded to one column.
     assert!(human.starts_with("cp-1    "), "{human}");
@@ -65,12 +72,13 @@ fn create_list_delete() {
     for (c, name) in arr.iter().zip(["cp-1", "monday", "cp-2"]) {
         // RFC 3339 in UTC, as the human form prints it.
         let created = c["created"].as_str().unwrap().to_string();
-        let listed_at = lines.iter().find(|l| l[0] == name).unwrap()[1];
-        assert_eq!(created, listed_at, "{c}");
+        let listed = lines.iter().find(|l| l[0] == name).unwrap();
+        assert_eq!(created, listed[1], "{c}");
         assert_eq!(
             *c,
             serde_json::json!({
-                "name": name, "created": created, "consistent": true, "reason": null
+                "name": name, "created": created, "consistent": true, "reason": null,
+                "id": &listed[2]["id=".len()..],
             })
         );
     }
@@ -173,7 +181,7 @@ fn outside_write_is_listed_as_inconsistent() {
     assert_eq!(
         r.stdout
             .split_whitespace()
-            .skip(2)
+            .skip(3)
             .collect::<Vec<_>>()
             .join(" "),
         "inconsistent (the target was modified while it was not tracked)"

@@ -12,12 +12,12 @@
 //! read and written in requests, on several workers and connections.
 
 use std::path::Path;
-use std::time::Instant;
 
-use rawdisk_storage::cbt::StateFile;
+use rawdisk_storage::cbt::{Chain, StateFile};
 
+use super::record::Source;
 use super::{CopyError, CopyOptions, CopyStats, Result, Side, ZeroMode};
-use crate::endpoint::{self, Endpoint, IoBuf};
+use crate::endpoint::{self, Endpoint};
 
 /// (offset, length) ranges in offset order.
 type Ranges = Vec<(u64, u64)>;
@@ -34,12 +34,23 @@ pub struct Incremental {
     pub ranges: Vec<(u64, u64)>,
     /// Set when everything counts as changed: why this is a full copy.
     pub warning: Option<String>,
+    /// The source's identity and checkpoints when the ranges were read;
+    /// None when it does not tell them (a server that lists no checkpoint
+    /// identities, a state file not written yet).
+    pub source: Option<Source>,
 }
 
 impl Incremental {
     /// Bytes in the changed ranges.
     pub fn changed(&self) -> u64 {
         self.ranges.iter().map(|r| r.1).sum()
+    }
+
+    /// Whether every byte is copied: then the destination's earlier
+    /// contents do not matter.
+    pub fn whole(&self) -> bool {
+        let size = self.src.size();
+        size == 0 || self.ranges == [(0, size)]
     }
 }
 
@@ -64,20 +75,24 @@ pub fn open_changed(
             "--changed-since copies onto a previous backup, which does not read as zeros".into(),
         ));
     }
-    let (src, mut ranges, inconsistent) = if endpoint::is_nbd(source) {
+    // The identities are learnt before the ranges are read: the newest
+    // checkpoint then is one every later change is recorded after.
+    let (src, mut ranges, inconsistent, ids) = if endpoint::is_nbd(source) {
         let context = context_name(checkpoint);
         let mut eopts = opts.endpoint_options(false);
         eopts.extra_contexts = vec![context.clone()];
         let src = super::retry::open(source, &eopts, Side::Source, opts.retry_timeout)
             .map_err(CopyError::io(Side::Source))?;
+        let ids = listed_source(&src);
         let ranges = nbd_ranges(&src, &context).map_err(CopyError::io(Side::Source))?;
-        (src, ranges, None)
+        (src, ranges, None, ids)
     } else {
-        let (ranges, inconsistent) = state_ranges(source, checkpoint, state_dir)?;
+        let (ranges, inconsistent, chain) = state_ranges(source, checkpoint, state_dir)?;
         let src = super::open_source(source, opts)?;
-        (src, ranges, inconsistent)
+        (src, ranges, inconsistent, Source::from_chain(&chain))
     };
     let size = src.size();
+    let ids = ids.map(|s| Source { size, ..s });
     // The state file covers the size it recorded; a target resized since
     // is refused below (the backup's size differs), but never read past.
     ranges.retain(|r| r.0 < size);
@@ -104,7 +119,40 @@ pub fn open_changed(
         dst,
         ranges,
         warning,
+        source: ids,
     })
+}
+
+/// What an NBD source listed of its checkpoints' identities.
+pub(super) fn listed_source(src: &Endpoint) -> Option<Source> {
+    let info = src.nbd_info()?;
+    Source::from_listed(&info.listed_contexts, src.size())
+}
+
+/// The identity of a full copy's source, read before its data: the local
+/// target's state file (`state_dir` as for `checkpoint`), or what its NBD
+/// server listed. None for an untracked source; a state file that cannot
+/// be read is said and counts as none (the copy itself does not need it).
+pub fn source_identity(src: &Endpoint, spec: &str, state_dir: Option<&Path>) -> Option<Source> {
+    if src.is_nbd() {
+        return listed_source(src);
+    }
+    let path = Path::new(spec);
+    let state = rawdisk_storage::cbt::state_path(path, state_dir).ok()?;
+    if std::fs::symlink_metadata(&state).is_err() {
+        return None;
+    }
+    let chain = StateFile::open(path, state_dir, false).and_then(|s| s.chain());
+    match chain {
+        Ok(c) => Source::from_chain(&c).map(|s| Source {
+            size: src.size(),
+            ..s
+        }),
+        Err(e) => {
+            tracing::warn!("{e}: the copy records no backup identity");
+            None
+        }
+    }
 }
 
 /// Copies the changed ranges of `inc.src` onto `inc.dst` and flushes it.
@@ -116,47 +164,6 @@ pub fn copy_changed(inc: &Incremental, opts: &CopyOptions) -> Result<CopyStats> 
         false,
         Some(&inc.ranges),
     )
-}
-
-/// Compares the changed ranges of both sides (what the copy wrote); fails
-/// with the first differing offset.
-pub fn verify_changed(
-    src: &Endpoint,
-    dst: &Endpoint,
-    ranges: &[(u64, u64)],
-) -> Result<super::VerifyStats> {
-    let t0 = Instant::now();
-    let align = src.min_block().max(dst.min_block()).max(4096);
-    let chunk = {
-        let c = (8u64 << 20).min(src.max_io()).min(dst.max_io()).max(align);
-        c - c % align
-    };
-    let mut a = IoBuf::new(chunk as usize, align as usize);
-    let mut b = IoBuf::new(chunk as usize, align as usize);
-    let mut compared = 0;
-    for &(offset, len) in ranges {
-        let end = offset + len;
-        let mut pos = offset;
-        while pos < end {
-            let n = (end - pos).min(chunk);
-            let diff = crate::compare::compare_both(src, dst, &mut a, &mut b, pos, n)
-                .map_err(|e| super::verify::side_error(src, e))?;
-            if let Some(d) = diff {
-                return Err(CopyError::Mismatch(format!(
-                    "{} and {} differ at offset {d}, in a range changed since the checkpoint",
-                    src.name(),
-                    dst.name()
-                )));
-            }
-            compared += 2 * n;
-            pos += n;
-        }
-    }
-    Ok(super::VerifyStats {
-        bytes_compared: compared,
-        bytes_skipped: 0,
-        elapsed: t0.elapsed(),
-    })
 }
 
 /// The changed ranges the source's server reports, merged.
@@ -193,12 +200,12 @@ fn state_ranges(
     source: &str,
     checkpoint: &str,
     state_dir: Option<&Path>,
-) -> Result<(Ranges, Option<String>)> {
+) -> Result<(Ranges, Option<String>, Chain)> {
     let setup = |e: rawdisk_storage::cbt::CbtError| CopyError::Setup(e.to_string());
     let state = StateFile::open(Path::new(source), state_dir, false).map_err(setup)?;
     // It refuses while served, and names the checkpoints there are. Says
     // nothing itself: the copy's warning is the one line about it.
-    state.changes_since(checkpoint).map_err(setup)
+    state.changes_and_chain(checkpoint).map_err(setup)
 }
 
 /// Opens the destination of an incremental copy: it must exist (it is the

@@ -30,15 +30,16 @@ mod from_stream;
 mod offload;
 mod open;
 mod pace;
+pub mod record;
 mod retry;
 mod verify;
 
-pub use changed::{copy_changed, open_changed, verify_changed, Incremental};
+pub use changed::{copy_changed, open_changed, source_identity, Incremental};
 pub use dst::Stream;
 use dst::{Dst, Store, To};
 pub use from_stream::{copy_from_stream, open_for_stream, StreamDestination};
 pub use offload::OffloadMode;
-pub use open::{open_destination, open_pair, open_source, Destination};
+pub use open::{open_destination, open_pair, open_pair_then, open_source, Destination};
 pub use pace::{check_progress_fd, Report};
 use retry::Link;
 pub use verify::{verify, VerifyStats};
@@ -117,6 +118,13 @@ impl CopyOptions {
             connect_timeout: t,
             request_timeout: t,
             extra_contexts: Vec::new(),
+            // A source tells its checkpoints' identities, for the backup
+            // record (nothing from a server without changed-block tracking).
+            list_contexts: if writable {
+                Vec::new()
+            } else {
+                vec![record::CHECKPOINT_QUERY.to_string()]
+            },
             raw: self.raw,
         }
     }

@@ -22,10 +22,23 @@ pub fn open_pair(
     destination: &str,
     opts: &CopyOptions,
 ) -> Result<(Endpoint, Destination)> {
+    open_pair_then(source, destination, opts, |_| Ok(()))
+}
+
+/// [`open_pair`], running `before` with the open source before the
+/// destination is opened (created, resized): the last moment nothing of
+/// the destination has changed yet.
+pub fn open_pair_then(
+    source: &str,
+    destination: &str,
+    opts: &CopyOptions,
+    before: impl FnOnce(&Endpoint) -> Result<()>,
+) -> Result<(Endpoint, Destination)> {
     let src = open_source(source, opts)?;
     if !endpoint::is_nbd(source) && !endpoint::is_nbd(destination) {
         refuse_same_file(source, destination)?;
     }
+    before(&src)?;
     let dst = open_destination(destination, src.size(), opts)?;
     Ok((src, dst))
 }

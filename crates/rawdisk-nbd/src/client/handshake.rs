@@ -112,6 +112,11 @@ pub(super) async fn handshake(
             )));
         }
     }
+    let listed = if structured && !opts.list_contexts.is_empty() {
+        list_contexts(r, w, export, &opts.list_contexts).await?
+    } else {
+        Vec::new()
+    };
     let mut context: Option<(u32, String)> = None;
     let mut contexts: Vec<(String, u32)> = Vec::new();
     let mut queries = Vec::new();
@@ -246,7 +251,42 @@ pub(super) async fn handshake(
     }
     info.meta_context = context.as_ref().map(|c| c.1.clone());
     info.contexts = contexts.iter().map(|c| c.0.clone()).collect();
+    info.listed_contexts = listed;
     Ok(Ok((info, context.map(|c| c.0), contexts)))
+}
+
+/// NBD_OPT_LIST_META_CONTEXT of `queries`: the names the server lists. An
+/// error reply lists nothing (a server that knows none of them).
+async fn list_contexts(
+    r: &mut Reader,
+    w: &mut Writer,
+    export: &str,
+    queries: &[String],
+) -> HsResult<Vec<String>> {
+    send_option(
+        w,
+        &ClientOption::ListMetaContext(MetaContextRequest {
+            name: export.to_string(),
+            queries: queries.to_vec(),
+        }),
+    )
+    .await?;
+    let mut names = Vec::new();
+    loop {
+        match option_reply(r, OPT_LIST_META_CONTEXT).await? {
+            OptionReply::MetaContext { name, .. } => names.push(name),
+            OptionReply::Ack => return Ok(names),
+            OptionReply::Error { reply, message } => {
+                tracing::debug!(reply = reply_type_name(reply), %message, "server refused LIST_META_CONTEXT");
+                return Ok(Vec::new());
+            }
+            other => {
+                return Err(protocol(format!(
+                    "unexpected reply {other:?} to LIST_META_CONTEXT"
+                )))
+            }
+        }
+    }
 }
 
 /// Why a context the caller asked for is missing, with a hint for rawdisk's

@@ -61,6 +61,9 @@ pub struct ExportInfo {
     /// The extra metadata contexts selected ([`ConnectOptions::extra_contexts`]),
     /// all of them: a connection without one of them fails to open.
     pub contexts: Vec<String>,
+    /// What NBD_OPT_LIST_META_CONTEXT answered to
+    /// [`ConnectOptions::list_contexts`] (empty when not asked, or refused).
+    pub listed_contexts: Vec<String>,
     /// Connections actually opened (more than one only with multi-conn).
     pub connections: usize,
 }
@@ -81,6 +84,7 @@ impl ExportInfo {
             extended_headers: false,
             meta_context: None,
             contexts: Vec::new(),
+            listed_contexts: Vec::new(),
             connections: 1,
         }
     }
@@ -159,6 +163,10 @@ pub struct ConnectOptions {
     /// connection fails ([`Error::NoContext`]) when the server does not
     /// offer every one of them.
     pub extra_contexts: Vec<String>,
+    /// Queries to list before selecting (NBD_OPT_LIST_META_CONTEXT, e.g.
+    /// `rawdisk:checkpoint:`); the answer is
+    /// [`ExportInfo::listed_contexts`].
+    pub list_contexts: Vec<String>,
     /// Give up connecting and negotiating after this long.
     pub timeout: Duration,
     /// Abandon a connection whose server has not answered for this long
@@ -174,6 +182,7 @@ impl Default for ConnectOptions {
             structured_replies: true,
             block_status: true,
             extra_contexts: Vec::new(),
+            list_contexts: Vec::new(),
             timeout: Duration::from_secs(30),
             request_timeout: None,
         }

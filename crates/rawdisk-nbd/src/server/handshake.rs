@@ -500,6 +500,9 @@ where
                     }
                     .encode(h.option, &mut out);
                 }
+                for name in meta::listed_only(&e, &req.queries, set) {
+                    OptionReply::MetaContext { id: 0, name }.encode(h.option, &mut out);
+                }
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;
                 if set {

@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 
+use rawdisk_storage::cbt::CheckpointInfo;
 use tracing::warn;
 
 use super::exports::Export;
@@ -16,6 +17,9 @@ pub(super) const BASE_ALLOCATION_ID: u32 = 1;
 pub(super) const NAMESPACE: &str = "rawdisk:";
 /// `rawdisk:changed:NAME`: the ranges changed since checkpoint NAME.
 pub(super) const CHANGED_PREFIX: &str = "rawdisk:changed:";
+/// `rawdisk:checkpoint:NAME:<source id hex>:<seq>`: list-only contexts
+/// that tell a client each checkpoint's identity (what a backup records).
+pub(super) const CHECKPOINT_PREFIX: &str = "rawdisk:checkpoint:";
 /// Block status flag of a `rawdisk:changed:` context: the extent changed
 /// since the checkpoint (clear: unchanged).
 pub(super) const STATE_CHANGED: u32 = 1 << 0;
@@ -43,7 +47,37 @@ impl Context {
 /// namespace. SET: exact names only (spec: an empty leaf name SHOULD NOT
 /// select anything). Queries of other namespaces are ignored (spec: MUST).
 pub(super) fn matching(e: &Export, queries: &[String], set: bool) -> Vec<Context> {
-    select(checkpoint_names(e), queries, set)
+    let names = checkpoints(e).into_iter().map(|c| c.name).collect();
+    select(names, queries, set)
+}
+
+/// The list-only names LIST adds after [`matching`]'s: for a query
+/// `rawdisk:checkpoint:` every checkpoint's, oldest first, for
+/// `rawdisk:checkpoint:NAME` that one's. SET selects none of them (they
+/// have no block status).
+pub(super) fn listed_only(e: &Export, queries: &[String], set: bool) -> Vec<String> {
+    if set || !queries.iter().any(|q| q.starts_with(CHECKPOINT_PREFIX)) {
+        return Vec::new();
+    }
+    identities(checkpoints(e), queries)
+}
+
+fn identities(cps: Vec<CheckpointInfo>, queries: &[String]) -> Vec<String> {
+    let mut all = false;
+    let mut named: HashSet<&str> = HashSet::new();
+    for q in queries {
+        match q.strip_prefix(CHECKPOINT_PREFIX) {
+            Some("") => all = true,
+            Some(name) => {
+                named.insert(name);
+            }
+            None => {}
+        }
+    }
+    cps.into_iter()
+        .filter(|c| all || named.contains(c.name.as_str()))
+        .map(|c| format!("{CHECKPOINT_PREFIX}{}:{}", c.name, c.id))
+        .collect()
 }
 
 fn select(checkpoints: Vec<String>, queries: &[String], set: bool) -> Vec<Context> {
@@ -95,12 +129,12 @@ pub(super) fn numbered(found: Vec<Context>) -> Vec<(u32, Context)> {
 
 /// The export's checkpoints as the state file has them now (another
 /// process may have created or deleted some); none without tracking.
-fn checkpoint_names(e: &Export) -> Vec<String> {
+fn checkpoints(e: &Export) -> Vec<CheckpointInfo> {
     let Some(t) = e.tracker() else {
         return Vec::new();
     };
     refresh(e);
-    t.checkpoints().into_iter().map(|c| c.name).collect()
+    t.checkpoints()
 }
 
 /// Picks up checkpoints made or deleted by `rawdisk checkpoint` while the
@@ -168,6 +202,33 @@ mod tests {
             .map(|p| p.0)
             .collect();
         assert_eq!(ids, [1]);
+    }
+
+    #[test]
+    fn checkpoint_identities_are_listed_by_their_own_query() {
+        let cp = |name: &str, seq: u64| CheckpointInfo {
+            name: name.into(),
+            created: 0,
+            consistent: true,
+            reason: None,
+            id: format!("{}:{seq}", "ab".repeat(16)),
+            seq,
+        };
+        let cps = || vec![cp("a", 1), cp("b", 2)];
+        let q = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let id = |n: &str, s: u64| format!("rawdisk:checkpoint:{n}:{}:{s}", "ab".repeat(16));
+        assert_eq!(
+            identities(cps(), &q(&["rawdisk:checkpoint:"])),
+            [id("a", 1), id("b", 2)]
+        );
+        assert_eq!(
+            identities(cps(), &q(&["rawdisk:checkpoint:b", "rawdisk:checkpoint:c"])),
+            [id("b", 2)]
+        );
+        assert!(identities(cps(), &q(&["rawdisk:", "rawdisk:changed:"])).is_empty());
+        // Not selectable, and not in the wildcard lists of the others.
+        assert!(run(&["rawdisk:checkpoint:", "rawdisk:checkpoint:a"], true).is_empty());
+        assert!(run(&["rawdisk:checkpoint:"], false).is_empty());
     }
 
     #[test]

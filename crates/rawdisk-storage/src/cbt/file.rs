@@ -15,9 +15,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::bitmap::{self, Bits};
 use super::format::{Bad, Entry, Header, Reason, Stamp, PAGE, V1};
-use super::index::{convert, load_checked, Loaded, PageIndex};
+use super::index::{load_checked, upgrade, Loaded, PageIndex};
 use super::{
-    valid_name, CbtError, CheckpointInfo, DEFAULT_GRANULARITY, MAX_CHECKPOINTS, MAX_NAME_LEN,
+    valid_name, CbtError, Chain, CheckpointInfo, DEFAULT_GRANULARITY, MAX_CHECKPOINTS, MAX_NAME_LEN,
 };
 use crate::errno::retry;
 use crate::sys::{FallocMode, LockCmd, LockKind, OpenHow, Sys};
@@ -486,7 +486,37 @@ pub(crate) fn new_header(granularity: u64, stamp: Stamp) -> Header {
         generation: 1,
         open: false,
         checkpoints: Vec::new(),
+        source_id: random_id(),
+        next_seq: 1,
     }
+}
+
+/// 16 random bytes: a new state file's source id. The kernel's, else (no
+/// /dev/urandom) the std hasher's OS-seeded keys mixed with the time and
+/// the process id.
+pub(crate) fn random_id() -> [u8; 16] {
+    use std::io::Read as _;
+    let mut id = [0u8; 16];
+    let kernel = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut id));
+    if kernel.is_err() || id == [0; 16] {
+        use std::hash::{BuildHasher, Hasher};
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        for half in id.chunks_exact_mut(8) {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(now);
+            h.write_u32(std::process::id());
+            half.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    id
+}
+
+/// Assigns a format-1 header's source id and sequence numbers; true when
+/// it did (the caller writes the header).
+pub(crate) fn assign_ids(h: &mut Header) -> bool {
+    !h.has_ids() && h.assign_ids(random_id())
 }
 
 /// A corrupt header made usable: every checkpoint whose name still parses
@@ -496,9 +526,13 @@ pub(crate) fn repair(h: Option<Header>, granularity: u64, stamp: Stamp) -> Heade
     if let Some(old) = h {
         fixed.generation = old.generation.wrapping_add(1);
         fixed.checkpoints = old.checkpoints;
+        // Under the new source id, numbered afresh: an old sequence number
+        // could be one the new counter hands out again.
         for e in &mut fixed.checkpoints {
             e.reason = Some(Reason::Corrupt);
+            e.seq = 0;
         }
+        fixed.assign_ids(fixed.source_id);
     }
     fixed
 }
@@ -544,7 +578,10 @@ pub(crate) fn check_unserved(h: &mut Header, now: &TargetStat) -> Option<Reason>
 pub(crate) fn infos(h: &Header) -> Vec<CheckpointInfo> {
     h.checkpoints
         .iter()
-        .map(|e| CheckpointInfo {
+        .enumerate()
+        .map(|(k, e)| CheckpointInfo {
+            id: h.identity(k),
+            seq: e.seq,
             name: e.name.clone(),
             created: e.created,
             consistent: e.reason.is_none(),
@@ -646,17 +683,35 @@ impl StateFile {
             disk,
             target: target.to_path_buf(),
         };
-        if create {
-            f.locked(LockKind::Write, |d| {
-                if let Read::Blank = d.read_header()? {
-                    if !created {
-                        warn_blank(&d.path, true);
-                    }
-                    d.commit(&new_header(DEFAULT_GRANULARITY, st.stamp))?;
+        f.locked(LockKind::Write, |d| match d.read_header()? {
+            Read::Blank if create => {
+                if !created {
+                    warn_blank(&d.path, true);
                 }
-                Ok(())
-            })?;
-        }
+                d.commit(&new_header(DEFAULT_GRANULARITY, st.stamp))
+            }
+            // A file without identities: its first opener gives them,
+            // durably, so every later reader sees the same. Only those in
+            // format 1 (the checks and the conversion are the commands'
+            // own); format 2 stamps its pages with the sequence numbers,
+            // so its checked bitmaps are indexed anew with them (unless a
+            // server owns them: it gave its file identities at start).
+            Read::Ok(mut h) if !h.has_ids() => {
+                if h.version == V1 {
+                    assign_ids(&mut h);
+                } else if d.served()? {
+                    return Ok(());
+                } else {
+                    let (mut loaded, damage) = load_checked(d, &mut h)?;
+                    if let Some(what) = damage {
+                        warn_damage(&h, &f.target, &what);
+                    }
+                    upgrade(d, &mut h, &mut loaded)?;
+                }
+                d.commit(&h)
+            }
+            _ => Ok(()),
+        })?;
         Ok(f)
     }
 
@@ -747,7 +802,9 @@ impl StateFile {
             check_name(OP, &self.disk.path, n)?;
         }
         self.locked(LockKind::Write, |d| {
-            let Checked { mut h, loaded, .. } = self.checked_header(d, true)?;
+            let Checked {
+                mut h, mut loaded, ..
+            } = self.checked_header(d, true)?;
             let name = match name {
                 Some(n) => n.to_string(),
                 None => {
@@ -774,9 +831,8 @@ impl StateFile {
                     format!("it holds {MAX_CHECKPOINTS} checkpoints, the most it can: delete one"),
                 ));
             }
-            if h.version == V1 {
-                convert(d, &mut h, &loaded)?;
-            }
+            // Identities and format 2 before anything is stamped.
+            upgrade(d, &mut h, &mut loaded)?;
             let used: Vec<u32> = h
                 .checkpoints
                 .iter()
@@ -799,18 +855,15 @@ impl StateFile {
                 slot,
                 index_crc: 0,
                 written: 0,
+                seq: h.next_seq,
             };
+            h.next_seq += 1;
             PageIndex::default().seal(&h, &mut e);
             h.checkpoints.push(e.clone());
             h.generation += 1;
             d.commit(&h)?;
             tracing::info!("checkpoint {} created in {}", e.name, d.path.display());
-            Ok(CheckpointInfo {
-                name: e.name,
-                created: e.created,
-                consistent: true,
-                reason: None,
-            })
+            Ok(infos(&h).pop().expect("the checkpoint just added"))
         })
     }
 
@@ -823,9 +876,8 @@ impl StateFile {
             let Some(k) = h.find(name) else {
                 return Err(no_such(OP, &d.path, &h, name));
             };
-            if h.version == V1 {
-                convert(d, &mut h, &loaded)?;
-            }
+            // Identities and format 2 before anything is stamped.
+            upgrade(d, &mut h, &mut loaded)?;
             let victim = h.checkpoints[k].clone();
             if let (Some(pk), Some((bits, _))) = (k.checked_sub(1), loaded[k].take()) {
                 if let Some((mut merged, mut idx)) = loaded[pk].take() {
@@ -880,6 +932,23 @@ impl StateFile {
     /// inconsistent when it is, from one look at the state. Logs nothing:
     /// the caller tells the user what it means for them.
     pub fn changes_since(&self, name: &str) -> Result<(Ranges, Option<String>), CbtError> {
+        self.changes_and_chain(name).map(|(r, why, _)| (r, why))
+    }
+
+    /// The source's identity and checkpoints as the checks leave them
+    /// (read under the mutation lock): what a full copy records.
+    pub fn chain(&self) -> Result<Chain, CbtError> {
+        self.locked(LockKind::Read, |d| {
+            chain_of(d, &self.checked_header(d, false)?.h)
+        })
+    }
+
+    /// [`StateFile::changes_since`] and the [`Chain`] of the same look at
+    /// the state: the checkpoints that existed when the ranges were read.
+    pub fn changes_and_chain(
+        &self,
+        name: &str,
+    ) -> Result<(Ranges, Option<String>, Chain), CbtError> {
         const OP: &str = "read changed ranges from";
         self.locked(LockKind::Read, |d| {
             let Checked {
@@ -888,6 +957,7 @@ impl StateFile {
                 loaded,
                 damage,
             } = self.checked_header(d, false)?;
+            let chain = chain_of(d, &h)?;
             if served {
                 return Err(CbtError::msg(
                     OP,
@@ -907,7 +977,7 @@ impl StateFile {
                     (Some(what), Reason::Damaged) => damage_text(what),
                     _ => r.text().to_string(),
                 };
-                return Ok((whole, Some(why)));
+                return Ok((whole, Some(why), chain));
             }
             let bits = changed_since(&h, &loaded, k);
             let mut out = Vec::new();
@@ -920,9 +990,23 @@ impl StateFile {
                 }
                 at += len;
             }
-            Ok((out, None))
+            Ok((out, None, chain))
         })
     }
+}
+
+/// `h` as a [`Chain`]: its identities count only when they are the ones on
+/// disk (a header repaired or made in memory by a reader is not written).
+fn chain_of(d: &Disk, h: &Header) -> Result<Chain, CbtError> {
+    let durable = match d.read_header()? {
+        Read::Ok(disk) => disk.has_ids() && disk.source_id == h.source_id,
+        _ => false,
+    };
+    Ok(Chain {
+        source_id: durable.then(|| super::format::hex(&h.source_id)),
+        size: h.stamp.size,
+        checkpoints: infos(h),
+    })
 }
 
 fn check_name(op: &'static str, path: &Path, name: &str) -> Result<(), CbtError> {

@@ -3,7 +3,8 @@
 //! - bytes 0..4096: the header page: magic, version, granularity, the size
 //!   the bitmaps cover, slot size, generation, open flag, checkpoint count,
 //!   the target's mtime/ctime and identity (device, inode) recorded at the
-//!   last clean close, the
+//!   last clean close, the next checkpoint sequence number and the source
+//!   id (a checkpoint's identity is the two), the
 //!   checkpoint table (32 entries of 96 bytes from byte 128), and at byte
 //!   4092 a CRC32 of bytes 0..4092;
 //! - from byte 4096: bitmap slot `s` at `4096 + s * slot_bytes`, one bit per
@@ -38,6 +39,12 @@ const LEN_AT: usize = 3200;
 /// then the number of bitmap pages it records as written.
 const INDEX_CRC_AT: usize = 88;
 const WRITTEN_AT: usize = 92;
+/// The next checkpoint sequence number (u64) and the source id (16 bytes):
+/// zero in format-1 files, assigned by their first writer.
+const NEXT_SEQ_AT: usize = 100;
+const SOURCE_AT: usize = 108;
+/// A checkpoint entry's sequence number (u64), 0 = not yet assigned.
+const ENTRY_SEQ_AT: usize = 80;
 const _: () = assert!(TABLE + MAX_CHECKPOINTS * ENTRY <= CRC_AT);
 
 /// Why a checkpoint is inconsistent; the byte stored in its table entry.
@@ -119,16 +126,21 @@ pub(crate) struct Entry {
     /// bitmap pages it records (zero in format 1).
     pub index_crc: u32,
     pub written: u32,
+    /// Never reused within a source id (0: not yet assigned, format 1).
+    pub seq: u64,
 }
 
 impl Entry {
     /// What this checkpoint's index entries carry besides the page CRC:
     /// derived from the checkpoint, never 0, so an entry left by an
-    /// earlier occupant of the slot does not pass for this one's.
+    /// earlier occupant of the slot does not pass for this one's. The
+    /// sequence number tells apart a name and slot reused within a second;
+    /// so it must be assigned before any page is recorded with the stamp.
     pub(crate) fn stamp(&self) -> u32 {
         let mut c = crc32(self.name.as_bytes());
         c = crc32_update(c, &self.created.to_le_bytes());
         c = crc32_update(c, &self.slot.to_le_bytes());
+        c = crc32_update(c, &self.seq.to_le_bytes());
         c.max(1)
     }
 }
@@ -146,6 +158,11 @@ pub(crate) struct Header {
     pub open: bool,
     /// Oldest first; inconsistent ones are a prefix.
     pub checkpoints: Vec<Entry>,
+    /// Random, made with the state file: with a sequence number, a
+    /// checkpoint's identity (all zero: not yet assigned, format 1).
+    pub source_id: [u8; 16],
+    /// The sequence number the next checkpoint gets (never reused).
+    pub next_seq: u64,
 }
 
 /// What a header page that is not a valid header is.
@@ -199,6 +216,37 @@ impl Header {
         self.checkpoints.iter().position(|e| e.name == name)
     }
 
+    /// Whether the source id and sequence numbers are assigned (a format-1
+    /// file has zeros there).
+    pub(crate) fn has_ids(&self) -> bool {
+        self.source_id != [0; 16] && self.checkpoints.iter().all(|e| e.seq != 0)
+    }
+
+    /// Give a header without them a source id (`fresh`) and its checkpoints
+    /// sequence numbers in table order, the counter past them. Returns
+    /// whether anything was assigned (the caller then writes the header).
+    pub(crate) fn assign_ids(&mut self, fresh: [u8; 16]) -> bool {
+        if self.has_ids() {
+            return false;
+        }
+        if self.source_id == [0; 16] {
+            self.source_id = fresh;
+        }
+        self.next_seq = self.next_seq.max(1);
+        for e in &mut self.checkpoints {
+            if e.seq == 0 {
+                e.seq = self.next_seq;
+                self.next_seq += 1;
+            }
+        }
+        true
+    }
+
+    /// The identity of the checkpoint at `k`: `<source id hex>:<seq>`.
+    pub(crate) fn identity(&self, k: usize) -> String {
+        identity(&self.source_id, self.checkpoints[k].seq)
+    }
+
     /// Mark every checkpoint inconsistent (their bitmaps are dropped).
     pub(crate) fn all_inconsistent(&mut self, reason: Reason) {
         if self.checkpoints.iter().any(|e| e.reason.is_none()) {
@@ -229,6 +277,8 @@ impl Header {
             put64(&mut p, ID_AT + 8, ino);
             put32(&mut p, ID_AT + 16, 1);
         }
+        put64(&mut p, NEXT_SEQ_AT, self.next_seq);
+        p[SOURCE_AT..SOURCE_AT + 16].copy_from_slice(&self.source_id);
         for (i, e) in self.checkpoints.iter().enumerate() {
             let at = TABLE + i * ENTRY;
             p[at..at + e.name.len()].copy_from_slice(e.name.as_bytes());
@@ -236,6 +286,7 @@ impl Header {
             p[at + 72] = u8::from(e.reason.is_none());
             p[at + 73] = e.reason.map_or(0, |r| r as u8);
             put32(&mut p, at + 76, e.slot);
+            put64(&mut p, at + ENTRY_SEQ_AT, e.seq);
             if self.version >= VERSION {
                 put32(&mut p, at + INDEX_CRC_AT, e.index_crc);
                 put32(&mut p, at + WRITTEN_AT, e.written);
@@ -249,6 +300,9 @@ impl Header {
         p
     }
 
+    // The error is as large as a header: it carries the one that still
+    // parses, read once per open; no hot path returns it.
+    #[allow(clippy::result_large_err)]
     pub(crate) fn decode(p: &[u8; PAGE]) -> Result<Header, Bad> {
         if p.iter().all(|&b| b == 0) {
             return Err(Bad::Blank);
@@ -297,6 +351,7 @@ impl Header {
                 slot: get32(p, at + 76),
                 index_crc: if v2 { get32(p, at + INDEX_CRC_AT) } else { 0 },
                 written: if v2 { get32(p, at + WRITTEN_AT) } else { 0 },
+                seq: get64(p, at + ENTRY_SEQ_AT),
             });
         }
         Some(Self::fields(p, granularity, checkpoints))
@@ -322,6 +377,8 @@ impl Header {
                 slot: 0,
                 index_crc: 0,
                 written: 0,
+                // The repair numbers them afresh under a new source id.
+                seq: 0,
             });
         }
         let g = Some(get64(p, 16))
@@ -343,6 +400,8 @@ impl Header {
             generation: get64(p, 40),
             open: get32(p, 48) != 0,
             checkpoints,
+            source_id: p[SOURCE_AT..SOURCE_AT + 16].try_into().unwrap(),
+            next_seq: get64(p, NEXT_SEQ_AT),
         }
     }
 }
@@ -353,6 +412,16 @@ fn entry_name(p: &[u8; PAGE], at: usize) -> Option<String> {
     let len = raw.iter().position(|&b| b == 0)?;
     let name = std::str::from_utf8(&raw[..len]).ok()?;
     super::valid_name(name).then(|| name.to_string())
+}
+
+/// A checkpoint's identity as printed: `<source id, 32 hex digits>:<seq>`.
+pub(crate) fn identity(source_id: &[u8; 16], seq: u64) -> String {
+    format!("{}:{seq}", hex(source_id))
+}
+
+/// A source id as printed: 32 lower-case hex digits.
+pub(crate) fn hex(source_id: &[u8; 16]) -> String {
+    source_id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(crate) fn slot_bytes(size: u64, granularity: u64) -> u64 {
@@ -441,6 +510,7 @@ mod tests {
                     slot: 0,
                     index_crc: 0,
                     written: 0,
+                    seq: 3,
                 },
                 Entry {
                     name: "a".repeat(MAX_NAME_LEN),
@@ -449,8 +519,11 @@ mod tests {
                     slot: 31,
                     index_crc: 0x1234_5678,
                     written: 9,
+                    seq: u64::MAX - 1,
                 },
             ],
+            source_id: *b"0123456789abcdef",
+            next_seq: u64::MAX,
         }
     }
 
@@ -519,6 +592,26 @@ mod tests {
             .checkpoints
             .iter()
             .all(|e| e.reason == Some(Reason::Corrupt)));
+    }
+
+    #[test]
+    fn format_1_headers_get_ids_once_in_table_order() {
+        let mut h = sample();
+        h.source_id = [0; 16];
+        h.next_seq = 0;
+        for e in &mut h.checkpoints {
+            e.seq = 0;
+        }
+        let p = h.encode();
+        assert!(p[NEXT_SEQ_AT..SOURCE_AT + 16].iter().all(|&b| b == 0));
+        assert!(!Header::decode(&p).unwrap().has_ids());
+        assert!(h.assign_ids([7; 16]));
+        assert_eq!(h.source_id, [7; 16]);
+        let seqs: Vec<u64> = h.checkpoints.iter().map(|e| e.seq).collect();
+        assert_eq!((seqs, h.next_seq), (vec![1, 2], 3));
+        assert!(!h.assign_ids([8; 16]));
+        assert_eq!(Header::decode(&h.encode()), Ok(h.clone()));
+        assert_eq!(h.identity(1), format!("{}:2", "07".repeat(16)));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::bitmap::Bits;
-use super::file::Disk;
+use super::file::{assign_ids, Disk};
 use super::format::{crc32, crc32_update, Entry, Header, Reason, PAGE, V1};
 use super::CbtError;
 
@@ -255,33 +255,44 @@ pub(crate) fn short(disk: &Disk, h: &Header) -> Result<Option<String>, CbtError>
     Ok((len < h.file_len()).then(|| format!("short file: {len} of {} bytes", h.file_len())))
 }
 
-/// Convert a format-1 header (and its file) to format 2: write the index
-/// of every consistent checkpoint (`loaded`, from [`load_checked`]) into a
-/// cleared index region, seal the entries. The caller commits the header,
-/// which makes the file format 2 (and long enough).
-pub(crate) fn convert(
+/// Bring `h` (and its file) to what this rawdisk writes, after
+/// [`load_checked`]: a format-1 file is converted to format 2, and a header
+/// without checkpoint identities (format 1, or format 2 written before
+/// them) gets them, ids first: the stamps of the index fold in each
+/// checkpoint's sequence number, so every consistent checkpoint's index is
+/// then written anew with them (`loaded` updated to match). Returns whether
+/// anything changed: the caller commits the header (which makes the file
+/// format 2, and long enough).
+pub(crate) fn upgrade(
     disk: &Disk,
     h: &mut Header,
-    loaded: &[Option<Loaded>],
-) -> Result<(), CbtError> {
+    loaded: &mut [Option<Loaded>],
+) -> Result<bool, CbtError> {
+    let v1 = h.version == V1;
+    if !assign_ids(h) && !v1 {
+        return Ok(false);
+    }
     h.version = super::format::VERSION;
     let snapshot = h.clone();
     for (e, l) in h.checkpoints.iter_mut().zip(loaded) {
-        let Some((_, idx)) = l else {
+        let Some((bits, idx)) = l else {
             continue;
         };
+        *idx = PageIndex::of_bits(bits, e.stamp());
         disk.clear_index(&snapshot, e.slot)?;
         let qs = PageIndex::pages_of(idx.0.keys().copied());
         disk.write_index(&snapshot, e.slot, idx, &qs)?;
         idx.seal(&snapshot, e);
     }
-    // Said at warning level: rawdisk before format 2 cannot read it now.
-    tracing::warn!(
-        "converted changed-block state {} to format 2 (checksummed bitmap pages; older \
-         rawdisk cannot read it)",
-        disk.path.display()
-    );
-    Ok(())
+    if v1 {
+        // Said at warning level: rawdisk before format 2 cannot read it now.
+        tracing::warn!(
+            "converted changed-block state {} to format 2 (checksummed bitmap pages; older \
+             rawdisk cannot read it)",
+            disk.path.display()
+        );
+    }
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ use std::path::{Path, PathBuf};
 
 pub use error::CbtError;
 pub use file::{check_target, StateFile};
+
 pub use tracker::Tracker;
 
 /// What a state file's name is the target's file name followed by.
@@ -76,6 +77,25 @@ pub struct CheckpointInfo {
     pub consistent: bool,
     /// Why it is inconsistent (None when consistent).
     pub reason: Option<String>,
+    /// Unique identity: `<source id, 32 hex digits>:<seq>` (a name can be
+    /// reused after a delete, an identity never).
+    pub id: String,
+    /// Sequence number: higher is newer, never reused for a source id.
+    pub seq: u64,
+}
+
+/// A source's identity and its checkpoints, from one look at its state:
+/// what a backup of it records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    /// The state file's source id, 32 hex digits; None when the state read
+    /// was not on disk yet (a blank or corrupt header a reader repaired in
+    /// memory): nothing may be recorded against it.
+    pub source_id: Option<String>,
+    /// The target's size the state covers.
+    pub size: u64,
+    /// Oldest first (sequence numbers increasing).
+    pub checkpoints: Vec<CheckpointInfo>,
 }
 
 /// The state file of `target`: `TARGET.rawdisk-cbt` next to a file, or

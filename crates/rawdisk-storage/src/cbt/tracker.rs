@@ -22,8 +22,8 @@ use super::file::{
     check_unserved, damage_text, infos, new_header, open_target, repair, stat_fd, state_path_for,
     warn_blank, warn_damage, Disk, Read, MUTATION_BYTE, SERVED_BYTE,
 };
-use super::format::{Header, Reason, V1};
-use super::index::{convert, load_checked, Loaded, PageIndex};
+use super::format::{Header, Reason};
+use super::index::{load_checked, upgrade, Loaded, PageIndex};
 use super::{valid_granularity, CbtError, CheckpointInfo, TrackOptions, DEFAULT_GRANULARITY};
 use crate::sys::{LockKind, Sys};
 
@@ -158,7 +158,7 @@ impl Tracker {
     }
 
     /// Under the mutation lock: read (or make) the header, run the checks
-    /// (bitmap damage included), convert a format-1 file, set the open flag
+    /// (bitmap damage included), give the file identities and format 2, set the open flag
     /// durably. Returns the memory and the damage found, if any.
     fn start(
         disk: &Disk,
@@ -201,10 +201,10 @@ impl Tracker {
             }
         };
         check_unserved(&mut h, st);
-        let (loaded, damage) = load_checked(disk, &mut h)?;
-        if h.version == V1 {
-            convert(disk, &mut h, &loaded)?;
-        }
+        let (mut loaded, damage) = load_checked(disk, &mut h)?;
+        // Identities (and format 2) before the open flag is committed: a
+        // checkpoint's pages are stamped with its sequence number.
+        upgrade(disk, &mut h, &mut loaded)?;
         h.open = true;
         disk.commit(&h)?;
         Ok((mem_of(h, loaded), damage))

@@ -13,25 +13,25 @@ use crate::cbt::format::crc32;
 use crate::cbt::{CheckpointInfo, StateFile, TrackOptions, Tracker, STATE_SUFFIX};
 use crate::sys::{FallocMode, FaultSys, RealSys, Sys};
 
-const G: u64 = 4096;
+pub(super) const G: u64 = 4096;
 /// 1 GiB at 4 KiB: 8 bitmap pages per slot, of 32768 chunks each.
-const SIZE: u64 = 1 << 30;
-const SLOT: u64 = 8 * 4096;
+pub(super) const SIZE: u64 = 1 << 30;
+pub(super) const SLOT: u64 = 8 * 4096;
 /// Chunks (and so bytes / G) covered by one bitmap page.
-const PAGE_SPAN: u64 = 32768 * G;
+pub(super) const PAGE_SPAN: u64 = 32768 * G;
 /// The page index of slot 0: after the header and the 32 slots.
-const INDEX0: u64 = 4096 + 32 * SLOT;
+pub(super) const INDEX0: u64 = 4096 + 32 * SLOT;
 /// Header, slots, and one index page per slot.
-const FILE_LEN: u64 = INDEX0 + 32 * 4096;
+pub(super) const FILE_LEN: u64 = INDEX0 + 32 * 4096;
 
-fn opts() -> TrackOptions {
+pub(super) fn opts() -> TrackOptions {
     TrackOptions {
         granularity: Some(G),
         state_dir: None,
     }
 }
 
-fn state_path(t: &Tmp) -> PathBuf {
+pub(super) fn state_path(t: &Tmp) -> PathBuf {
     let mut name = t.path.file_name().unwrap().to_os_string();
     name.push(STATE_SUFFIX);
     t.path.with_file_name(name)
@@ -39,7 +39,7 @@ fn state_path(t: &Tmp) -> PathBuf {
 
 /// A target with checkpoints `names`, each followed by writes at the
 /// offsets of its list (through a tracking server, closed cleanly).
-fn tracked(names: &[(&str, &[u64])]) -> Tmp {
+pub(super) fn tracked(names: &[(&str, &[u64])]) -> Tmp {
     let t = tmp_file(SIZE);
     Tracker::open(&t.path, SIZE, &opts())
         .unwrap()
@@ -57,14 +57,14 @@ fn tracked(names: &[(&str, &[u64])]) -> Tmp {
     t
 }
 
-fn list(t: &Tmp) -> Vec<CheckpointInfo> {
+pub(super) fn list(t: &Tmp) -> Vec<CheckpointInfo> {
     StateFile::open(&t.path, None, false)
         .unwrap()
         .list()
         .unwrap()
 }
 
-fn ranges(t: &Tmp, name: &str) -> Vec<(u64, u64)> {
+pub(super) fn ranges(t: &Tmp, name: &str) -> Vec<(u64, u64)> {
     StateFile::open(&t.path, None, false)
         .unwrap()
         .changed_ranges(name)
@@ -73,7 +73,7 @@ fn ranges(t: &Tmp, name: &str) -> Vec<(u64, u64)> {
 
 /// Every checkpoint in `names` is inconsistent for damage, reported (by the
 /// state file and by a tracking server) as all changed.
-fn all_changed_for_damage(t: &Tmp, names: &[&str]) {
+pub(super) fn all_changed_for_damage(t: &Tmp, names: &[&str]) {
     let l = list(t);
     for n in names {
         let c = l.iter().find(|c| c.name == *n).expect("listed");
@@ -111,12 +111,36 @@ fn punch(path: &Path, offset: u64, len: u64) {
 }
 
 /// Edit the header page and give it a valid CRC again.
-fn rewrite_header(path: &Path, edit: impl FnOnce(&mut [u8])) {
+pub(super) fn rewrite_header(path: &Path, edit: impl FnOnce(&mut [u8])) {
     let mut page = rawdisk_testkit::read_range(path, 0, 4096);
     edit(&mut page);
     let crc = crc32(&page[..4092]);
     page[4092..].copy_from_slice(&crc.to_le_bytes());
     rawdisk_testkit::write_at(path, 0, &page);
+}
+
+/// Set the apparent length of the file at `p`.
+pub(super) fn cut(p: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(p)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+/// Make the state file at `p`, with `n` checkpoints, format 1 as older
+/// rawdisk wrote it: version 1, no length, no index fields, the file
+/// ending after the 32 slots.
+pub(super) fn make_format_1(p: &Path, n: usize) {
+    rewrite_header(p, |h| {
+        h[8..12].copy_from_slice(&1u32.to_le_bytes());
+        h[3200..3208].fill(0);
+        for i in 0..n {
+            h[128 + i * 96 + 88..128 + i * 96 + 96].fill(0);
+        }
+    });
+    cut(p, INDEX0);
 }
 
 /// The sequence: writes at 0 and 32 MiB after c0, a clean stop,
@@ -126,12 +150,7 @@ fn a_truncated_state_file_reports_everything_changed() {
     let t = tracked(&[("c0", &[0, 32 << 20])]);
     assert_eq!(ranges(&t, "c0"), vec![(0, G), (32 << 20, G)]);
     assert_eq!(std::fs::metadata(state_path(&t)).unwrap().len(), FILE_LEN);
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(state_path(&t))
-        .unwrap()
-        .set_len(4096)
-        .unwrap();
+    cut(&state_path(&t), 4096);
     all_changed_for_damage(&t, &["c0"]);
     a_new_checkpoint_works(&t, G, FILE_LEN);
 }
@@ -217,12 +236,7 @@ fn an_empty_or_zeroed_state_file_is_damage_not_a_new_file() {
         let t = tracked(&[("c0", &[0])]);
         let p = state_path(&t);
         std::fs::write(&p, b"").unwrap();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&p)
-            .unwrap()
-            .set_len(len)
-            .unwrap();
+        cut(&p, len);
         let sf = StateFile::open(&t.path, None, false).unwrap();
         let e = sf.changed_ranges("c0").unwrap_err().to_string();
         assert!(e.contains("empty") && e.contains("full copy"), "{e}");
@@ -240,21 +254,7 @@ fn a_format_1_state_file_is_read_and_converted_with_its_bitmaps() {
     let marks = [3 * G, 6 * PAGE_SPAN + 2 * G];
     let t = tracked(&[("c0", &marks), ("c1", &[5 * G])]);
     let p = state_path(&t);
-    // Format 1 as older rawdisk wrote it: version 1, no length, no index
-    // fields, the file ending after the 32 slots.
-    rewrite_header(&p, |h| {
-        h[8..12].copy_from_slice(&1u32.to_le_bytes());
-        h[3200..3208].fill(0);
-        for i in 0..2 {
-            h[128 + i * 96 + 88..128 + i * 96 + 96].fill(0);
-        }
-    });
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&p)
-        .unwrap()
-        .set_len(INDEX0)
-        .unwrap();
+    make_format_1(&p, 2);
     let want = vec![(3 * G, G), (5 * G, G), (6 * PAGE_SPAN + 2 * G, G)];
     // Readers leave it format 1.
     assert!(list(&t).iter().all(|c| c.consistent));

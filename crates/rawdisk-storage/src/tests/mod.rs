@@ -11,6 +11,7 @@ use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, 
 
 mod cbt;
 mod cbt_damage;
+mod cbt_ids;
 mod direct;
 mod flush;
 mod kinds;

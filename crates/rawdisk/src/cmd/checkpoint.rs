@@ -26,8 +26,9 @@ use super::{OutputArg, UsageError};
 /// as list prints it, with the target's filename).
 ///
 /// list [--output human|json] [--state-dir DIR] TARGET: one line per
-/// checkpoint, oldest first: name, creation time (UTC), and `consistent` or
-/// `inconsistent (reason)`. An inconsistent checkpoint (after a crash of
+/// checkpoint, oldest first: name, creation time (UTC), its identity
+/// `id=<source id>:<sequence>` (unique: a name can be used again after a
+/// delete, an identity never), and `consistent` or `inconsistent (reason)`. An inconsistent checkpoint (after a crash of
 /// the tracking server, or a change of the target while it was not
 /// tracked) reports everything as changed; create a new one.
 ///
@@ -178,7 +179,10 @@ fn state_text(c: &CheckpointInfo) -> String {
 fn to_human(cps: &[CheckpointInfo]) -> String {
     let width = cps.iter().map(|c| c.name.len()).max().unwrap_or(0);
     cps.iter()
-        .map(|c| format!("{:width$}  {}  {}\n", c.name, utc(c.created), state_text(c)))
+        .map(|c| {
+            let (name, created, state) = (&c.name, utc(c.created), state_text(c));
+            format!("{name:width$}  {created}  id={}  {state}\n", c.id)
+        })
         .collect()
 }
 
@@ -190,6 +194,7 @@ fn checkpoint_json(c: &CheckpointInfo) -> serde_json::Value {
         "created": utc(c.created),
         "consistent": c.consistent,
         "reason": c.reason,
+        "id": c.id,
     })
 }
 

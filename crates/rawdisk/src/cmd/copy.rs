@@ -21,10 +21,12 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rawdisk_image::copy::record::{self, Record, Source};
 use rawdisk_image::copy::{
     self, CopyError, CopyOptions, CopyStats, OffloadMode, Report, Side, VerifyStats, ZeroMode,
 };
 use rawdisk_image::endpoint::Endpoint;
+use std::path::PathBuf;
 
 use crate::size::size_arg;
 
@@ -141,24 +143,40 @@ pub struct Args {
     /// (0: requests wait forever).
     #[arg(long, default_value = "60s", value_parser = duration_arg)]
     request_timeout: Duration,
-    /// After the copy, compare both sides and fail on any difference
-    /// (with --changed-since: the changed ranges).
+    /// After the copy, compare the whole destination with the source (also
+    /// after --changed-since; runs both sides report as holes or zeros are
+    /// not read) and fail on any difference.
     #[arg(long)]
     verify: bool,
     /// Incremental backup: copy only the ranges changed since checkpoint
     /// NAME (`rawdisk checkpoint`) onto DESTINATION, the previous backup
     /// (existing, the source's size; the rest of it is left as it is). The
     /// source is a `serve --track-changes` export (rawdisk:changed:NAME) or
-    /// the local target itself while it is not served.
+    /// the local target itself while it is not served. DESTINATION's backup
+    /// record must say it holds this source at NAME or a newer checkpoint
+    /// (docs/cbt.md, the chain rule), else nothing is written.
     #[arg(
         long,
         value_name = "NAME",
         conflicts_with_all = ["target_is_zero", "force", "preallocation", "options"]
     )]
     changed_since: Option<String>,
-    /// With --changed-since and a local source: the directory of its state
-    /// file (as given to `serve --track-changes` and `checkpoint`).
-    #[arg(long, value_name = "DIR", requires = "changed_since")]
+    /// The backup record of a block device or NBD destination (a file
+    /// destination's is DEST.rawdisk-backup): what it holds, written after
+    /// a copy from a tracked source, checked by --changed-since (which
+    /// needs it for such a destination).
+    #[arg(long, value_name = "FILE")]
+    backup_record: Option<std::path::PathBuf>,
+    /// DANGEROUS: with --changed-since, write onto DESTINATION whatever its
+    /// backup record says (none, another source, an older checkpoint, an
+    /// unfinished copy). If it does not hold this source at NAME or newer,
+    /// the result is a silently wrong backup.
+    #[arg(long, requires = "changed_since")]
+    trust_destination: bool,
+    /// With a local source: the directory of its state file (as given to
+    /// `serve --track-changes` and `checkpoint`), for --changed-since and
+    /// for the backup record of a full copy.
+    #[arg(long, value_name = "DIR")]
     state_dir: Option<std::path::PathBuf>,
     /// Page cache or O_DIRECT for local sides.
     #[arg(short = 't', long, value_enum, default_value = "writeback")]
@@ -195,6 +213,19 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             a.destination
         );
     }
+    if a.state_dir.is_some() && rawdisk_image::endpoint::is_nbd(&a.source) {
+        return Err(super::UsageError(
+            "--state-dir is for a local source: an NBD source's server keeps its own state".into(),
+        )
+        .into());
+    }
+    if a.backup_record.is_some() && sink {
+        return Err(super::UsageError(format!(
+            "--backup-record records what a destination holds, and {} holds nothing",
+            a.destination
+        ))
+        .into());
+    }
     if a.changed_since.is_some() {
         if sink {
             return Err(super::UsageError(format!(
@@ -203,11 +234,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             ))
             .into());
         }
-        if a.state_dir.is_some() && rawdisk_image::endpoint::is_nbd(&a.source) {
-            return Err(super::UsageError(
-                "--state-dir is for a local source: an NBD source's server keeps its own state"
-                    .into(),
-            )
+        if record::path_for(&a.destination, a.backup_record.as_deref()).is_none() {
+            return Err(super::UsageError(format!(
+                "--changed-since onto {} (a block device or NBD export) needs --backup-record \
+                 FILE: the record of what it holds",
+                a.destination
+            ))
             .into());
         }
     }
@@ -262,10 +294,19 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if a.source == "-" {
         return run_from_stdin(&a, &opts, &signal);
     }
+    let mut recorder = None;
     let (src, dst) = if sink {
         (copy::open_source(&a.source, &opts)?, None)
     } else {
-        let (s, d) = copy::open_pair(&a.source, &a.destination, &opts)?;
+        let (s, d) = copy::open_pair_then(&a.source, &a.destination, &opts, |src| {
+            // Read before any data: a change made after the newest
+            // checkpoint now is in the next incremental.
+            let id = copy::source_identity(src, &a.source, a.state_dir.as_deref());
+            let path = record::path_for(&a.destination, a.backup_record.as_deref());
+            recorder =
+                Some(Recorder::begin(path, id).map_err(|e| CopyError::Setup(e.to_string()))?);
+            Ok(())
+        })?;
         (s, Some(d))
     };
     let result = match (&dst, a.destination.as_str()) {
@@ -308,13 +349,18 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     src.close().map_err(|e| anyhow::anyhow!("source {e}"))?;
+    let mut recorded = None;
     if let Some(d) = &dst {
+        let size = d.endpoint.size();
         d.endpoint
             .close()
             .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+        if let Some(r) = &recorder {
+            recorded = r.finish(size, opts.flush)?;
+        }
     }
     if !a.quiet && matches!(a.output, OutputArg::Json) {
-        let doc = summary_json(&a, &stats, None, verified.as_ref());
+        let doc = summary_json(&a, &stats, None, verified.as_ref(), recorded.as_ref());
         if a.destination == "-" {
             eprint!("{doc}");
         } else {
@@ -322,13 +368,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         }
     } else if !a.quiet {
         let mut line = summary(&stats);
-        if let Some(v) = verified {
-            line.push_str(&format!(
-                "; verified: {} compared, {} known zero on both sides",
-                human(v.bytes_compared),
-                human(v.bytes_skipped)
-            ));
-        }
+        push_outcome(&mut line, verified.as_ref(), recorded.as_ref());
         // Standard output carries the data when it is the destination.
         if a.destination == "-" {
             eprintln!("{line}");
@@ -357,6 +397,12 @@ fn refuse_for_stdin(a: &Args) -> Result<(), super::UsageError> {
 
 /// `copy - DESTINATION`: standard input, in order, to its end.
 fn run_from_stdin(a: &Args, opts: &CopyOptions, signal: &AtomicI32) -> anyhow::Result<ExitCode> {
+    // Standard input has no checkpoints: whatever the destination held, its
+    // record no longer says it.
+    Recorder::begin(
+        record::path_for(&a.destination, a.backup_record.as_deref()),
+        None,
+    )?;
     let to = copy::open_for_stream(&a.destination, opts)?;
     let stdin = std::io::stdin();
     let stats = match copy::copy_from_stream("-", &mut stdin.lock(), &to, opts) {
@@ -416,9 +462,27 @@ fn run_changed(
         a.state_dir.as_deref(),
         opts,
     )?;
+    let path = record::path_for(&a.destination, a.backup_record.as_deref())
+        .expect("checked with the arguments");
+    if !a.trust_destination && !inc.whole() {
+        // Every byte the copy does not write must already be the source's.
+        let Some((src, since)) = inc.source.as_ref().and_then(|s| Some((s, s.find(name)?))) else {
+            anyhow::bail!(
+                "{} does not tell its checkpoints' identities (a server older than this \
+                 rawdisk?), so what {} holds cannot be checked; make a full copy, or pass \
+                 --trust-destination if you know it holds this source at checkpoint {name} \
+                 or newer",
+                a.source,
+                a.destination
+            );
+        };
+        record::check(&record::read(&path), &path, &inc.dst, src, since)
+            .map_err(CopyError::Setup)?;
+    }
     if let Some(w) = &inc.warning {
         eprintln!("rawdisk: warning: {w}");
     }
+    let recorder = Recorder::begin(Some(path), inc.source.clone())?;
     let stats = match copy::copy_changed(&inc, opts) {
         Ok(s) => s,
         Err(CopyError::Interrupted { done, size }) => {
@@ -427,24 +491,31 @@ fn run_changed(
         }
         Err(e) => return Err(e.into()),
     };
+    // The whole destination, as after a full copy: what the copy did not
+    // write is checked too (holes on both sides cost nothing).
     let verified = match a.verify {
         // As a whole copy's: after a reconnect, through new connections.
         true if stats.reconnects > 0 => {
             let s = copy::open_source(&a.source, opts)?;
             let d = copy::open_source(&a.destination, &as_written(opts))?;
-            let v = copy::verify_changed(&s, &d, &inc.ranges)?;
+            let v = copy::verify(&s, &d, opts)?;
             close_quietly(&s, Some(&d));
             Some(v)
         }
-        true => Some(copy::verify_changed(&inc.src, &inc.dst, &inc.ranges)?),
+        true => Some(copy::verify(&inc.src, &inc.dst, opts)?),
         false => None,
     };
     inc.src.close().map_err(|e| anyhow::anyhow!("source {e}"))?;
+    let size = inc.dst.size();
     inc.dst
         .close()
         .map_err(|e| anyhow::anyhow!("destination {e}"))?;
+    let recorded = recorder.finish(size, opts.flush)?;
     if !a.quiet && matches!(a.output, OutputArg::Json) {
-        print!("{}", summary_json(a, &stats, Some(name), verified.as_ref()));
+        print!(
+            "{}",
+            summary_json(a, &stats, Some(name), verified.as_ref(), recorded.as_ref())
+        );
     } else if !a.quiet {
         let mut line = format!(
             "changed since {name}: {} of {} ({} of {} bytes); {}",
@@ -454,12 +525,83 @@ fn run_changed(
             stats.size,
             summary(&stats)
         );
-        if let Some(v) = verified {
-            line.push_str(&format!("; verified: {} compared", human(v.bytes_compared)));
-        }
+        push_outcome(&mut line, verified.as_ref(), recorded.as_ref());
         crate::out::println(&line)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The destination's backup record across a copy: invalidated before the
+/// first byte is written, written when the copy is complete and durable.
+struct Recorder {
+    path: Option<PathBuf>,
+    source: Option<Source>,
+}
+
+/// A record written: where, and the checkpoint it names.
+struct Recorded {
+    path: PathBuf,
+    record: Record,
+}
+
+impl Recorder {
+    /// Before the copy writes: the record at `path` (if any) becomes
+    /// "incomplete" when the copy will record `source`, else it is removed,
+    /// so an interrupted copy leaves no record of what the destination
+    /// held before.
+    fn begin(path: Option<PathBuf>, source: Option<Source>) -> anyhow::Result<Recorder> {
+        let source = source.filter(|s| s.newest().is_some());
+        if let Some(p) = &path {
+            let r = match source.as_ref().and_then(|s| Record::of(s, 0, false)) {
+                Some(r) => record::write(p, &r),
+                None => record::remove(p),
+            };
+            r.map_err(|e| anyhow::anyhow!("invalidate backup record {}: {e}", p.display()))?;
+        }
+        Ok(Recorder { path, source })
+    }
+
+    /// After the copy (flushed, verified, closed): the record of what the
+    /// destination, `size` bytes, now holds.
+    fn finish(&self, size: u64, flushed: bool) -> anyhow::Result<Option<Recorded>> {
+        let (Some(path), Some(src)) = (&self.path, &self.source) else {
+            return Ok(None);
+        };
+        if !flushed {
+            eprintln!(
+                "rawdisk: warning: no backup record written: with --no-flush the destination \
+                 may not hold the copy durably yet ({} says incomplete)",
+                path.display()
+            );
+            return Ok(None);
+        }
+        let r = Record::of(src, size, true).expect("a source with a checkpoint");
+        record::write(path, &r)
+            .map_err(|e| anyhow::anyhow!("write backup record {}: {e}", path.display()))?;
+        Ok(Some(Recorded {
+            path: path.clone(),
+            record: r,
+        }))
+    }
+}
+
+/// What --verify compared and the record written, after the summary.
+fn push_outcome(line: &mut String, verified: Option<&VerifyStats>, recorded: Option<&Recorded>) {
+    if let Some(v) = verified {
+        line.push_str(&format!(
+            "; verified: whole destination equals source ({} compared, {} skipped as holes \
+             on both sides)",
+            human(v.bytes_compared),
+            human(v.bytes_skipped)
+        ));
+    }
+    if let Some(r) = recorded {
+        line.push_str(&format!(
+            "; recorded in {}: checkpoint {}",
+            r.path.display(),
+            r.record.checkpoint.name
+        ));
+    }
 }
 
 /// `copy --output json`: the summary's figures, bytes by method.
@@ -468,6 +610,7 @@ fn summary_json(
     stats: &CopyStats,
     changed_since: Option<&str>,
     verified: Option<&VerifyStats>,
+    recorded: Option<&Recorded>,
 ) -> String {
     let mut v = serde_json::json!({
         "source": a.source,
@@ -490,6 +633,13 @@ fn summary_json(
         v["verified"] = serde_json::json!({
             "bytes-compared": s.bytes_compared,
             "bytes-skipped": s.bytes_skipped,
+        });
+    }
+    if let Some(r) = recorded {
+        v["backup-record"] = serde_json::json!({
+            "path": r.path.to_string_lossy(),
+            "checkpoint": r.record.checkpoint.name,
+            "checkpoint-id": format!("{}:{}", r.record.source_id, r.record.checkpoint.seq),
         });
     }
     serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
