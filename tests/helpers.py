@@ -242,3 +242,14 @@ def wait_for_line(srv, needle, timeout=10):
             return line
         assert time.monotonic() < deadline, f"no {needle!r} in: {srv.stderr()[-3000:]}"
         time.sleep(0.05)
+
+
+def failed(res, status, *words):
+    """A rawdisk command's run (bytes output) failed with `status` and one
+    stderr line naming `words`."""
+    err = res.stderr.decode(errors="replace")
+    assert res.returncode == status, (res.returncode, err)
+    assert err.count("\n") == 1 and err.startswith("rawdisk: "), err
+    for w in words:
+        assert w in err, f"{w!r} not in {err!r}"
+    return err

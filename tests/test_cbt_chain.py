@@ -24,8 +24,8 @@ import nbd
 import pytest
 
 import servers
-from helpers import KiB, MiB, assert_same_bytes, connected, make_image, random_bytes, \
-    read_target
+from helpers import KiB, MiB, assert_same_bytes, connected, failed, make_image, \
+    random_bytes, read_target
 
 pytestmark = pytest.mark.rawdisk_only("changed-block tracking is rawdisk's")
 
@@ -41,15 +41,6 @@ def ok(res):
     assert res.returncode == 0, res.stderr.decode(errors="replace")
     return res.stdout.decode()
 
-
-def failed(res, status, *words):
-    """The command failed with `status` and one stderr line naming `words`."""
-    err = res.stderr.decode(errors="replace")
-    assert res.returncode == status, (res.returncode, err)
-    assert err.count("\n") == 1 and err.startswith("rawdisk: "), err
-    for w in words:
-        assert w in err, f"{w!r} not in {err!r}"
-    return err
 
 
 def checkpoint(target, name):
