@@ -179,38 +179,18 @@ run_create() { # tool size
     rm -f "$f"
 }
 
-zeroer='
-import sys, time, nbd
-uri, chunk, flags = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-depth = 1 if chunk >= (32 << 20) else 8
-h = nbd.NBD()
-h.connect_uri(uri)
-size, errors, off = h.get_size(), [], 0
-def done(err):
-    if err.value:
-        errors.append(err.value)
-    return 1
-while off < size or h.aio_in_flight() > 0:
-    while off < size and h.aio_in_flight() < depth:
-        n = min(chunk, size - off)
-        h.aio_zero(n, off, completion=done, flags=flags)
-        off += n
-    h.poll(-1)
-h.flush()
-h.shutdown()
-print("ok" if not errors else "errno %d" % errors[0])
-'
 run_zero() { # server chunk nohole|trim
-    local f=$mnt/z.img t0 b s cpu out flags=0
-    [ "$3" = nohole ] && flags=$($py -c 'import nbd; print(nbd.CMD_FLAG_NO_HOLE)')
+    local f=$mnt/z.img t0 b s cpu out chunk depth=8
+    chunk=$(numfmt --from=iec "$2")
+    [ "$chunk" -ge $((32 << 20)) ] && depth=1
     prepare "$f" "$gib" dirty
     start "$1" "$f"
     b=$(stats)
     t0=$(now)
-    out=$($py -c "$zeroer" "nbd+unix:///?socket=$sock" "$(numfmt --from=iec "$2")" "$flags")
+    out=$($py bench/nbd-zeroes.py "nbd+unix:///?socket=$sock" "$chunk" "$depth" "$3")
     s=$(elapsed "$t0")
     cpu=$(stop)
-    [ "$out" = ok ] || die "$1 zero $2 $3: $out"
+    [ "${out#* }" = ok ] || die "$1 zero $2 $3: $out"
     echo "$s $cpu $(delta "$b" "$(stats)")"
     cmp -s -n "$gib" "$work/back/z.img" /dev/zero || die "$1 zero $2 $3: data left"
 }

@@ -35,31 +35,6 @@ size=$((1 << 30))
 sock=$work/s.sock
 img=$work/d.img
 
-# NO_HOLE zeros over the whole export, DEPTH requests of CHUNK in flight,
-# then a flush; prints "SECONDS ok" or the first error.
-zeroer='
-import sys, time, nbd
-uri, chunk, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-h = nbd.NBD()
-h.connect_uri(uri)
-size, errors, off = h.get_size(), [], 0
-def done(err):
-    if err.value:
-        errors.append(err.value)
-    return 1
-t0 = time.monotonic()
-while off < size or h.aio_in_flight() > 0:
-    while off < size and h.aio_in_flight() < depth:
-        n = min(chunk, size - off)
-        h.aio_zero(n, off, completion=done, flags=nbd.CMD_FLAG_NO_HOLE)
-        off += n
-    h.poll(-1)
-h.flush()
-dt = time.monotonic() - t0
-h.shutdown()
-print("%.3f %s" % (dt, "ok" if not errors else "errno %d" % errors[0]))
-'
-
 cpu_of() { # utime+stime of a pid, seconds
     awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"
 }
@@ -85,7 +60,7 @@ one() { # server start chunk depth -> "seconds cpu"
         dd if=/dev/urandom of="$img" bs=4M count=256 conv=notrunc status=none
     fi
     start "$1"
-    out=$(python3 -c "$zeroer" "nbd+unix:///?socket=$sock" "$3" "$4")
+    out=$(python3 bench/nbd-zeroes.py "nbd+unix:///?socket=$sock" "$3" "$4" nohole)
     cpu=$(cpu_of "$pid")
     kill "$pid"
     wait "$pid" 2>/dev/null || true
