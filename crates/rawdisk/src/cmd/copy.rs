@@ -367,7 +367,11 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             print!("{doc}");
         }
     } else if !a.quiet {
-        let mut line = summary(&stats);
+        let mut line = if a.destination == "null:" {
+            read_summary(&stats)
+        } else {
+            summary(&stats)
+        };
         push_outcome(&mut line, verified.as_ref(), recorded.as_ref());
         // Standard output carries the data when it is the destination.
         if a.destination == "-" {
@@ -643,6 +647,18 @@ fn summary_json(
         });
     }
     serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+}
+
+/// A copy to `null:` only reads: say what it read, not what it "wrote".
+fn read_summary(stats: &CopyStats) -> String {
+    format!(
+        "read {} in {:.2} s ({}/s): read {}, skipped {} as holes or zeros; null: keeps nothing",
+        human(stats.size),
+        stats.elapsed.as_secs_f64(),
+        human(stats.throughput() as u64),
+        human(stats.bytes_read),
+        human(stats.bytes_skipped + stats.bytes_zeroed),
+    )
 }
 
 fn summary(stats: &CopyStats) -> String {
