@@ -19,7 +19,7 @@ import pytest
 import servers
 from helpers import (KiB, MiB, assert_export_is, assert_same_bytes, assert_target_is,
                      connected, make_image, random_bytes, read_target, write_target)
-from test_cbt_serve import (CHANGED, GRAIN, SIZE, all_chunks, checkpoint, chunks,
+from test_cbt_serve import (CHANGED, GRAIN, SIZE, checkpoint, chunks,
                             listed_contexts, random_changes, rawdisk, track)
 
 pytestmark = pytest.mark.rawdisk_only("changed-block tracking is rawdisk's")
@@ -173,7 +173,8 @@ def test_qemu_img_and_nbdinfo_read_the_written_ranges(workdir, serve):
         assert libnbd_dirty(h, "c1", step=3 * MiB) == want1
         mine = extents(h, CHANGED + "c1", 4 * MiB, 4 * MiB)
         assert extents(h, DIRTY + "c1", 4 * MiB, 4 * MiB) == mine
-        assert mine == [(4 * MiB, MiB, 0), (5 * MiB, GRAIN, 1), (5 * MiB + GRAIN, 2 * MiB - 2 * GRAIN, 0),
+        assert mine == [(4 * MiB, MiB, 0), (5 * MiB, GRAIN, 1),
+                        (5 * MiB + GRAIN, 2 * MiB - 2 * GRAIN, 0),
                         (7 * MiB - GRAIN, 2 * GRAIN, 1), (7 * MiB + GRAIN, MiB - GRAIN, 0)]
         one = extents(h, DIRTY + "c1", 5 * MiB + 7, MiB, nbd.CMD_FLAG_REQ_ONE)
         assert one == [(5 * MiB + 7, GRAIN - 7, 1)], one
