@@ -289,6 +289,14 @@ def test_bitmap_that_does_not_exist_is_refused(workdir, serve):
     assert len(err) == 1, srv.stderr()
     assert "'missing'" in err[0] and "c0" in err[0], err
     assert not os.path.exists(srv.sock)
+    # With no state file at all: refused, and none is made.
+    other, _ = make_image(workdir, "other.img", SIZE, seed=35)
+    srv = servers.Server(workdir, other, extra=["-B", "c0"])
+    srv.start(expect_ready=False)
+    assert srv.wait_exit() == 1
+    err = [ln for ln in srv.stderr().splitlines() if ln.startswith("rawdisk:")]
+    assert len(err) == 1 and "'c0'" in err[0], srv.stderr()
+    assert not os.path.exists(other + ".rawdisk-cbt")
     # -B is qemu-nbd's and has no meaning with --dir.
     r = rawdisk("serve", "--dir", workdir, "-B", "c0", "-U", os.path.join(workdir, "d.sock"),
                 check=False)

@@ -227,7 +227,16 @@ impl Server {
     /// first.
     pub fn open(target: Arc<Target>, cfg: ServerConfig) -> Result<Server, CbtError> {
         let tracker = match &cfg.track_changes {
-            Some(opts) => Some(exports::open_tracker(&target, opts)?),
+            Some(opts) => {
+                if let Some(names) = &cfg.dirty_bitmaps {
+                    rawdisk_storage::cbt::require_state(
+                        target.path(),
+                        opts.state_dir.as_deref(),
+                        names,
+                    )?;
+                }
+                Some(exports::open_tracker(&target, opts)?)
+            }
             None => None,
         };
         if let Some(t) = &tracker {

@@ -125,6 +125,30 @@ pub fn state_path(target: &Path, state_dir: Option<&Path>) -> Result<PathBuf, Cb
     Ok(target.with_file_name(name))
 }
 
+/// Before `serve -B NAME...` opens (and so makes) the state file: with
+/// no state file there is no checkpoint, and a refusal leaves nothing
+/// behind, as qemu-nbd's `-B` does.
+pub fn require_state(
+    target: &Path,
+    state_dir: Option<&Path>,
+    names: &[String],
+) -> Result<(), CbtError> {
+    const OP: &str = "find checkpoint in";
+    let Some(first) = names.first() else {
+        return Ok(());
+    };
+    let path = state_path(target, state_dir)?;
+    match std::fs::symlink_metadata(&path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(CbtError::msg(
+            OP,
+            &path,
+            format!("no checkpoint named '{first}' (no state file: none was made)"),
+        )),
+        Err(e) => Err(CbtError::io(OP, &path, e)),
+    }
+}
+
 /// Whether `g` is a granularity a state file may have.
 pub fn valid_granularity(g: u64) -> bool {
     g.is_power_of_two() && (MIN_GRANULARITY..=MAX_GRANULARITY).contains(&g)
