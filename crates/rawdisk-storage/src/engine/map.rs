@@ -15,7 +15,7 @@
 //! cached it reads it from the disk first (or clears a new one for a hole),
 //! which pwrite of a whole page never does. And only on regular files: on a
 //! loop device the mapped path is slower for mid-sized writes, for a cause
-//! not found (docs/benchmarks.md, `serve --map-writes`, where the gains on
+//! not found (docs/benchmarks.md, Write path, where the gains on
 //! XFS and ext4 and the lower RSS are measured too).
 
 use std::io;
