@@ -224,7 +224,7 @@ def readme_rows():
     table = readme.split("## Commands", 1)[1].split("\n\n", 2)[1]
     rows = {}
     for line in table.splitlines():
-        m = re.match(r"^\| `rawdisk (\w+)(.*?)` \|", line)
+        m = re.match(r"^\| `rawdisk ([\w-]+)(.*?)` \|", line)
         if m:
             rows[m.group(1)] = m.group(2)
     return rows
