@@ -31,11 +31,11 @@ use std::time::{Duration, Instant};
 use openssl::hash::{Hasher, MessageDigest};
 use serde::Serialize;
 
-use crate::copy::is_zero;
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf};
 use crate::error::{Error, Result};
 use crate::output::serialize_secs;
 use crate::progress::Progress;
+use crate::scan::is_zero;
 use crate::scan::{self, ExtentCursor};
 
 /// blkhash's default block size; other values give other digests.

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::copy::is_zero;
 use crate::endpoint::{self, Endpoint, EndpointOptions, IoBuf};
 use crate::progress::Progress;
+use crate::scan::is_zero;
 use crate::scan::{self, ExtentCursor};
 
 /// qemu-img reports differences by 512-byte sector.

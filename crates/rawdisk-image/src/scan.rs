@@ -113,3 +113,41 @@ pub(crate) fn workers(threads: usize, nbd: bool) -> usize {
         n => n.clamp(1, 256),
     }
 }
+
+/// Whether every byte is zero; data usually differs early, so look at the
+/// head before scanning the whole block in wide words.
+pub(crate) fn is_zero(b: &[u8]) -> bool {
+    let head = b.len().min(16);
+    if b[..head].iter().any(|&x| x != 0) {
+        return false;
+    }
+    let mut chunks = b.chunks_exact(64);
+    for c in &mut chunks {
+        let mut acc = 0u64;
+        for w in c.chunks_exact(8) {
+            acc |= u64::from_ne_bytes(w.try_into().unwrap());
+        }
+        if acc != 0 {
+            return false;
+        }
+    }
+    chunks.remainder().iter().all(|&x| x == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_zero;
+
+    #[test]
+    fn zero_detection() {
+        for n in [0usize, 1, 15, 16, 17, 63, 64, 65, 4096, 4099] {
+            let z = vec![0u8; n];
+            assert!(is_zero(&z), "{n}");
+            for i in 0..n {
+                let mut v = z.clone();
+                v[i] = 1;
+                assert!(!is_zero(&v), "{n} {i}");
+            }
+        }
+    }
+}

@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use rawdisk_image::copy::{self, CopyError, CopyOptions, CopyStats, OffloadMode, Side};
 use rawdisk_image::endpoint::Endpoint;
-use rawdisk_storage::sys::{CallKind, FaultSys};
+use rawdisk_storage::fault::FaultSys;
+use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{OpenOptions, Target};
 use rawdisk_testkit::{pattern, shared_bytes, Fs, MIB};
 

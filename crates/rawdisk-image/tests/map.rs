@@ -7,7 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use rawdisk_image::map::{write_target_map, MapFormat, MapRange};
-use rawdisk_storage::sys::{CallKind, FaultSys};
+use rawdisk_storage::fault::FaultSys;
+use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{OpenOptions, Target};
 
 const BLOCK: u64 = 4096;

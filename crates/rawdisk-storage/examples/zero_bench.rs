@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
-use rawdisk_storage::sys::{CallKind, FallocMode, FaultSys, Sys};
+use rawdisk_storage::fault::FaultSys;
+use rawdisk_storage::sys::{CallKind, FallocMode, Sys};
 use rawdisk_storage::{Method, OpenOptions, Prealloc, Target, ZeroFlags};
 use rawdisk_testkit::{find_nonzero, pattern_vec, Scratch, StorageKind, GIB, MIB};
 

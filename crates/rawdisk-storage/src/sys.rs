@@ -23,9 +23,6 @@ use std::marker::PhantomData;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::Path;
 
-#[cfg(any(test, feature = "fault-injection"))]
-pub use crate::fault::{Call, FaultRule, FaultSys};
-
 mod aio;
 mod real;
 pub use aio::{Aio, AioDone, AioOp};

@@ -68,17 +68,25 @@ impl FsKind {
     /// [`FsKind::ALL`] less the kinds this machine cannot mount, each of
     /// those named in one line on stderr: skipped, never silently.
     pub fn usable() -> Vec<FsKind> {
-        FsKind::ALL
-            .into_iter()
-            .filter(|k| match k.unavailable() {
-                None => true,
-                Some(why) => {
-                    eprintln!("rawdisk-testkit: {k} skipped: {why}");
-                    false
-                }
-            })
-            .collect()
+        usable(FsKind::ALL, FsKind::unavailable)
     }
+}
+
+/// `all` less the kinds `unavailable` gives a reason for, each of those
+/// named in one line on stderr.
+pub(crate) fn usable<K: Copy + std::fmt::Display>(
+    all: impl IntoIterator<Item = K>,
+    unavailable: impl Fn(K) -> Option<String>,
+) -> Vec<K> {
+    all.into_iter()
+        .filter(|&k| match unavailable(k) {
+            None => true,
+            Some(why) => {
+                eprintln!("rawdisk-testkit: {k} skipped: {why}");
+                false
+            }
+        })
+        .collect()
 }
 
 impl std::fmt::Display for FsKind {

@@ -254,6 +254,20 @@ impl PassThrough {
         self.paths.write().unwrap().retain(|_, p| p != path);
     }
 
+    /// UNLINK or RMDIR (`how`) of `name` under `parent`.
+    fn remove(
+        &self,
+        parent: INodeNo,
+        name: &OsStr,
+        how: fn(&Path) -> std::io::Result<()>,
+    ) -> Result<(), Errno> {
+        self.op();
+        let p = self.child(parent, name)?;
+        how(&p).map_err(errno)?;
+        self.forget_path(&p);
+        Ok(())
+    }
+
     fn child(&self, parent: INodeNo, name: &OsStr) -> Result<PathBuf, Errno> {
         Ok(self.path(parent)?.join(name))
     }
@@ -564,23 +578,14 @@ impl Filesystem for PassThrough {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.op();
-        let r = self.child(parent, name).and_then(|p| {
-            std::fs::remove_file(&p).map_err(errno)?;
-            self.forget_path(&p);
-            Ok(())
-        });
-        answer_empty(reply, r)
+        answer_empty(
+            reply,
+            self.remove(parent, name, |p| std::fs::remove_file(p)),
+        )
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.op();
-        let r = self.child(parent, name).and_then(|p| {
-            std::fs::remove_dir(&p).map_err(errno)?;
-            self.forget_path(&p);
-            Ok(())
-        });
-        answer_empty(reply, r)
+        answer_empty(reply, self.remove(parent, name, |p| std::fs::remove_dir(p)))
     }
 
     fn symlink(

@@ -96,16 +96,7 @@ impl StorageKind {
     /// [`StorageKind::ALL`] less the kinds this machine cannot build, each
     /// named in one line on stderr (see [`FsKind::usable`]).
     pub fn usable() -> Vec<StorageKind> {
-        StorageKind::ALL
-            .into_iter()
-            .filter(|k| match k.unavailable() {
-                None => true,
-                Some(why) => {
-                    eprintln!("rawdisk-testkit: {k} skipped: {why}");
-                    false
-                }
-            })
-            .collect()
+        crate::fs::usable(StorageKind::ALL, StorageKind::unavailable)
     }
 }
 

@@ -10,8 +10,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use super::retry::Link;
-use super::{is_zero, CopyError, Counters, Result, Side};
+use super::{CopyError, Counters, Result, Side};
 use crate::endpoint::{self, Endpoint};
+use crate::scan::is_zero;
 
 /// A byte stream destination and the offset it has reached.
 pub struct Stream {

@@ -4,13 +4,12 @@
 //! the encoded reply each one sends. Nothing here calls the target itself.
 
 use std::cell::RefCell;
-use std::io;
 
 use rawdisk_storage::{ExtentKind, ZeroFlags};
 use tracing::{debug, warn};
 
 use super::buffers::PIPE_BYTES;
-use super::export::{Cause, Failure, ZERO_OP};
+use super::export::{storage_errno, Cause, Failure, ZERO_OP};
 use super::meta::{Context, STATE_CHANGED};
 use super::{Session, Shared};
 use crate::proto::*;
@@ -138,20 +137,6 @@ fn error_reply(s: &Session, to: ReplyTo, err: u32, msg: &str, offset: Option<u64
     let mut e = whole(b);
     e.err = err;
     e
-}
-
-/// The NBD error for a storage failure.
-pub(super) fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
-    if let Some(n) = e.errno() {
-        return errno_to_nbd(n);
-    }
-    match e.source.kind() {
-        io::ErrorKind::InvalidInput => NBD_EINVAL,
-        io::ErrorKind::PermissionDenied => NBD_EPERM,
-        io::ErrorKind::OutOfMemory => NBD_ENOMEM,
-        io::ErrorKind::Unsupported => NBD_ENOTSUP,
-        _ => NBD_EIO,
-    }
 }
 
 thread_local! {

@@ -28,6 +28,7 @@
 //!   so nothing outside the window is read or written (requests are
 //!   checked against [`Export::size`] before they get here).
 
+use std::io;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -40,9 +41,8 @@ use rawdisk_storage::{
 };
 use tracing::{debug, trace};
 
-use super::command::storage_errno;
 use super::writeback::{Policy, WriteBehind};
-use crate::proto::NBD_ENOTSUP;
+use crate::proto::{errno_to_nbd, NBD_EINVAL, NBD_EIO, NBD_ENOMEM, NBD_ENOTSUP, NBD_EPERM};
 
 #[cfg(test)]
 mod model;
@@ -122,6 +122,20 @@ fn is_zero(data: &[u8]) -> bool {
         .by_ref()
         .all(|w| <[u8; 16]>::try_from(w).is_ok_and(|w| u128::from_ne_bytes(w) == 0))
         && words.remainder().iter().all(|&b| b == 0)
+}
+
+/// The NBD error for a storage failure.
+pub(super) fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
+    if let Some(n) = e.errno() {
+        return errno_to_nbd(n);
+    }
+    match e.source.kind() {
+        io::ErrorKind::InvalidInput => NBD_EINVAL,
+        io::ErrorKind::PermissionDenied => NBD_EPERM,
+        io::ErrorKind::OutOfMemory => NBD_ENOMEM,
+        io::ErrorKind::Unsupported => NBD_ENOTSUP,
+        _ => NBD_EIO,
+    }
 }
 
 /// One exported target, shared by every connection to it.

@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::bitmap::Bits;
-use super::file::{assign_ids, Disk};
+use super::disk::{assign_ids, Disk};
 use super::format::{crc32, crc32_update, Entry, Header, Reason, PAGE, V1};
 use super::CbtError;
 

@@ -25,14 +25,16 @@
 //! - `format.rs`: the state file's byte layout (header page, checkpoint
 //!   table, CRC32, bitmap slots) and its encoding; docs/cbt.md has the table.
 //! - `bitmap.rs`: chunk bitmaps, the atomic one of U, and runs of them.
-//! - `file.rs`: the state file on disk: locks, reading and writing the header
-//!   and slots, the crash / outside-change checks, [`StateFile`].
+//! - `disk.rs`: the state file's handle: locks, reading and writing the
+//!   header and slots; the target's identity; new and repaired headers.
+//! - `file.rs`: the crash / outside-change checks, [`StateFile`].
 //! - `index.rs`: format 2's page index (a CRC32 and stamp per bitmap page)
 //!   and the integrity checks every opener makes with it.
 //! - `tracker.rs`: [`Tracker`], the server's side.
 //! - `error.rs`: [`CbtError`].
 
 pub(crate) mod bitmap;
+mod disk;
 mod error;
 mod file;
 pub(crate) mod format;
@@ -41,8 +43,9 @@ mod tracker;
 
 use std::path::{Path, PathBuf};
 
+pub use disk::check_target;
 pub use error::CbtError;
-pub use file::{check_target, StateFile};
+pub use file::StateFile;
 
 pub use tracker::Tracker;
 

@@ -18,10 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::bitmap::{self, AtomicBits, Bits, Leaves, Union};
-use super::file::{
-    check_unserved, damage_text, infos, new_header, open_target, repair, stat_fd, state_path_for,
-    warn_blank, warn_damage, Disk, Read, MUTATION_BYTE, SERVED_BYTE,
+use super::disk::{
+    new_header, open_target, repair, stat_fd, state_path_for, Disk, Read, MUTATION_BYTE,
+    SERVED_BYTE,
 };
+use super::file::{check_unserved, damage_text, infos, warn_blank, warn_damage};
 use super::format::{Header, Reason};
 use super::index::{load_checked, upgrade, Loaded, PageIndex};
 use super::{valid_granularity, CbtError, CheckpointInfo, TrackOptions, DEFAULT_GRANULARITY};
@@ -162,7 +163,7 @@ impl Tracker {
     /// durably. Returns the memory and the damage found, if any.
     fn start(
         disk: &Disk,
-        st: &super::file::TargetStat,
+        st: &super::disk::TargetStat,
         want: Option<u64>,
         created: bool,
     ) -> Result<(Mem, Option<String>), CbtError> {

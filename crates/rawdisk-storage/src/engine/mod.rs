@@ -588,9 +588,15 @@ impl Target {
     fn check_range(&self, op: &'static str, offset: u64, len: u64) -> Result<u64> {
         let size = match self.kind {
             Kind::Block => self.geom.size,
-            Kind::File => self
-                .file_size()
-                .map_err(|e| Error::new(op, offset, len, e))?,
+            // Inside the size last seen: no fstat. Each one is a GETATTR
+            // round trip on NFS, once per zero or trim; a file shrunk
+            // under us is then regrown as a write would (nbdkit, qemu).
+            Kind::File => match self.known_size.load(Ordering::Relaxed) {
+                known if offset.checked_add(len).is_some_and(|e| e <= known) => known,
+                _ => self
+                    .file_size()
+                    .map_err(|e| Error::new(op, offset, len, e))?,
+            },
         };
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(size),

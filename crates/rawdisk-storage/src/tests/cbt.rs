@@ -10,7 +10,8 @@ use rand::{Rng, SeedableRng};
 
 use super::{tmp_file, Tmp};
 use crate::cbt::{CbtError, StateFile, TrackOptions, Tracker, STATE_SUFFIX};
-use crate::sys::{CallKind, FaultSys};
+use crate::fault::FaultSys;
+use crate::sys::CallKind;
 
 const G: u64 = 4096;
 

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use super::{tmp_file, Tmp};
 use crate::cbt::format::crc32;
 use crate::cbt::{CheckpointInfo, StateFile, TrackOptions, Tracker, STATE_SUFFIX};
-use crate::sys::{FallocMode, FaultSys, RealSys, Sys};
+use crate::fault::FaultSys;
+use crate::sys::{FallocMode, RealSys, Sys};
 
 pub(super) const G: u64 = 4096;
 /// 1 GiB at 4 KiB: 8 bitmap pages per slot, of 32768 chunks each.

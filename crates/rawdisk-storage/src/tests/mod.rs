@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 
-use crate::sys::{CallKind, FallocMode, FaultSys, RealSys, Sys};
+use crate::fault::FaultSys;
+use crate::sys::{CallKind, FallocMode, RealSys, Sys};
 use crate::{CacheMode, ExtentKind, Kind, Method, OpenOptions, Prealloc, Target, Tri, ZeroFlags};
 
 mod cbt;

@@ -5,7 +5,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use rawdisk_storage::sys::{CallKind, FallocMode, FaultSys, RealSys};
+use rawdisk_storage::fault::FaultSys;
+use rawdisk_storage::sys::{CallKind, FallocMode, RealSys};
 use rawdisk_storage::{Method, OpenOptions, Target, Tri, ZeroFlags};
 use rawdisk_testkit::StorageKind;
 
@@ -19,7 +20,7 @@ pub const NO_TRIM: ZeroFlags = ZeroFlags {
 };
 
 /// One syscall as the engine issued it (its range, whether it succeeded).
-pub use rawdisk_storage::sys::Call;
+pub use rawdisk_storage::fault::Call;
 
 /// The data-changing calls the [`FaultSys`] under a target logged, so tests
 /// can check how a request was split: offsets advance, nothing overlaps,

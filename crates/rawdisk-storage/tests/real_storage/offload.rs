@@ -9,7 +9,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use rawdisk_storage::sys::{CallKind, FaultSys};
+use rawdisk_storage::fault::FaultSys;
+use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{CopyMethod, CopyOffload, OpenOptions, Target, Tri};
 use rawdisk_testkit::{assert_same, pattern_vec, read_all, shared_bytes, write_pattern, Fs, MIB};
 

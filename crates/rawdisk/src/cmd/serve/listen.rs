@@ -2,12 +2,10 @@
 //! one, and the URI that reaches it.
 
 use std::fs;
-use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-use super::activation::activated_listener;
 use super::args::Args;
 use super::daemon::Cleanup;
 
@@ -43,17 +41,10 @@ pub(super) struct Listening {
     pub(super) socket: Option<PathBuf>,
 }
 
-/// Binds (or takes the activated socket) and returns it with the URI that
-/// reaches it.
-pub(super) fn listen(
-    args: &Args,
-    activated: Option<OwnedFd>,
-    cleanup: &mut Cleanup,
-) -> anyhow::Result<Listening> {
+/// Binds and returns the socket with the URI that reaches it (a socket
+/// systemd passed is taken by `activation::activated_listener` instead).
+pub(super) fn listen(args: &Args, cleanup: &mut Cleanup) -> anyhow::Result<Listening> {
     let export = escape(&args.export_name, false);
-    if let Some(fd) = activated {
-        return activated_listener(fd, &export);
-    }
     if let Some(path) = &args.socket {
         let path = if path.as_os_str() == "-" {
             private_socket(cleanup)?

@@ -39,14 +39,14 @@ use rawdisk_storage::{CacheMode, OpenOptions};
 use tokio::sync::watch;
 
 use crate::cmd::CacheArg;
-use activation::take_activation_fd;
+use activation::{activated_listener, take_activation_fd};
 pub use args::Args;
 pub use args::LogArg;
 use args::{server_tls, TlsSetup, WriteBehindArg};
 use daemon::{
     detach_stderr, fork_into_background, handle_signals, open_pid_file, start_run, Cleanup, PidFile,
 };
-use listen::{listen, Bound, Listening};
+use listen::{escape, listen, Bound, Listening};
 use open::{open_target, window};
 use stats::stats_json;
 
@@ -92,7 +92,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Everything that can fail goes before --create makes anything: the
     // listening socket (in use, no permission) and the pid file.
     let mut cleanup = Cleanup::default();
-    let listening = listen(&args, activated, &mut cleanup)?;
+    let listening = match activated {
+        Some(fd) => activated_listener(fd, &escape(&args.export_name, false))?,
+        None => listen(&args, &mut cleanup)?,
+    };
     let pid_file = open_pid_file(&args, &mut cleanup)?;
     if let Some(p) = &args.stats {
         // Made now, so a bad path fails before serving, not at exit.
