@@ -16,7 +16,8 @@ use rawdisk_nbd::tls::ServerTls;
     rawdisk serve --dir /var/lib/images -U /run/images.sock\n  \
     rawdisk serve --discard=unmap --detect-zeroes=unmap --cache none -U /tmp/import.sock vm.img\n\n\
 Coming from nbdkit: -f is rawdisk's format flag (-f raw), not --foreground: serve\n\
-stays in the foreground already, so leave -f out (--fork goes to the background).\n\
+stays in the foreground already (--foreground is accepted; --fork goes to the\n\
+background).\n\
 --print-uri is accepted: the URI is always printed. nbdkit's exitlast filter is\n\
 --exit-last. Coming from qemu-nbd: it exits after its last client unless -t;\n\
 rawdisk serves until stopped unless --exit-last. docs/coming-from.md maps the rest.")]
