@@ -36,6 +36,8 @@ SIZE = 16 * MiB
 GRAIN = 64 * KiB
 STATE = ".rawdisk-cbt"
 CHANGED = "rawdisk:changed:"
+DIRTY = "qemu:dirty-bitmap:"
+DEPTH = "qemu:allocation-depth"
 
 OPT_STRUCTURED_REPLY = 8
 REP_META_CONTEXT = 4
@@ -533,11 +535,12 @@ def test_list_meta_context_answers_exactly(workdir, serve):
     checkpoint(path, "b")
     srv = track(serve, path)
     both = [CHANGED + "a", CHANGED + "b"]
-    assert listed_contexts(srv.uri, []) == ["base:allocation"] + both
+    qemu = [DIRTY + "a", DIRTY + "b"]
+    assert listed_contexts(srv.uri, []) == ["base:allocation", DEPTH] + both + qemu
     assert listed_contexts(srv.uri, ["rawdisk:"]) == both
     assert listed_contexts(srv.uri, ["rawdisk:changed:"]) == both
     assert listed_contexts(srv.uri, [CHANGED + "b"]) == [CHANGED + "b"]
-    assert listed_contexts(srv.uri, [CHANGED + "zz", "qemu:dirty-bitmap:a", "x-y:"]) == []
+    assert listed_contexts(srv.uri, [CHANGED + "zz", DIRTY + "zz", "x-y:"]) == []
     assert listed_contexts(srv.uri, ["base:", CHANGED + "a"]) == ["base:allocation", CHANGED + "a"]
     # A checkpoint made while served is listed at the next query.
     checkpoint(path, "c")
@@ -550,7 +553,7 @@ def test_list_meta_context_answers_exactly(workdir, serve):
         if not line.startswith("\t\t"):
             break
         shown.append(line.strip())
-    assert shown == ["base:allocation"] + both + [CHANGED + "c"], out
+    assert shown == ["base:allocation", DEPTH] + both + [CHANGED + "c"] + qemu + [DIRTY + "c"], out
     assert srv.terminate() == 0
 
 
@@ -559,7 +562,8 @@ def test_without_tracking_nothing_is_listed(workdir, serve):
     checkpoint(path, "a")
     srv = serve(path)
     assert listed_contexts(srv.uri, ["rawdisk:"]) == []
-    assert listed_contexts(srv.uri, []) == ["base:allocation"]
+    assert listed_contexts(srv.uri, ["qemu:dirty-bitmap:"]) == []
+    assert listed_contexts(srv.uri, []) == ["base:allocation", DEPTH]
     assert srv.terminate() == 0
 
 

@@ -1,8 +1,8 @@
 """`rawdisk qemu-nbd --bitmap` (issue 39, 5): imageio's handshake for an
 incremental backup and virtnbdbackup's offline incremental, through a
 `qemu-nbd` symlink to the rawdisk binary. -B maps onto `serve --bitmap`
-and -A onto `serve --allocation-depth`, which other branches add: until a
-binary has them these tests skip, saying so (they are not passes)."""
+(a rawdisk checkpoint offered as qemu:dirty-bitmap:NAME); -A needs
+nothing, serve always offers qemu:allocation-depth."""
 
 import json
 import os
@@ -28,10 +28,7 @@ def serve_has(flag):
     return re.search(re.escape(flag) + r"(?![\w-])", r.stdout) is not None
 
 
-needs_bitmap = pytest.mark.skipif(not serve_has("--bitmap"),
-                                  reason="needs serve --bitmap (branch qbitmap)")
-needs_depth = pytest.mark.skipif(not serve_has("--allocation-depth"),
-                                 reason="needs serve --allocation-depth (qemu:allocation-depth)")
+needs_bitmap = pytest.mark.skipif(not serve_has("--bitmap"), reason="needs serve --bitmap")
 
 DEPTH = "qemu:allocation-depth"
 
@@ -65,7 +62,6 @@ def write_tracked(workdir, path, writes):
 
 
 @needs_bitmap
-@needs_depth
 def test_imageio_incremental_handshake(workdir, qemu_nbd_path):
     """imageio's client: LIST with the qemu:dirty-bitmap: prefix finds
     exactly one bitmap; SET base:allocation, qemu:allocation-depth and it;

@@ -203,7 +203,7 @@ const FILES_CHECKPOINT: &[(&str, &str)] = &[FILES_CBT];
 const FILES_SERVE: &[(&str, &str)] = &[
     (
         "TARGET.rawdisk-cbt",
-        "With --track-changes: the changed-block tracking state, made durable before \
+        "With --track-changes or --bitmap: the changed-block tracking state, made durable before \
          each FLUSH is acknowledged (DIR/NAME.rawdisk-cbt with --state-dir DIR; one \
          per export with --dir).",
     ),

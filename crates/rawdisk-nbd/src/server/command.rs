@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 
 use super::buffers::PIPE_BYTES;
 use super::export::{storage_errno, Cause, Failure, ZERO_OP};
-use super::meta::{Context, STATE_CHANGED};
+use super::meta::{Context, Selected, DEPTH_THIS_LAYER, STATE_CHANGED};
 use super::{Session, Shared};
 use crate::proto::*;
 use crate::sock::Pipe;
@@ -498,23 +498,25 @@ fn sparse_read(
     Encoded::bytes(buf, start, at)
 }
 
-/// A BLOCK_STATUS of base:allocation alone: a few lseeks at most (none on a
-/// block device), cheap enough to run where it is read, as nbdkit does,
-/// instead of a hand-off to the blocking pool and back per request.
+/// A BLOCK_STATUS of base:allocation and qemu:allocation-depth alone: a
+/// few lseeks at most (none on a block device), cheap enough to run where
+/// it is read, as nbdkit does, instead of a hand-off to the blocking pool
+/// and back per request.
 pub(super) fn quick_status(s: &Session, req: &Request) -> bool {
-    req.command == Command::BlockStatus && s.contexts.iter().all(|(_, c)| *c == Context::Allocation)
+    req.command == Command::BlockStatus && s.contexts.iter().all(|(_, c)| c.checkpoint().is_none())
 }
 
 /// One block status chunk per selected context, each from the request's
 /// offset (spec: NBD_CMD_BLOCK_STATUS). A checkpoint deleted since the
-/// client selected its context fails the whole request.
+/// client selected its context (also one whose name a newer checkpoint
+/// took since) fails the whole request.
 fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
     let max_runs = if req.flags & CMD_FLAG_REQ_ONE != 0 {
         1
     } else {
         MAX_DESCRIPTORS
     };
-    if s.contexts.iter().any(|(_, c)| *c != Context::Allocation) {
+    if s.contexts.iter().any(|(_, c)| c.checkpoint().is_some()) {
         // Checkpoints made or deleted since the last look (one pread when
         // none were).
         super::meta::refresh(&s.export);
@@ -523,10 +525,14 @@ fn block_status(s: &Session, req: &Request, to: ReplyTo) -> Encoded {
     for (id, c) in &s.contexts {
         let ds = match c {
             Context::Allocation => allocation(s, req, max_runs),
-            Context::Changed(name) => match changed(s, name, req, max_runs) {
+            Context::Depth => vec![Descriptor {
+                length: req.length,
+                status: DEPTH_THIS_LAYER as u64,
+            }],
+            Context::Changed(cp) | Context::Dirty(cp) => match changed(s, cp, req, max_runs) {
                 Some(ds) => ds,
                 None => {
-                    let msg = format!("checkpoint {name:?} no longer exists (it was deleted)");
+                    let msg = format!("checkpoint {:?} no longer exists (it was deleted)", cp.name);
                     debug!("block status: {msg}");
                     return small_error(s, to, NBD_EINVAL, &msg);
                 }
@@ -575,11 +581,12 @@ fn allocation(s: &Session, req: &Request, max_runs: usize) -> Vec<Descriptor> {
     ds
 }
 
-/// rawdisk:changed:NAME: the ranges changed since the checkpoint; None when
-/// it no longer exists. The tracker's runs cover the request exactly.
-fn changed(s: &Session, name: &str, req: &Request, max_runs: usize) -> Option<Vec<Descriptor>> {
+/// rawdisk:changed:NAME and qemu:dirty-bitmap:NAME: the ranges changed
+/// since the checkpoint (all of them for an inconsistent one); None when it
+/// no longer exists. The tracker's runs cover the request exactly.
+fn changed(s: &Session, cp: &Selected, req: &Request, max_runs: usize) -> Option<Vec<Descriptor>> {
     let tracker = s.export.tracker()?;
-    let runs = tracker.changed(name, req.offset, req.length, max_runs)?;
+    let runs = tracker.changed_seq(&cp.name, cp.seq, req.offset, req.length, max_runs)?;
     let mut ds: Vec<Descriptor> = runs
         .into_iter()
         .filter(|&(len, _)| len > 0)

@@ -491,7 +491,8 @@ where
                         continue;
                     }
                 };
-                let found = meta::numbered(meta::matching(&e, &req.queries, set));
+                let bitmaps = cfg.dirty_bitmaps.as_deref();
+                let found = meta::numbered(meta::matching(&e, &req.queries, set, bitmaps));
                 for (id, c) in &found {
                     OptionReply::MetaContext {
                         // LIST: the id is reserved and SHOULD be zero.

@@ -127,6 +127,10 @@ pub struct ServerConfig {
     /// export, opened by [`Server::open`] for a single export and on first
     /// use for each `--dir` export.
     pub track_changes: Option<TrackOptions>,
+    /// `serve --bitmap NAME...`: only these checkpoints are offered as
+    /// `qemu:dirty-bitmap:NAME` (each must exist at [`Server::open`]);
+    /// None: every checkpoint is. `rawdisk:changed:` offers every one.
+    pub dirty_bitmaps: Option<Vec<String>>,
     /// `--dir`: export files that look like another image format (qcow2,
     /// VMDK...) as raw (`serve -f raw`); without it NBD_OPT_GO refuses them.
     pub raw: bool,
@@ -161,6 +165,7 @@ impl Default for ServerConfig {
             map_writes: false,
             tls: None,
             track_changes: None,
+            dirty_bitmaps: None,
             raw: false,
             serving: Serving::default(),
             window: Window::default(),
@@ -230,6 +235,11 @@ impl Server {
             Some(opts) => Some(exports::open_tracker(&target, opts)?),
             None => None,
         };
+        if let Some(t) = &tracker {
+            for name in cfg.dirty_bitmaps.iter().flatten() {
+                t.require(name)?;
+            }
+        }
         Ok(Server::new_tracked(target, tracker, cfg))
     }
 

@@ -504,7 +504,7 @@ fn check_name(op: &'static str, path: &Path, name: &str) -> Result<(), CbtError>
     ))
 }
 
-fn no_such(op: &'static str, path: &Path, h: &Header, name: &str) -> CbtError {
+pub(crate) fn no_such(op: &'static str, path: &Path, h: &Header, name: &str) -> CbtError {
     let names: Vec<&str> = h.checkpoints.iter().map(|e| e.name.as_str()).collect();
     let have = if names.is_empty() {
         "there are none".to_string()

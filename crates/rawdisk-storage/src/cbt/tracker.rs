@@ -22,7 +22,7 @@ use super::disk::{
     new_header, open_target, repair, stat_fd, state_path_for, Disk, Read, MUTATION_BYTE,
     SERVED_BYTE,
 };
-use super::file::{check_unserved, damage_text, infos, warn_blank, warn_damage};
+use super::file::{check_unserved, damage_text, infos, no_such, warn_blank, warn_damage};
 use super::format::{Header, Reason};
 use super::index::{load_checked, upgrade, Loaded, PageIndex};
 use super::{valid_granularity, CbtError, CheckpointInfo, TrackOptions, DEFAULT_GRANULARITY};
@@ -427,6 +427,21 @@ impl Tracker {
         infos(&self.mem().header)
     }
 
+    /// Fails, naming the checkpoints there are, unless checkpoint `name`
+    /// exists now (`serve --bitmap NAME`, checked at start).
+    pub fn require(&self, name: &str) -> Result<(), CbtError> {
+        let mem = self.mem();
+        match mem.header.find(name) {
+            Some(_) => Ok(()),
+            None => Err(no_such(
+                "find checkpoint in",
+                &self.disk.path,
+                &mem.header,
+                name,
+            )),
+        }
+    }
+
     /// Runs (length, changed) covering exactly [offset, offset+len)
     /// (chunk-aligned inside, the first and last run clipped to the
     /// request), merged (adjacent runs differ), at most `max_runs` (the last
@@ -439,8 +454,37 @@ impl Tracker {
         len: u64,
         max_runs: usize,
     ) -> Option<Vec<(u64, bool)>> {
+        self.changed_of(name, None, offset, len, max_runs)
+    }
+
+    /// As [`Tracker::changed`] for the checkpoint `name` with sequence
+    /// number `seq`: None also when the name now belongs to a newer
+    /// checkpoint (deleted and made again), so a connection never reads
+    /// another checkpoint's changes under the name it selected.
+    pub fn changed_seq(
+        &self,
+        name: &str,
+        seq: u64,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Option<Vec<(u64, bool)>> {
+        self.changed_of(name, Some(seq), offset, len, max_runs)
+    }
+
+    fn changed_of(
+        &self,
+        name: &str,
+        seq: Option<u64>,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Option<Vec<(u64, bool)>> {
         let mem = self.mem();
         let k = mem.header.find(name)?;
+        if seq.is_some_and(|s| mem.header.checkpoints[k].seq != s) {
+            return None;
+        }
         if len == 0 {
             return Some(Vec::new());
         }

@@ -125,7 +125,6 @@ struct Seen {
     port: Option<String>,
     offset: u64,
     read_only: bool,
-    alloc_depth: bool,
     bitmaps: Vec<String>,
     socket: Option<String>,
     shared: Option<u32>,
@@ -267,7 +266,8 @@ fn flags(prog: &str, args: &[std::ffi::OsString]) -> Result<Flags, Fail> {
             }
             "load-snapshot" => return Err(Fail::Other(format!("-l {v} (an internal snapshot)"))),
             "read-only" => s.read_only = true,
-            "allocation-depth" => s.alloc_depth = true,
+            // serve offers qemu:allocation-depth always.
+            "allocation-depth" => {}
             "bitmap" => s.bitmaps.push(v),
             "socket" => {
                 if !v.starts_with('/') {
@@ -434,20 +434,7 @@ fn translate(s: &Seen, img: &Image) -> Result<Vec<String>, Fail> {
         flag("snapshot", None);
     }
     for b in &s.bitmaps {
-        if !serve_has("bitmap") {
-            return Err(Fail::Other(format!(
-                "--bitmap={b} (this rawdisk has no 'serve --bitmap')"
-            )));
-        }
         flag("bitmap", Some(b));
-    }
-    if s.alloc_depth {
-        if !serve_has("allocation-depth") {
-            return Err(Fail::Other(
-                "-A (this rawdisk has no 'serve --allocation-depth')".into(),
-            ));
-        }
-        flag("allocation-depth", None);
     }
     tls(s, &mut flag)?;
     let format_raw = match s.format.as_deref() {
@@ -575,13 +562,6 @@ fn serve_command() -> clap::Command {
     <crate::cmd::serve::Args as clap::Args>::augment_args(
         clap::Command::new("serve").no_binary_name(true),
     )
-}
-
-/// Whether serve has the long flag `long` (flags other work adds).
-fn serve_has(long: &str) -> bool {
-    serve_command()
-        .get_arguments()
-        .any(|a| a.get_long() == Some(long))
 }
 
 /// serve's Args from its flags.

@@ -9,6 +9,7 @@ use rawdisk_nbd::tls::ServerTls;
 
 /// Export a file or block device over NBD.
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("tracking").multiple(true).args(["track_changes", "bitmap"])))]
 #[command(after_help = "Examples:\n  \
     rawdisk serve --create 10G -U /tmp/disk.sock disk.img\n  \
     rawdisk serve -r -e vm -b 0.0.0.0 -p 10809 vm.img\n  \
@@ -144,20 +145,20 @@ pub struct Args {
     /// qemu-nbd --offset): the export's byte 0 is TARGET's byte OFFSET, and
     /// nothing before it is read or written.
     #[arg(long, value_name = "OFFSET", value_parser = crate::size::size_arg,
-          conflicts_with_all = ["dir", "track_changes", "create"])]
+          conflicts_with_all = ["dir", "tracking", "create"])]
     pub(super) offset: Option<u64>,
     /// Serve only SIZE bytes (from --offset, or 0): qemu's raw driver
     /// `size`. The export is that long; nothing after it is read or
     /// written [default: to TARGET's end].
     #[arg(long, value_name = "SIZE", value_parser = crate::size::size_arg,
-          conflicts_with_all = ["dir", "track_changes", "create"])]
+          conflicts_with_all = ["dir", "tracking", "create"])]
     pub(super) size: Option<u64>,
     /// Clients' writes go to a private copy of TARGET, discarded at exit:
     /// TARGET never changes (qemu-nbd -s). The copy is an unlinked file
     /// beside TARGET, sharing its blocks where the file system can
     /// (XFS, btrfs), else in $TMPDIR (/var/tmp), copied before serving
     /// starts; holes stay holes.
-    #[arg(long, conflicts_with_all = ["dir", "track_changes", "create"])]
+    #[arg(long, conflicts_with_all = ["dir", "tracking", "create"])]
     pub(super) snapshot: bool,
     /// Write the server's totals here as JSON when it exits (SIGUSR1 logs
     /// the same document; docs/json.md): uptime-seconds; connections: accepted, negotiated, open,
@@ -230,18 +231,30 @@ pub struct Args {
     /// TRIM) in a state file next to the target (TARGET.rawdisk-cbt), made
     /// durable before each FLUSH is acknowledged; each checkpoint of
     /// `rawdisk checkpoint` is then offered as the metadata context
-    /// rawdisk:changed:NAME (docs/cbt.md). With --dir, one per export.
-    /// Only writes through this server are seen: another process writing
-    /// the same file while it is served is not.
+    /// rawdisk:changed:NAME and as qemu's qemu:dirty-bitmap:NAME
+    /// (docs/cbt.md). With --dir, one per export. Only writes through this
+    /// server are seen: another process writing the same file while it is
+    /// served is not.
     #[arg(long)]
     pub(super) track_changes: bool,
+    /// Offer checkpoint NAME as qemu:dirty-bitmap:NAME (qemu-nbd's -B: set
+    /// where the extent changed since the checkpoint), and only the
+    /// checkpoints named so; repeatable. Implies --track-changes; NAME
+    /// must exist when the server starts (`rawdisk checkpoint create`).
+    #[arg(
+        short = 'B',
+        long = "bitmap",
+        value_name = "NAME",
+        conflicts_with = "dir"
+    )]
+    pub(super) bitmap: Vec<String>,
     /// Bytes per bit of a new state file's bitmaps: a power of two from 4K
     /// to 64M [default: 64K]; an existing state file's must match.
-    #[arg(long, value_name = "SIZE", requires = "track_changes", value_parser = crate::size::size_arg)]
+    #[arg(long, value_name = "SIZE", requires = "tracking", value_parser = crate::size::size_arg)]
     pub(super) bitmap_granularity: Option<u64>,
     /// Keep the state files here (DIR/NAME.rawdisk-cbt) instead of next
     /// to the target; needed for block devices.
-    #[arg(long, value_name = "DIR", requires = "track_changes")]
+    #[arg(long, value_name = "DIR", requires = "tracking")]
     pub(super) state_dir: Option<PathBuf>,
     /// File or block device to export.
     #[arg(required_unless_present = "dir")]
@@ -292,6 +305,11 @@ impl Args {
     }
 
     /// --discard, --detect-zeroes and --aio for the server.
+    /// Change tracking: --track-changes, or implied by --bitmap.
+    pub(super) fn tracking(&self) -> bool {
+        self.track_changes || !self.bitmap.is_empty()
+    }
+
     pub(super) fn serving(&self) -> Serving {
         Serving {
             discard: match self.discard {

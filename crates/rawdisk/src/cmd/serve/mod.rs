@@ -8,7 +8,8 @@
 //! [--aio threads|native|io_uring] [--print-uri]
 //! [--tls off|on|require] [--tls-certificates DIR]
 //! [--tls-psk FILE] [--tls-verify-peer]
-//! [--track-changes [--bitmap-granularity SIZE] [--state-dir DIR]] [-v] TARGET`
+//! [--track-changes | -B|--bitmap NAME...] [--bitmap-granularity SIZE] [--state-dir DIR]
+//! [-v] TARGET`
 //!
 //! Prints the URI to connect to on stdout, one line, once the listener is
 //! accepting. SIGINT/SIGTERM/SIGHUP: stop accepting, finish in-flight
@@ -84,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .into());
         }
     }
-    let track = args.track_changes.then(|| TrackOptions {
+    let track = args.tracking().then(|| TrackOptions {
         granularity: args.bitmap_granularity,
         state_dir: args.state_dir.clone(),
     });
@@ -114,6 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         map_writes: args.map_writes,
         tls,
         track_changes: track,
+        dirty_bitmaps: (!args.bitmap.is_empty()).then(|| args.bitmap.clone()),
         raw: args.format.raw(),
         serving: args.serving(),
         ..Default::default()
