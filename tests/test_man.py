@@ -55,6 +55,10 @@ def command_paths(path=()):
     return paths
 
 
+# The command whose arguments are qemu-nbd's, not clap's.
+QEMU_NBD = ("qemu-nbd",)
+
+
 def page_name(path):
     return "-".join(("rawdisk", *path))
 
@@ -165,9 +169,11 @@ def test_exit_status_matches_the_binary(pages, paths, tmp_path):
     exits 0 for equal images and 1 for different ones, as its page says."""
     for path in paths:
         res = run(*path, "--no-such-flag", check=False)
-        assert res.returncode == 2, (path, res.returncode, res.stderr)
+        # qemu-nbd's command line keeps qemu-nbd's status for it: 1.
+        bad = "1" if path == QEMU_NBD else "2"
+        assert res.returncode == int(bad), (path, res.returncode, res.stderr)
         terms = exit_terms(pages[f"{page_name(path)}.1"])
-        assert "2" in terms and "0" in terms, (path, terms)
+        assert bad in terms and "0" in terms, (path, terms)
     a, b = tmp_path / "a.img", tmp_path / "b.img"
     a.write_bytes(b"\0" * 4096)
     b.write_bytes(b"\0" * 4095 + b"\1")
@@ -198,7 +204,9 @@ def synopsis_line(text, path):
 
 
 def test_synopsis_names_the_flags_of_help(pages, paths):
-    for path in paths:
+    # qemu-nbd's options are getopt's, listed in qemu-nbd's own --help
+    # layout and in its page's text, not as clap flags.
+    for path in (p for p in paths if p != QEMU_NBD):
         text = pages[f"{page_name(path)}.1"]
         syn = synopsis_line(text, path)
         opts, positionals = help_options(path)
@@ -224,7 +232,7 @@ def readme_rows():
     table = readme.split("## Commands", 1)[1].split("\n\n", 2)[1]
     rows = {}
     for line in table.splitlines():
-        m = re.match(r"^\| `rawdisk (\w+)(.*?)` \|", line)
+        m = re.match(r"^\| `rawdisk ([\w-]+)(.*?)` \|", line)
         if m:
             rows[m.group(1)] = m.group(2)
     return rows

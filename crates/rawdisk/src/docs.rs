@@ -67,6 +67,20 @@ const EXIT_COPY: &[(&str, &str)] = &[
     ),
 ];
 
+/// qemu-nbd exits 1 for a bad command line too.
+const EXIT_QEMU_NBD: &[(&str, &str)] = &[
+    (
+        "0",
+        "Stopped by a signal after finishing the requests in flight and flushing, \
+         or after the last client without -t; with --fork, the server is listening.",
+    ),
+    (
+        "1",
+        "A bad command line or something rawdisk does not serve (one line on \
+         standard error), or the server could not start or failed.",
+    ),
+];
+
 const EXIT_SERVE: &[(&str, &str)] = &[
     (
         "0",
@@ -332,6 +346,14 @@ const PAGES: &[Page] = &[
     checkpoint_page("checkpoint create"),
     checkpoint_page("checkpoint list"),
     checkpoint_page("checkpoint delete"),
+    Page {
+        path: "qemu-nbd",
+        exit: EXIT_QEMU_NBD,
+        signals: SIGNALS_SERVE,
+        environment: ENV_SERVE,
+        files: FILES_SERVE,
+        see_also: &["rawdisk-serve(1)", "qemu-nbd(8)"],
+    },
 ];
 
 pub fn run(cmd: clap::Command, args: Args) -> anyhow::Result<ExitCode> {

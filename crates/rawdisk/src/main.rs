@@ -40,6 +40,8 @@ enum Command {
     Checksum(cmd::checksum::Args),
     Compare(cmd::compare::Args),
     Checkpoint(cmd::checkpoint::Args),
+    #[command(name = "qemu-nbd")]
+    QemuNbd(cmd::qemu_nbd::Args),
     /// Write man pages and shell completions (for packaging).
     #[command(hide = true)]
     GenerateDocs(docs::Args),
@@ -50,6 +52,19 @@ pub const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
     out::quiet_on_closed_stdout();
+    // qemu-nbd's command line, by the binary's name or as the first word:
+    // read by getopt's rules, never by clap's.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let by_name = argv
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|n| n == "qemu-nbd");
+    if by_name {
+        return qemu_nbd("qemu-nbd", &argv[1..]);
+    }
+    if argv.get(1).is_some_and(|a| a == "qemu-nbd") {
+        return qemu_nbd("rawdisk qemu-nbd", &argv[2..]);
+    }
     let matches = <Cli as clap::CommandFactory>::command().try_get_matches();
     let cli = match matches
         .and_then(|m| <Cli as clap::FromArgMatches>::from_arg_matches(&m).map(|c| (c, m)))
@@ -107,6 +122,7 @@ fn main() -> ExitCode {
     init_logging(cli.verbose, quiet, dest);
     let result = match cli.command {
         Command::Serve(a) => cmd::serve::run(*a),
+        Command::QemuNbd(a) => return qemu_nbd("rawdisk qemu-nbd", &a.args),
         Command::Create(a) => cmd::create::run(a),
         Command::Probe(a) => cmd::probe::run(a),
         Command::Map(a) => cmd::map::run(a),
@@ -118,6 +134,22 @@ fn main() -> ExitCode {
         Command::Checkpoint(a) => cmd::checkpoint::run(a),
         Command::GenerateDocs(a) => docs::run(<Cli as clap::CommandFactory>::command(), a),
     };
+    exit_with(result)
+}
+
+/// `rawdisk qemu-nbd` (`prog`) with `args`: serve as they say, or exit.
+fn qemu_nbd(prog: &str, args: &[std::ffi::OsString]) -> ExitCode {
+    match cmd::qemu_nbd::parse(prog, args) {
+        cmd::qemu_nbd::Outcome::Exit(code) => code,
+        cmd::qemu_nbd::Outcome::Serve(a, verbose) => {
+            init_logging(verbose, false, (a.log_dest(), a.log_named()));
+            exit_with(cmd::serve::run(*a))
+        }
+    }
+}
+
+/// The exit status of a command's result, its error said in one line.
+fn exit_with(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) if e.downcast_ref::<cmd::UsageError>().is_some() => {

@@ -22,7 +22,11 @@
 //! - `--discard ignore`: trims do nothing and zeroes never punch holes;
 //!   `--detect-zeroes`: an all-zero write becomes a zero of its range
 //!   ([`Serving`]), on every write path (the mapped and in-kernel paths
-//!   leave such writes to [`Export::write`]).
+//!   leave such writes to [`Export::write`]);
+//! - the window ([`Window`]): request offsets are the export's, and each
+//!   storage call here is made at the window's offset plus the request's,
+//!   so nothing outside the window is read or written (requests are
+//!   checked against [`Export::size`] before they get here).
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -100,6 +104,16 @@ impl Serving {
     }
 }
 
+/// The part of the target an export serves (qemu's raw driver `offset`
+/// and `size`, qemu-nbd `--offset`): byte 0 of the export is byte `offset`
+/// of the target, and the export is `size` bytes long (None: up to the
+/// target's end, following it as a file grows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub offset: u64,
+    pub size: Option<u64>,
+}
+
 /// Whether a payload is all zeros (`--detect-zeroes`): 16 bytes at a time,
 /// stopping at the first that is not.
 fn is_zero(data: &[u8]) -> bool {
@@ -143,6 +157,8 @@ pub(super) struct Export {
     tracker: Option<Arc<Tracker>>,
     /// `--discard`, `--detect-zeroes`, `--aio`.
     serving: Serving,
+    /// The part of the target served.
+    window: Window,
     /// (st_dev, st_ino) of what was opened: a file replaced under the same
     /// name is a new export.
     pub(super) id: (u64, u64),
@@ -212,6 +228,7 @@ impl Drop for Change<'_> {
 pub(super) struct Mapped<'a> {
     export: &'a Export,
     pages: MappedWrite<'a>,
+    /// The target's offset of the write (the window's applied).
     offset: u64,
     len: u64,
     head: u64,
@@ -282,7 +299,35 @@ impl Export {
             id,
             tracker,
             serving: Serving::default(),
+            window: Window::default(),
         }
+    }
+
+    /// The export serving only `window` of its target.
+    pub(super) fn with_window(mut self, window: Window) -> Export {
+        self.window = window;
+        self
+    }
+
+    /// The export's size: the window's, else the target's.
+    pub(super) fn size(&self) -> u64 {
+        match self.window.size {
+            Some(s) => s,
+            None => self.target.size().saturating_sub(self.window.offset),
+        }
+    }
+
+    /// The target's offset of the export's `offset`.
+    fn at(&self, offset: u64) -> u64 {
+        self.window.offset + offset
+    }
+
+    /// Extents the target reported, in the export's offsets.
+    fn in_export(&self, mut ext: Vec<Extent>) -> Vec<Extent> {
+        for e in &mut ext {
+            e.offset -= self.window.offset;
+        }
+        ext
     }
 
     /// The export with `serving`'s rules (`serve --discard`,
@@ -336,13 +381,13 @@ impl Export {
         }
         let change = self.change(offset, len);
         self.target
-            .write_at(data, offset, fua)
+            .write_at(data, self.at(offset), fua)
             .map_err(storage("write"))?;
         drop(change);
         if fua {
             return self.persist("write (FUA)");
         }
-        self.written(offset, len);
+        self.written(self.at(offset), len);
         Ok(())
     }
 
@@ -370,7 +415,18 @@ impl Export {
         for op in ops.iter().filter(|op| op.write) {
             self.mark(op.offset, op.len as u64);
         }
+        let base = self.window.offset;
+        let ops = ops
+            .into_iter()
+            .map(|op| DirectOp {
+                offset: op.offset + base,
+                ..op
+            })
+            .collect();
         let mut refused = q.submit(ops);
+        for op in &mut refused {
+            op.offset -= base;
+        }
         refused.append(&mut zeros);
         refused
     }
@@ -389,11 +445,15 @@ impl Export {
     ) -> std::io::Result<()> {
         let from = out.len();
         let r = q.reap(out, wait);
-        for d in out[from..].iter().filter(|d| d.op.write) {
+        for d in &mut out[from..] {
+            d.op.offset -= self.window.offset;
+            if !d.op.write {
+                continue;
+            }
             let (offset, len) = (d.op.offset, d.op.len as u64);
             self.mark(offset, len);
             if d.done {
-                self.written(offset, len);
+                self.written(self.at(offset), len);
             }
         }
         r
@@ -419,12 +479,12 @@ impl Export {
         }
         let pages = self
             .target
-            .map_write(offset + head, usize::try_from(len - head).ok()?);
+            .map_write(self.at(offset + head), usize::try_from(len - head).ok()?);
         self.note_caps();
         Some(Mapped {
             pages: pages?,
             export: self,
-            offset,
+            offset: self.at(offset),
             len,
             head,
             change: self.change(offset, len),
@@ -447,7 +507,7 @@ impl Export {
             ..flags
         };
         let change = self.change(offset, len);
-        let outcome = self.target.zero(offset, len, flags);
+        let outcome = self.target.zero(self.at(offset), len, flags);
         self.note_caps();
         let outcome = outcome.map_err(storage(ZERO_OP))?;
         trace!("zero used {:?}", outcome.methods);
@@ -466,7 +526,7 @@ impl Export {
             return Ok(());
         }
         let change = self.change(offset, len);
-        let trimmed = self.target.trim(offset, len);
+        let trimmed = self.target.trim(self.at(offset), len);
         self.note_caps();
         match trimmed {
             Ok(()) => self.holes_made(),
@@ -520,13 +580,13 @@ impl Export {
             return None;
         }
         let t0 = Instant::now();
-        let found = self
-            .target
-            .extents_within(offset, len, SPARSE_READ_RUNS, size);
+        let found =
+            self.target
+                .extents_within(self.at(offset), len, SPARSE_READ_RUNS, self.at(size));
         self.note_caps();
         if let Ok(ext) = found {
             if ext.iter().any(|e| e.kind == ExtentKind::Hole) {
-                return Some(ext);
+                return Some(self.in_export(ext));
             }
         }
         // SEEK_HOLE walks the whole data run on tmpfs (page cache lookups
@@ -552,7 +612,9 @@ impl Export {
         if skipped.is_ok() {
             return false;
         }
-        if matches!(t.allocated_bytes(), Ok(a) if a >= size) {
+        // With a window, the whole file's allocation decides: a skip
+        // only costs holes served as data.
+        if matches!(t.allocated_bytes(), Ok(a) if a >= self.at(size)) {
             // Fully allocated: trust that for the next reads instead of an
             // fstat per request (it showed in strace of 1 MiB reads). Holes
             // punched through this server reset the skip (`holes_made`);
@@ -577,7 +639,9 @@ impl Export {
 
     /// NBD_CMD_READ of `buf.len()` bytes at `offset`.
     pub(super) fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
-        self.target.read_at(buf, offset).map_err(storage("read"))
+        self.target
+            .read_at(buf, self.at(offset))
+            .map_err(storage("read"))
     }
 
     /// Whether a read may be answered from the page cache without waiting
@@ -590,7 +654,7 @@ impl Export {
     /// cached, or on an error the blocking [`Export::read`] will meet and
     /// report.
     pub(super) fn read_cached(&self, buf: &mut [u8], offset: u64) -> bool {
-        matches!(self.target.read_cached(buf, offset), Ok(true))
+        matches!(self.target.read_cached(buf, self.at(offset)), Ok(true))
     }
 
     /// Whether reads may go to the socket through pipes: through the page
@@ -607,7 +671,7 @@ impl Export {
         offset: u64,
         len: usize,
     ) -> Result<bool, Failure> {
-        let r = self.target.read_to_pipe(pipe, offset, len);
+        let r = self.target.read_to_pipe(pipe, self.at(offset), len);
         self.note_caps();
         r.map_err(storage("read"))
     }
@@ -617,7 +681,9 @@ impl Export {
         if len == 0 {
             return Ok(());
         }
-        self.target.cache(offset, len).map_err(storage("cache"))
+        self.target
+            .cache(self.at(offset), len)
+            .map_err(storage("cache"))
     }
 
     /// base:allocation: at most `max_runs` extents from `offset` within an
@@ -631,10 +697,12 @@ impl Export {
         max_runs: usize,
         size: u64,
     ) -> Option<Vec<Extent>> {
-        let found = self.target.extents_within(offset, len, max_runs, size);
+        let found = self
+            .target
+            .extents_within(self.at(offset), len, max_runs, self.at(size));
         self.note_caps();
         match found {
-            Ok(ext) => Some(ext),
+            Ok(ext) => Some(self.in_export(ext)),
             Err(e) => {
                 debug!("block status: {e}; reporting data");
                 None

@@ -371,7 +371,7 @@ impl Dir {
         );
         debug!(
             "export {name:?}: {} bytes{}",
-            e.target.size(),
+            e.size(),
             if e.read_only { ", read-only" } else { "" }
         );
         open.insert(name.to_string(), Arc::downgrade(&e));

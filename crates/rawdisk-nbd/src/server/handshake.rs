@@ -396,7 +396,7 @@ where
                     Err(_) => return Ok(Outcome::Aborted),
                 };
                 let flags = flags_for(&mut base_flags, &e) | df_flag(mode);
-                let size = e.target.size();
+                let size = e.size();
                 if !stop.enter_transmission() {
                     return Ok(Outcome::Aborted);
                 }
@@ -521,7 +521,7 @@ where
                 };
                 meta::refresh(&e);
                 let flags = flags_for(&mut base_flags, &e) | df_flag(mode);
-                let size = e.target.size();
+                let size = e.size();
                 OptionReply::Info(Info::Export { size, flags }).encode(h.option, &mut out);
                 if req.info.contains(&INFO_NAME) {
                     OptionReply::Info(Info::Name(e.name.clone())).encode(h.option, &mut out);

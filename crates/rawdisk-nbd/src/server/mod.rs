@@ -62,7 +62,7 @@ use tracing::{debug, warn, Instrument};
 use crate::proto::*;
 use crate::sock::RawSock;
 use buffers::{BufPool, Input, PipePool, DATA_ALIGN, POOL_IDLE};
-pub use export::{Aio, DetectZeroes, Discard, Serving};
+pub use export::{Aio, DetectZeroes, Discard, Serving, Window};
 use exports::{Export, Exports};
 use handshake::Link;
 use limits::{HandshakeSlot, Handshakes, RateLimit, Stats};
@@ -136,6 +136,10 @@ pub struct ServerConfig {
     pub raw: bool,
     /// `--discard`, `--detect-zeroes`, `--aio`: the same for every export.
     pub serving: Serving,
+    /// The part of a single export's target served (`serve --offset`,
+    /// `--size`); the whole target by default. Not with `--dir`, nor with
+    /// changed-block tracking, whose marks are the target's.
+    pub window: Window,
 }
 
 impl Default for ServerConfig {
@@ -164,6 +168,7 @@ impl Default for ServerConfig {
             dirty_bitmaps: None,
             raw: false,
             serving: Serving::default(),
+            window: Window::default(),
         }
     }
 }
@@ -263,7 +268,8 @@ impl Server {
             (0, 0),
             tracker,
         )
-        .with_serving(cfg.serving);
+        .with_serving(cfg.serving)
+        .with_window(cfg.window);
         Server::with_exports(Exports::One(Arc::new(export)), cfg)
     }
 

@@ -8,6 +8,7 @@ pub mod detached;
 pub mod info;
 pub mod map;
 pub mod probe;
+pub mod qemu_nbd;
 pub mod resize;
 pub mod serve;
 

@@ -17,7 +17,8 @@ use rawdisk_nbd::tls::ServerTls;
     rawdisk serve --dir /var/lib/images -U /run/images.sock\n  \
     rawdisk serve --discard=unmap --detect-zeroes=unmap --cache none -U /tmp/import.sock vm.img\n\n\
 Coming from nbdkit: -f is rawdisk's format flag (-f raw), not --foreground: serve\n\
-stays in the foreground already, so leave -f out (--fork goes to the background).\n\
+stays in the foreground already (--foreground is accepted; --fork goes to the\n\
+background).\n\
 --print-uri is accepted: the URI is always printed. nbdkit's exitlast filter is\n\
 --exit-last. Coming from qemu-nbd: it exits after its last client unless -t;\n\
 rawdisk serves until stopped unless --exit-last. docs/coming-from.md maps the rest.")]
@@ -127,9 +128,38 @@ pub struct Args {
     #[arg(long, value_enum, requires = "create", default_value = "off")]
     pub(super) preallocation: PreallocArg,
     /// Write the server's pid here once it is ready (mode 0644, renamed into
-    /// place; a symlink here is refused); removed at exit.
-    #[arg(short = 'P', long, value_name = "PATH")]
+    /// place; a symlink here is refused); removed at exit. --pidfile as
+    /// nbdkit.
+    #[arg(short = 'P', long, visible_alias = "pidfile", value_name = "PATH")]
     pub(super) pid_file: Option<PathBuf>,
+    /// Exit (as on SIGTERM) when the process that started the server
+    /// exits (nbdkit's --exit-with-parent): a captive server never
+    /// outlives its stack. Not with --fork.
+    #[arg(long, conflicts_with = "fork")]
+    pub(super) exit_with_parent: bool,
+    /// Accepted for nbdkit's habit: serve stays in the foreground unless
+    /// --fork (-f is rawdisk's format flag, not this).
+    #[arg(long, conflicts_with = "fork")]
+    pub(super) foreground: bool,
+    /// Serve TARGET from this byte on (qemu's raw driver `offset`,
+    /// qemu-nbd --offset): the export's byte 0 is TARGET's byte OFFSET, and
+    /// nothing before it is read or written.
+    #[arg(long, value_name = "OFFSET", value_parser = crate::size::size_arg,
+          conflicts_with_all = ["dir", "tracking", "create"])]
+    pub(super) offset: Option<u64>,
+    /// Serve only SIZE bytes (from --offset, or 0): qemu's raw driver
+    /// `size`. The export is that long; nothing after it is read or
+    /// written [default: to TARGET's end].
+    #[arg(long, value_name = "SIZE", value_parser = crate::size::size_arg,
+          conflicts_with_all = ["dir", "tracking", "create"])]
+    pub(super) size: Option<u64>,
+    /// Clients' writes go to a private copy of TARGET, discarded at exit:
+    /// TARGET never changes (qemu-nbd -s). The copy is an unlinked file
+    /// beside TARGET, sharing its blocks where the file system can
+    /// (XFS, btrfs), else in $TMPDIR (/var/tmp), copied before serving
+    /// starts; holes stay holes.
+    #[arg(long, conflicts_with_all = ["dir", "tracking", "create"])]
+    pub(super) snapshot: bool,
     /// Write the server's totals here as JSON when it exits (SIGUSR1 logs
     /// the same document; docs/json.md): uptime-seconds; connections: accepted, negotiated, open,
     /// refused-at-cap, closed-in-handshake, unknown-export, tls-required;

@@ -14,6 +14,33 @@ use tokio::sync::watch;
 
 use super::args::{Args, LogArg};
 
+/// --exit-with-parent: the kernel sends SIGTERM (a clean stop) when the
+/// process that started this one exits. A parent already gone before the
+/// request (this process was adopted) ends it at once.
+pub(super) fn exit_with_parent() -> anyhow::Result<()> {
+    // SAFETY: getppid cannot fail; prctl(PR_SET_PDEATHSIG) takes plain
+    // integers and changes only this process's death signal.
+    let (parent, set) = unsafe {
+        let parent = libc::getppid();
+        let set = libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGTERM as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
+        (parent, set)
+    };
+    if set != 0 {
+        bail!("--exit-with-parent: {}", io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::getppid() } != parent {
+        bail!("--exit-with-parent: the parent process has already exited");
+    }
+    Ok(())
+}
+
 /// --fork: returns in the child, detached from the terminal, with the pipe
 /// its URI line goes to once it serves. The parent waits for that line,
 /// prints it and exits 0; without it (the child failed and said why on

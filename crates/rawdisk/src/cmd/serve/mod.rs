@@ -24,6 +24,7 @@ mod args;
 mod daemon;
 mod listen;
 mod open;
+mod snapshot;
 mod stats;
 
 use std::fs;
@@ -47,13 +48,16 @@ use daemon::{
     detach_stderr, fork_into_background, handle_signals, open_pid_file, start_run, Cleanup, PidFile,
 };
 use listen::{escape, listen, Bound, Listening};
-use open::open_target;
+use open::{open_target, window};
 use stats::stats_json;
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // First, while the process has one thread: it unsets the variables, and
     // setenv/unsetenv race with any other thread's getenv.
     let activated = take_activation_fd();
+    if args.exit_with_parent {
+        daemon::exit_with_parent()?;
+    }
     if let Some(t) = &args.target {
         crate::cmd::local_only(t, "serve")?;
     }
@@ -100,7 +104,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot write statistics '{}'", p.display()))?;
         cleanup.stats = Some(p.clone());
     }
-    let cfg = ServerConfig {
+    let mut cfg = ServerConfig {
         export_name: args.export_name.clone(),
         description: args.description.clone().unwrap_or_default(),
         read_only: args.read_only,
@@ -129,6 +133,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         (None, Some(path)) => {
             let target = open_target(&args, path, open, &mut cleanup)?;
+            cfg.window = window(&args, path, &target)?;
             if !args.format.raw() {
                 let shown = path.display().to_string();
                 let f = rawdisk_storage::format::probe_target(&target)
@@ -141,7 +146,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 rawdisk_storage::Kind::File => "regular file",
                 rawdisk_storage::Kind::Block => "block device",
             };
-            let what = format!("'{}' ({} bytes, {kind})", path.display(), target.size());
+            let what = match (args.offset, args.size) {
+                (None, None) => format!("'{}' ({} bytes, {kind})", path.display(), target.size()),
+                _ => format!(
+                    "'{}' from byte {} ({} of its {} bytes, {kind})",
+                    path.display(),
+                    cfg.window.offset,
+                    cfg.window.size.unwrap_or(target.size() - cfg.window.offset),
+                    target.size()
+                ),
+            };
             let caps = target.caps().snapshot();
             let server = Server::open(target, cfg)
                 .map_err(|e| anyhow::anyhow!("cannot serve '{}': {e}", path.display()))?;

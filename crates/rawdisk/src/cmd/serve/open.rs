@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use rawdisk_nbd::server::Window;
 use rawdisk_storage::{CacheMode, OpenOptions, Prealloc, Target};
 
 use super::args::Args;
@@ -25,6 +26,9 @@ pub(super) fn open_target(
     if created {
         // Removed again if serving fails before it starts.
         cleanup.created = Some(path.to_path_buf());
+    }
+    if args.snapshot && !args.read_only {
+        return super::snapshot::private_copy(path, &open);
     }
     let opened = Target::open(path, &open);
     let target = match opened {
@@ -98,4 +102,42 @@ pub(super) fn create_target(
     }
     tracing::info!("created '{}' ({size} bytes)", path.display());
     Ok(true)
+}
+
+/// The part of `target` served (--offset, --size), checked against its
+/// size; under --cache none both on the direct I/O alignment, since an
+/// unaligned edge would be read-modify-written with the bytes beside it.
+pub(super) fn window(args: &Args, path: &Path, target: &Target) -> anyhow::Result<Window> {
+    let offset = args.offset.unwrap_or(0);
+    let total = target.size();
+    let end = match args.size {
+        Some(s) => offset.checked_add(s),
+        None => Some(total),
+    };
+    match end {
+        Some(end) if offset <= total && end <= total => {}
+        _ => bail!(
+            "cannot serve '{}': --offset {offset}{} reaches past its end ({total} bytes)",
+            path.display(),
+            args.size
+                .map(|s| format!(" --size {s}"))
+                .unwrap_or_default()
+        ),
+    }
+    if target.cache_mode() == CacheMode::None {
+        let g = target.geometry();
+        let align = u64::from(g.dio_align.max(g.logical_sector).max(1));
+        if !offset.is_multiple_of(align) || args.size.is_some_and(|s| !s.is_multiple_of(align)) {
+            return Err(crate::cmd::UsageError(format!(
+                "--offset and --size must be multiples of {align} with --cache none \
+                 (the direct I/O alignment of '{}')",
+                path.display()
+            ))
+            .into());
+        }
+    }
+    Ok(Window {
+        offset,
+        size: args.size,
+    })
 }
