@@ -66,7 +66,7 @@ def prefix(tmp_path_factory):
 def test_readme_commands_are_in_help():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    named = set(re.findall(r"^\| `rawdisk (\w+)", readme, re.M))
+    named = set(re.findall(r"^\| `rawdisk ([\w-]+)", readme, re.M))
     assert {"serve", "info", "copy"} <= named, named
     listed = set(commands())
     assert named <= listed, f"README names {named - listed}, --help does not list them"
