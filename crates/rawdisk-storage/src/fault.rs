@@ -33,6 +33,8 @@ pub struct FaultRule {
     pub errno: i32,
     /// false: only the nth call fails; true: the nth and every later one.
     pub repeat: bool,
+    /// Only calls whose range overlaps [start, end) count as hits.
+    pub over: Option<(u64, u64)>,
 }
 
 impl FaultRule {
@@ -43,6 +45,7 @@ impl FaultRule {
             nth,
             errno,
             repeat: false,
+            over: None,
         }
     }
 
@@ -53,6 +56,17 @@ impl FaultRule {
             nth,
             errno,
             repeat: true,
+            over: None,
+        }
+    }
+
+    /// Every call of `kind` whose range overlaps [offset, offset+len) fails,
+    /// whatever else it covers: a bad spot, for callers that may cover it
+    /// in one call or in several.
+    pub fn over(kind: CallKind, offset: u64, len: u64, errno: i32) -> Self {
+        FaultRule {
+            over: Some((offset, offset + len)),
+            ..Self::always(kind, errno)
         }
     }
 
@@ -61,8 +75,12 @@ impl FaultRule {
         Self::from_nth(kind, 1, errno)
     }
 
-    fn hits(&self, kind: CallKind, n: u64) -> bool {
-        self.kind == kind && (n == self.nth || (self.repeat && n > self.nth))
+    fn hits(&self, call: &Call, n: u64) -> bool {
+        self.kind == call.kind
+            && (n == self.nth || (self.repeat && n > self.nth))
+            && self
+                .over
+                .is_none_or(|(s, e)| call.offset < e && s < call.offset + call.len)
     }
 }
 
@@ -204,15 +222,15 @@ impl FaultSys {
     }
 
     /// Count the call, and return the injected error if a rule hits it.
-    fn enter(&self, kind: CallKind) -> io::Result<()> {
+    fn enter(&self, call: &Call) -> io::Result<()> {
         let n = {
             let mut c = self.counts.lock().unwrap();
-            let e = c.entry(kind).or_insert(0);
+            let e = c.entry(call.kind).or_insert(0);
             *e += 1;
             *e
         };
         let rules = self.rules.lock().unwrap();
-        match rules.iter().find(|r| r.hits(kind, n)) {
+        match rules.iter().find(|r| r.hits(call, n)) {
             Some(r) => Err(io::Error::from_raw_os_error(r.errno)),
             None => Ok(()),
         }
@@ -291,7 +309,7 @@ macro_rules! fault_sys {
                         len: ($len) as u64,
                         ok: false,
                     };
-                    let r = self.enter(call.kind).and_then(|()| {
+                    let r = self.enter(&call).and_then(|()| {
                         $(let $cap = self.cap($cap);)?
                         $(let $swap = self.$swapf($swap);)?
                         self.inner.$name($($arg),*)

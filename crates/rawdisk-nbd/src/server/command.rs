@@ -274,10 +274,7 @@ pub(super) fn execute(
         Command::Trim => done(e.trim(req.offset, req.length, fua)),
         Command::Cache => done(e.cache(req.offset, req.length)),
         Command::WriteZeroes => {
-            let flags = ZeroFlags {
-                may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
-                fast_only: req.flags & CMD_FLAG_FAST_ZERO != 0,
-            };
+            let flags = zero_flags(req);
             match e.zero(req.offset, req.length, flags, fua) {
                 Err(Failure {
                     op: ZERO_OP,
@@ -296,6 +293,41 @@ pub(super) fn execute(
         Command::BlockStatus => block_status(s, req, to),
         Command::Disc | Command::Resize | Command::Unknown(_) => {
             small_error(s, to, NBD_EINVAL, "unknown command")
+        }
+    }
+}
+
+/// What a WRITE_ZEROES asks of the storage.
+fn zero_flags(req: &Request) -> ZeroFlags {
+    ZeroFlags {
+        may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
+        fast_only: req.flags & CMD_FLAG_FAST_ZERO != 0,
+    }
+}
+
+/// Runs WRITE_ZEROES requests with the same flags, each starting where the
+/// one before ends, as one zero of their whole range and answers each. If
+/// that fails, each runs again on its own: every request gets its own
+/// outcome, and none is answered success for a range left unzeroed.
+pub(super) fn execute_zeros(sh: &Shared, s: &Session, run: &[(Request, ReplyTo)]) -> Vec<Encoded> {
+    let each = || {
+        run.iter()
+            .map(|(r, to)| execute(sh, s, r, *to, None))
+            .collect()
+    };
+    let [(first, _), .., (last, _)] = run else {
+        return each();
+    };
+    let fua = first.flags & CMD_FLAG_FUA != 0;
+    let len = last.offset + last.length - first.offset;
+    match s.export.zero(first.offset, len, zero_flags(first), fua) {
+        Ok(()) => run.iter().map(|(_, to)| whole(small_ok(s, *to))).collect(),
+        Err(f) => {
+            debug!(
+                "write zeroes of {len} bytes at offset {} (merged) failed: {:?}; each on its own",
+                first.offset, f.cause
+            );
+            each()
         }
     }
 }

@@ -25,9 +25,10 @@
 //! transmission phase), dropping its payload; it stops once the socket has
 //! been quiet for DRAIN_QUIET with nothing in flight.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
@@ -40,7 +41,8 @@ mod writer;
 
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
-    execute, failure, quick_status, read_cached, small_error, small_ok, validate, whole, Encoded,
+    execute, execute_zeros, failure, quick_status, read_cached, small_error, small_ok, validate,
+    whole, Encoded,
 };
 use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
@@ -82,6 +84,9 @@ const DRAIN_QUIET: Duration = Duration::from_millis(200);
 /// 64 MiB and matches a reply only to a request it finished sending).
 const OVERSIZED_SKIP_MAX: u64 = 64 << 20;
 const NEVER_CLOSED: &str = "semaphore never closed";
+/// Queued zeros that continue each other run as one storage call of at most
+/// this many bytes (`execute_zeros`): the first of them waits for all.
+const ZERO_MERGE_MAX: u64 = 64 << 20;
 /// A validated request with everything it needs to run.
 struct Job {
     req: Request,
@@ -159,6 +164,7 @@ where
                     InKernel::start(sh, s, tx, out)
                 })
             },
+            zeros: Arc::default(),
             sh: sh.clone(),
             s: s.clone(),
             tx,
@@ -211,6 +217,8 @@ struct Batch {
     in_kernel: Option<Option<Arc<InKernel>>>,
     /// Makes the queue and its reaper, which writes to the connection.
     start_in_kernel: StartInKernel,
+    /// WRITE_ZEROES waiting for the connection's zeroing job.
+    zeros: Arc<Mutex<ZeroLine>>,
     sh: Arc<Shared>,
     s: Arc<Session>,
     tx: mpsc::UnboundedSender<Box<Out>>,
@@ -250,6 +258,46 @@ impl Batch {
         self.dispatch();
         self.jobs.push(job);
         self.dispatch();
+    }
+
+    /// Queues a WRITE_ZEROES for the connection's zeroing job, starting it
+    /// unless it runs. Zeros of one file serialise in the kernel (fallocate
+    /// takes the inode lock on tmpfs, ext4 and XFS, the invalidate lock on
+    /// block devices): one job per zero only added a thread wake-up and lock
+    /// contention to each (docs/benchmarks.md, NO_HOLE zeros).
+    fn zero(&mut self, job: Job) {
+        self.dispatch();
+        let mut line = lock(&self.zeros);
+        line.queue.push_back(job);
+        if line.running {
+            return;
+        }
+        line.running = true;
+        drop(line);
+        let (sh, s, tx, zeros) = (
+            self.sh.clone(),
+            self.s.clone(),
+            self.tx.clone(),
+            self.zeros.clone(),
+        );
+        tokio::task::spawn_blocking(move || loop {
+            let run = {
+                let mut line = lock(&zeros);
+                let run = line.next_run();
+                if run.is_empty() {
+                    line.running = false;
+                    return;
+                }
+                run
+            };
+            let reqs: Vec<_> = run.iter().map(|j| (j.req, j.to)).collect();
+            for (j, reply) in run.into_iter().zip(execute_zeros(&sh, &s, &reqs)) {
+                let _ = tx.send(Box::new(Out {
+                    reply,
+                    _permits: j.permits.produced(),
+                }));
+            }
+        });
     }
 
     /// Hands the held requests to one blocking thread, which runs them in
@@ -308,6 +356,42 @@ impl Batch {
             k.close();
         }
     }
+}
+
+/// A connection's WRITE_ZEROES in arrival order, and whether the job that
+/// runs them is running (it stops when the queue is empty).
+#[derive(Default)]
+struct ZeroLine {
+    queue: VecDeque<Job>,
+    running: bool,
+}
+
+impl ZeroLine {
+    /// The next zeros to run as one: the first queued and those that
+    /// continue it (same flags, each starting where the one before ends),
+    /// up to ZERO_MERGE_MAX bytes.
+    fn next_run(&mut self) -> Vec<Job> {
+        let Some(first) = self.queue.pop_front() else {
+            return Vec::new();
+        };
+        let (flags, mut end) = (first.req.flags, first.req.offset + first.req.length);
+        let mut len = first.req.length;
+        let mut run = vec![first];
+        while let Some(j) = self.queue.front() {
+            let r = &j.req;
+            if r.flags != flags || r.offset != end || len + r.length > ZERO_MERGE_MAX {
+                break;
+            }
+            (end, len) = (end + r.length, len + r.length);
+            run.extend(self.queue.pop_front());
+        }
+        run
+    }
+}
+
+/// The zero line's lock; a panic while it was held left the queue whole.
+fn lock(m: &Mutex<ZeroLine>) -> MutexGuard<'_, ZeroLine> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Runs `jobs` in order on one blocking thread, queueing each reply as
@@ -720,6 +804,9 @@ where
             self.run_here(job).await
         } else if small {
             self.batch.push(job);
+            Ok(())
+        } else if req.command == Command::WriteZeroes {
+            self.batch.zero(job);
             Ok(())
         } else {
             self.batch.alone(job);
