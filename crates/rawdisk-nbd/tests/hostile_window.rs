@@ -50,3 +50,48 @@ fn a_failed_read_names_the_exports_offset() {
     h.stop().unwrap();
     h.check_file();
 }
+
+/// The pipes a spliced read fills hold PIPE_BYTES (1 MiB) of page cache
+/// each when the piece is aligned to it in the target's offsets, not the
+/// export's: a piece that straddles a target page boundary needs one page
+/// more than the pipe has, its splice stops short, and the whole read
+/// falls back to a copy after a wasted splice and pipe, on every read of
+/// a window that does not start on a page.
+#[test]
+fn spliced_reads_of_an_unaligned_window_fill_their_pipes() {
+    const PIPE_BYTES: u64 = MIB;
+    let base = MIB + 1536;
+    let mut s = Setup::cfg(|c| {
+        c.window = Window {
+            offset: base,
+            size: Some(4 * MIB),
+        };
+    });
+    s.fault = true;
+    let mut h = Harness::start(s);
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    fault.record();
+    for (off, len) in [(0, 2 * MIB), (64 * KIB, MIB), (MIB - 512, 2 * MIB)] {
+        let got = c.read(off, len);
+        let at = (base + off) as usize;
+        assert!(got == h.model[at..at + len as usize], "read {off}+{len}");
+    }
+    c.disc();
+    h.stop().unwrap();
+    let splices: Vec<_> = fault
+        .take_log()
+        .into_iter()
+        .filter(|c| c.kind == CallKind::Splice)
+        .collect();
+    assert!(!splices.is_empty(), "no read was spliced");
+    for call in &splices {
+        assert!(call.ok, "{call:?} failed: the read fell back to a copy");
+        let first = call.offset / PIPE_BYTES;
+        let last = (call.offset + call.len - 1) / PIPE_BYTES;
+        assert_eq!(
+            first, last,
+            "{call:?} straddles a pipe's worth of the target"
+        );
+    }
+}

@@ -675,6 +675,14 @@ impl Export {
         self.page_cache() && self.target.caps().get(Method::Splice).may_work()
     }
 
+    /// Where a piece of a spliced read that starts at the export's `pos`
+    /// ends: the next multiple of `piece` in the target's offsets, so that
+    /// a pipe of `piece` bytes takes it whole (a window that starts off a
+    /// page would otherwise need one page more than the pipe holds).
+    pub(super) fn piece_end(&self, pos: u64, piece: u64) -> u64 {
+        (self.at(pos) / piece + 1) * piece - self.window.offset
+    }
+
     /// `len` bytes at `offset` into `pipe`; false: the target cannot splice
     /// (the pipe may hold part of them), copy instead.
     pub(super) fn read_to_pipe(
