@@ -435,7 +435,7 @@ fn splice_read(sh: &Shared, s: &Session, req: &Request) -> Option<Result<Vec<Spl
     let mut out = Vec::with_capacity(req.length.div_ceil(PIPE_BYTES as u64) as usize + 1);
     let mut pos = req.offset;
     while pos < end {
-        let piece_end = ((pos / PIPE_BYTES as u64 + 1) * PIPE_BYTES as u64).min(end);
+        let piece_end = e.piece_end(pos, PIPE_BYTES as u64).min(end);
         let n = (piece_end - pos) as usize;
         let pipe = sh.pipes.get()?;
         match e.read_to_pipe(pipe.write_end(), pos, n) {

@@ -26,7 +26,8 @@
 //! - the window ([`Window`]): request offsets are the export's, and each
 //!   storage call here is made at the window's offset plus the request's,
 //!   so nothing outside the window is read or written (requests are
-//!   checked against [`Export::size`] before they get here).
+//!   checked against [`Export::size`] before they get here), and a failed
+//!   call's range is given back in the export's offsets.
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -190,13 +191,6 @@ pub(super) enum Cause {
 /// rule of their own (command.rs).
 pub(super) const ZERO_OP: &str = "write zeroes";
 
-fn storage(op: &'static str) -> impl FnOnce(rawdisk_storage::Error) -> Failure {
-    move |e| Failure {
-        op,
-        cause: Cause::Storage(e),
-    }
-}
-
 /// A range being changed: marked in the tracker when made, and again when
 /// dropped, after the storage call returned (also when it failed or
 /// panicked: part of the range may have changed).
@@ -243,7 +237,7 @@ impl<'a> Mapped<'a> {
         self.export
             .target
             .write_at(head, self.offset, false)
-            .map_err(storage("write"))
+            .map_err(self.export.failed("write"))
     }
 
     /// The pages the rest of the payload goes to.
@@ -307,6 +301,24 @@ impl Export {
     pub(super) fn with_window(mut self, window: Window) -> Export {
         self.window = window;
         self
+    }
+
+    /// A storage failure of `op`, its range moved to the export's offsets:
+    /// the error reply (and its offset) and the log speak the client's.
+    fn failed(&self, op: &'static str) -> impl FnOnce(rawdisk_storage::Error) -> Failure + '_ {
+        move |mut e| {
+            // Whole-target failures (a flush) name no range.
+            if e.offset != 0 || e.len != 0 {
+                match e.offset.checked_sub(self.window.offset) {
+                    Some(o) => e.offset = o,
+                    None => (e.offset, e.len) = (0, 0),
+                }
+            }
+            Failure {
+                op,
+                cause: Cause::Storage(e),
+            }
+        }
     }
 
     /// The export's size: the window's, else the target's.
@@ -382,7 +394,7 @@ impl Export {
         let change = self.change(offset, len);
         self.target
             .write_at(data, self.at(offset), fua)
-            .map_err(storage("write"))?;
+            .map_err(self.failed("write"))?;
         drop(change);
         if fua {
             return self.persist("write (FUA)");
@@ -509,7 +521,7 @@ impl Export {
         let change = self.change(offset, len);
         let outcome = self.target.zero(self.at(offset), len, flags);
         self.note_caps();
-        let outcome = outcome.map_err(storage(ZERO_OP))?;
+        let outcome = outcome.map_err(self.failed(ZERO_OP))?;
         trace!("zero used {:?}", outcome.methods);
         self.holes_made();
         drop(change);
@@ -531,7 +543,7 @@ impl Export {
         match trimmed {
             Ok(()) => self.holes_made(),
             Err(e) if storage_errno(&e) == NBD_ENOTSUP => {}
-            Err(e) => return Err(storage("trim")(e)),
+            Err(e) => return Err(self.failed("trim")(e)),
         }
         drop(change);
         if fua {
@@ -542,14 +554,14 @@ impl Export {
 
     /// NBD_CMD_FLUSH: the storage, then the tracker's marks.
     pub(super) fn flush(&self) -> Result<(), Failure> {
-        self.target.flush().map_err(storage("flush"))?;
+        self.target.flush().map_err(self.failed("flush"))?;
         self.write_behind.flushed();
         self.persist("flush")
     }
 
     /// FUA of a zero or trim: a flush, then the marks.
     fn fua(&self, flush_op: &'static str, persist_op: &'static str) -> Result<(), Failure> {
-        self.target.flush().map_err(storage(flush_op))?;
+        self.target.flush().map_err(self.failed(flush_op))?;
         self.persist(persist_op)
     }
 
@@ -641,7 +653,7 @@ impl Export {
     pub(super) fn read(&self, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
         self.target
             .read_at(buf, self.at(offset))
-            .map_err(storage("read"))
+            .map_err(self.failed("read"))
     }
 
     /// Whether a read may be answered from the page cache without waiting
@@ -663,6 +675,14 @@ impl Export {
         self.page_cache() && self.target.caps().get(Method::Splice).may_work()
     }
 
+    /// Where a piece of a spliced read that starts at the export's `pos`
+    /// ends: the next multiple of `piece` in the target's offsets, so that
+    /// a pipe of `piece` bytes takes it whole (a window that starts off a
+    /// page would otherwise need one page more than the pipe holds).
+    pub(super) fn piece_end(&self, pos: u64, piece: u64) -> u64 {
+        (self.at(pos) / piece + 1) * piece - self.window.offset
+    }
+
     /// `len` bytes at `offset` into `pipe`; false: the target cannot splice
     /// (the pipe may hold part of them), copy instead.
     pub(super) fn read_to_pipe(
@@ -673,7 +693,7 @@ impl Export {
     ) -> Result<bool, Failure> {
         let r = self.target.read_to_pipe(pipe, self.at(offset), len);
         self.note_caps();
-        r.map_err(storage("read"))
+        r.map_err(self.failed("read"))
     }
 
     /// NBD_CMD_CACHE: a hint to read the range ahead.
@@ -683,7 +703,7 @@ impl Export {
         }
         self.target
             .cache(self.at(offset), len)
-            .map_err(storage("cache"))
+            .map_err(self.failed("cache"))
     }
 
     /// base:allocation: at most `max_runs` extents from `offset` within an

@@ -198,6 +198,8 @@ pub struct Reply {
     pub contexts: Vec<(u32, Vec<Descriptor>)>,
     pub simple: bool,
     pub covered: Vec<(u64, u64)>,
+    /// Where NBD_REPLY_TYPE_ERROR_OFFSET said the request failed.
+    pub error_offset: Option<u64>,
 }
 
 pub struct Conn {
@@ -541,6 +543,7 @@ impl Conn {
                         );
                         r.error = error;
                         r.message = message;
+                        r.error_offset = Some(offset);
                     }
                     Chunk::Unknown { typ, .. } => panic!("unknown chunk type {typ}"),
                 }

@@ -172,8 +172,18 @@ fn node(prefix: &str, flat: &Flat, img: &mut Image) -> Result<(), Bad> {
             "read-only" => img.read_only |= boolean(&key(k), v)?,
             "cache.direct" => img.direct |= boolean(&key(k), v)?,
             "aio" => img.aio = Some(v.to_string()),
-            "discard" => img.discard = Some(v.to_string()),
-            "detect-zeroes" => img.detect_zeroes = Some(v.to_string()),
+            "discard" => {
+                if !matches!(v, "ignore" | "off" | "unmap" | "on") {
+                    return Err(Bad::Invalid("Invalid discard option".into()));
+                }
+                img.discard = Some(v.to_string())
+            }
+            "detect-zeroes" => {
+                if !matches!(v, "off" | "on" | "unmap") {
+                    return Err(Bad::Invalid(format!("invalid parameter value: {v}")));
+                }
+                img.detect_zeroes = Some(v.to_string())
+            }
             _ if IGNORED.contains(&k) => {}
             _ => {
                 return Err(Bad::Other(format!(
@@ -196,17 +206,27 @@ fn node(prefix: &str, flat: &Flat, img: &mut Image) -> Result<(), Bad> {
                     .transpose()
             };
             let (offset, size) = (number("offset")?.unwrap_or(0), number("size")?);
-            // What is below: a child node, or a file name for one.
+            // What is below: a child node, or a file name for one (qemu
+            // takes one or the other; a string `file` names a node).
+            let child = flat.keys().any(|k| k.starts_with(&key("file.")));
             match (get("file"), get("filename")) {
-                (Some(name), _) | (None, Some(name)) => {
-                    img.path = name.to_string();
+                (Some(name), _) => {
+                    return Err(Bad::Invalid(format!(
+                        "Cannot find device='{name}' nor node-name='{name}'"
+                    )))
                 }
+                (None, Some(_)) if child => {
+                    return Err(Bad::Invalid(
+                        "Block format 'raw' does not support the option 'filename'".into(),
+                    ))
+                }
+                (None, Some(name)) => img.path = name.to_string(),
                 (None, None) => node(&key("file."), flat, img)?,
             }
             // This node's window is within its child's.
             let below = img.size;
             if let Some(b) = below {
-                if offset > b || size.is_some_and(|s| offset + s > b) {
+                if offset > b || size.is_some_and(|s| offset.checked_add(s).is_none_or(|e| e > b)) {
                     return Err(Bad::Invalid(format!(
                         "The sum of offset ({offset}) and size ({}) has to be smaller or \
                          equal to the actual size of the containing file ({b})",
@@ -349,5 +369,40 @@ mod tests {
         );
         assert_eq!(from_name("./a:b").unwrap().path, "./a:b");
         assert_eq!(from_name("file:/a").unwrap().path, "/a");
+    }
+
+    /// What qemu's qemu-nbd refuses is refused, not read some other way: a
+    /// node that names its file twice, a node reference where only files
+    /// exist, a value qemu does not take, and sums past 2^64.
+    #[test]
+    fn nodes_qemu_refuses() {
+        let file = r#""file":{"driver":"file","filename":"/p"}"#;
+        for bad in [
+            // Which file is served: /q, or the child's /p?
+            format!(r#"{{"driver":"raw","filename":"/q",{file}}}"#),
+            r#"{"driver":"raw","filename":"/q","file.driver":"file"}"#.to_string(),
+            // A node name, not a file name.
+            r#"{"driver":"raw","file":"/p"}"#.to_string(),
+            // Typos qemu refuses; served as if not given they would be
+            // a detect-zeroes or discard silently off.
+            format!(r#"{{"driver":"raw",{file},"detect-zeroes":"unamp"}}"#),
+            format!(r#"{{"driver":"raw",{file},"discard":"bogus"}}"#),
+            // offset + size wraps past 2^64 over a child's size.
+            r#"{"driver":"raw","offset":1,"size":18446744073709551615,
+               "file":{"driver":"raw","size":8192,"file":{"driver":"file","filename":"/p"}}}"#
+                .to_string(),
+        ] {
+            assert!(matches!(json(&bad), Err(Bad::Invalid(_))), "{bad}");
+        }
+        // The same nodes written right are taken.
+        let i = json(&format!(
+            r#"{{"driver":"raw",{file},"detect-zeroes":"unmap","discard":"on"}}"#
+        ))
+        .unwrap();
+        assert_eq!(i.detect_zeroes.as_deref(), Some("unmap"));
+        assert_eq!(
+            json(r#"{"driver":"raw","filename":"/q"}"#).unwrap().path,
+            "/q"
+        );
     }
 }

@@ -453,8 +453,16 @@ fn translate(s: &Seen, img: &Image) -> Result<Vec<String>, Fail> {
     if offset > 0 {
         flag("offset", Some(&offset.to_string()));
     }
+    // qemu-nbd's -o is a raw node over the image: a sized slice loses its
+    // first OFFSET bytes and still ends where it did.
     if let Some(size) = img.size {
-        flag("size", Some(&size.to_string()));
+        let left = size.checked_sub(s.offset).ok_or_else(|| {
+            Fail::Usage(format!(
+                "Offset ({}) cannot be greater than size of the containing file ({size})",
+                s.offset
+            ))
+        })?;
+        flag("size", Some(&left.to_string()));
     }
     a.push("--".into());
     a.push(img.path.clone());
