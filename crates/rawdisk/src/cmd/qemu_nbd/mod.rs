@@ -553,8 +553,11 @@ fn check_protocol(img: &Image) -> Result<(), Fail> {
     };
     let block = md.file_type().is_block_device();
     match p {
+        // qemu also takes character devices here; rawdisk serves block
+        // devices and files only, so the message names what it takes.
         "host_device" if !block => Err(Fail::Usage(format!(
-            "'host_device' driver requires '{}' to be either a character or block device",
+            "'host_device' driver requires '{}' to be a block device \
+             (rawdisk serves no character device)",
             img.path
         ))),
         "file" if block => Err(Fail::Usage(format!(

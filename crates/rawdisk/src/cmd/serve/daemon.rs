@@ -15,8 +15,9 @@ use tokio::sync::watch;
 use super::args::{Args, LogArg};
 
 /// --exit-with-parent: the kernel sends SIGTERM (a clean stop) when the
-/// process that started this one exits. A parent already gone before the
-/// request (this process was adopted) ends it at once.
+/// process that started this one exits. A parent that exits while the
+/// request is made ends it at once; one gone before this process first
+/// looked (it was already adopted) cannot be told apart, as with nbdkit.
 pub(super) fn exit_with_parent() -> anyhow::Result<()> {
     // SAFETY: getppid cannot fail; prctl(PR_SET_PDEATHSIG) takes plain
     // integers and changes only this process's death signal.
