@@ -23,6 +23,9 @@
 #   SERVERS="rawdisk nbdkit qemu-nbd"   also rawdisk-direct (--cache none),
 #       qemu-nbd-direct (--cache=none --aio=native): compare those two only
 #   SIZE=1G  RUNTIME=10 (random fio, s)  ACCEL=auto|kvm|tcg
+#   TRACE=1  one more boot per server with qemu's nbd_send_request trace:
+#       a table of the NBD requests qemu sent per workload (type, count,
+#       smallest-largest length); not timed
 #   GUEST_CACHE=dir    downloaded packages and the built initramfs
 #       (default ${TMPDIR:-/tmp}/rawdisk-guest-cache)
 set -euo pipefail
@@ -34,6 +37,7 @@ servers=${SERVERS:-rawdisk nbdkit qemu-nbd}
 size=${SIZE:-1G}
 runtime=${RUNTIME:-10}
 accel=${ACCEL:-auto}
+trace=${TRACE:-0}
 cache=${GUEST_CACHE:-${TMPDIR:-/tmp}/rawdisk-guest-cache}
 tgt=${CARGO_TARGET_DIR:-$PWD/target}
 die() { echo "guest.sh: $*" >&2; exit 1; }
@@ -136,7 +140,7 @@ if [ "$accel" = auto ]; then
     accel=tcg
     if [ -c /dev/kvm ]; then
         qargs kvm probe
-        timeout 60 qemu-system-x86_64 "${qa[@]}" </dev/null >"$work/probe" 2>&1 || true
+        (timeout 60 qemu-system-x86_64 "${qa[@]}" </dev/null >"$work/probe" 2>&1) 2>/dev/null || true
         if grep -q '^@@ up' "$work/probe"; then
             accel=kvm
         else
@@ -165,10 +169,37 @@ start() { # server -> sets pid
     die "$1 did not start"
 }
 
+# NBD requests in qemu's trace lines FROM+1..TO of FILE, by type and flags:
+# "type flags count [smallest-largest]".
+requests() { # file from to
+    sed -n "$(($2 + 1)),$3p" "$1" | awk '
+        function h(b) {
+            if (b >= 1048576 && b % 1048576 == 0) return b / 1048576 "M"
+            if (b >= 1024 && b % 1024 == 0) return b / 1024 "K"
+            return b
+        }
+        match($0, /\.len = [0-9]+/) {
+            n = substr($0, RSTART + 7, RLENGTH - 7) + 0
+            match($0, /\.flags = 0x[0-9a-f]+/); fl = substr($0, RSTART + 9, RLENGTH - 9)
+            match($0, /\([a-z ]+\) }/); t = substr($0, RSTART + 1, RLENGTH - 4) (fl == "0x0" ? "" : " " fl)
+            if (!(t in c)) { lo[t] = n; hi[t] = n; order[++k] = t }
+            c[t]++
+            if (n < lo[t]) lo[t] = n
+            if (n > hi[t]) hi[t] = n
+        }
+        END {
+            for (i = 1; i <= k; i++) {
+                t = order[i]
+                printf "%s%s %d [%s-%s]", (i > 1 ? ", " : ""), t, c[t], h(lo[t]), h(hi[t])
+            }
+        }'
+}
+
 # One boot against one server; appends "rep server workload seconds MiB/s
-# IOPS cpu hwm" lines to $res and "server name value" to $res.queue.
+# IOPS cpu hwm" lines to $res and "server name value" to $res.queue; rep 0
+# is the traced boot, its lines go to $res.trace.
 one() { # rep server
-    local line w s c0 cpu hwm t= f qfd
+    local line w s c0 cpu hwm t= f qfd tr=() tf=$work/trace.$2 m0
     # discard=unmap: the guest's discards and zeroes that may unmap reach the
     # server as NBD trims (qemu drops them by default).
     rm -f "$img"
@@ -176,9 +207,10 @@ one() { # rep server
     start "$2"
     : >"$work/console"
     qargs "$accel" bench
+    [ "$1" = 0 ] && tr=(-D "$tf" -trace enable=nbd_send_request) && : >"$tf"
     exec {qfd}< <(exec timeout 1800 qemu-system-x86_64 "${qa[@]}" \
         -drive "file=nbd+unix:///?socket=$sock,format=raw,if=none,id=d,cache=none,discard=unmap" \
-        -device virtio-blk-pci,drive=d </dev/null 2>&1)
+        -device virtio-blk-pci,drive=d "${tr[@]}" </dev/null 2>&1)
     qpid=$!
     while IFS= read -r -u "$qfd" line; do
         line=${line%$'\r'}
@@ -186,14 +218,18 @@ one() { # rep server
         read -r -a f <<<"$line"
         [ "${f[0]:-}" = "@@" ] || continue
         case ${f[1]} in
-        begin) echo 5 >"/proc/$pid/clear_refs"; c0=$(cpu_of "$pid") ;;
-        end)
+        begin) echo 5 >"/proc/$pid/clear_refs"; c0=$(cpu_of "$pid"); [ "$1" = 0 ] && m0=$(wc -l <"$tf") ;;
+        end) if [ "$1" = 0 ]; then
+                echo "${f[2]}|$2|$(requests "$tf" "$m0" "$(wc -l <"$tf")")" >>"$res.trace"
+                continue
+            fi
             cpu=$(awk -v a="$c0" -v b="$(cpu_of "$pid")" 'BEGIN { printf "%.3f", b - a }')
             hwm=$(hwm_of "$pid")
             w=${f[2]} s=${f[3]}
             [[ $w == seq-* || $w == rand-* ]] || echo "$1 $2 $w $s - - $cpu $hwm" >>"$res" ;;
-        fio) echo "$1 $2 ${f[2]} $s ${f[3]} ${f[4]} $cpu $hwm" >>"$res" ;;
-        queue) [ "$1" = 1 ] && echo "$2 ${f[2]} ${f[3]:-}" >>"$res.queue" ;;
+        fio) [ "$1" = 0 ] ||
+            echo "$1 $2 ${f[2]} $s ${f[3]} ${f[4]} $cpu $hwm" >>"$res" ;;
+        queue) [ "$1" = $((reps > 0)) ] && echo "$2 ${f[2]} ${f[3]:-}" >>"$res.queue" ;;
         error) die "$2: guest: ${f[*]:2}" ;;
         done) t=done ;;
         esac
@@ -224,39 +260,54 @@ for r in $(seq "$reps"); do
         one "$r" "${!k}"
     done
 done
+if [ "$trace" = 1 ]; then
+    for s in $servers; do one 0 "$s"; done
+fi
 
 echo "<!-- bench/guest.sh $reps; SIZE=$size RUNTIME=$runtime; accel $accel$why; $(uname -r), $(nproc) cpus;" \
     "guest $(cat "$cache/kernel"); $(qemu-system-x86_64 --version | head -1); $(nbdkit --version | head -1);" \
     "$(qemu-nbd --version | head -1); load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg) -->"
-echo
-echo "| workload | unit | server | median [min-max] | / best anchor | server CPU s | peak RSS MiB |"
-echo "|---|---|---|---|---|---|---|"
-col() { awk -v s="$1" -v w="$2" -v c="$3" '$2 == s && $3 == w { print $c }' "$res"; }
-for w in mkfs fstrim seq-write seq-read rand-write rand-read blkdiscard-z; do
-    case $w in seq-*) c=5 unit=MiB/s f=%.0f ;; rand-*) c=6 unit=IOPS f=%.0f ;; *) c=4 unit=s f=%.3f ;; esac
-    best=
-    for s in $servers; do
-        [[ $s == rawdisk* ]] && continue
-        m=$(col "$s" "$w" "$c" | med)
-        if [ -z "$best" ] || awk -v a="$m" -v b="$best" -v u="$unit" 'BEGIN { exit !(u == "s" ? a < b : a > b) }'; then
-            best=$m
-        fi
-    done
-    for s in $servers; do
-        m=$(col "$s" "$w" "$c" | med)
-        printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$w" "$unit" "$s" "$(col "$s" "$w" "$c" | median "$f")" \
-            "$(awk -v a="$m" -v b="${best:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')" \
-            "$(col "$s" "$w" 7 | med)" "$(col "$s" "$w" 8 | med)"
-    done
-done
-echo
-printf '| queue limit |'
-for s in $servers; do printf ' %s |' "$s"; done
-printf '\n|---|'
-for s in $servers; do printf -- '---|'; done
-echo
-for a in $(awk '{ print $2 }' "$res.queue" | awk '!seen[$0]++'); do
-    printf '| %s |' "$a"
-    for s in $servers; do printf ' %s |' "$(awk -v s="$s" -v a="$a" '$1 == s && $2 == a { print $3 }' "$res.queue")"; done
+timed_table() {
     echo
-done
+    echo "| workload | unit | server | median [min-max] | / best anchor | server CPU s | peak RSS MiB |"
+    echo "|---|---|---|---|---|---|---|"
+    col() { awk -v s="$1" -v w="$2" -v c="$3" '$2 == s && $3 == w { print $c }' "$res"; }
+    for w in mkfs fstrim seq-write seq-read rand-write rand-read blkdiscard-z; do
+        case $w in seq-*) c=5 unit=MiB/s f=%.0f ;; rand-*) c=6 unit=IOPS f=%.0f ;; *) c=4 unit=s f=%.3f ;; esac
+        best=
+        for s in $servers; do
+            [[ $s == rawdisk* ]] && continue
+            m=$(col "$s" "$w" "$c" | med)
+            if [ -z "$best" ] || awk -v a="$m" -v b="$best" -v u="$unit" 'BEGIN { exit !(u == "s" ? a < b : a > b) }'; then
+                best=$m
+            fi
+        done
+        for s in $servers; do
+            m=$(col "$s" "$w" "$c" | med)
+            printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$w" "$unit" "$s" "$(col "$s" "$w" "$c" | median "$f")" \
+                "$(awk -v a="$m" -v b="${best:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')" \
+                "$(col "$s" "$w" 7 | med)" "$(col "$s" "$w" 8 | med)"
+        done
+    done
+}
+[ "$reps" = 0 ] || timed_table
+queue_table() {
+    echo
+    printf '| queue limit |'
+    for s in $servers; do printf ' %s |' "$s"; done
+    printf '\n|---|'
+    for s in $servers; do printf -- '---|'; done
+    echo
+    for a in $(awk '{ print $2 }' "$res.queue" | awk '!seen[$0]++'); do
+        printf '| %s |' "$a"
+        for s in $servers; do printf ' %s |' "$(awk -v s="$s" -v a="$a" '$1 == s && $2 == a { print $3 }' "$res.queue")"; done
+        echo
+    done
+}
+[ -s "$res.queue" ] && queue_table
+if [ "$trace" = 1 ]; then
+    echo
+    echo "| workload | server | NBD requests from qemu: type count [smallest-largest] |"
+    echo "|---|---|---|"
+    awk -F'|' '{ printf "| %s | %s | %s |\n", $1, $2, $3 }' "$res.trace"
+fi
