@@ -154,20 +154,7 @@ fi
 cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"; }
 hwm_of() { awk '/^VmHWM/ { printf "%.1f", $2 / 1024 }' "/proc/$1/status"; }
 
-start() { # server -> sets pid
-    rm -f "$sock"
-    case $1 in
-    rawdisk) "$RAWDISK_BIN" serve --socket "$sock" "$img" >/dev/null 2>&1 & ;;
-    rawdisk-direct) "$RAWDISK_BIN" serve --cache none --socket "$sock" "$img" >/dev/null 2>&1 & ;;
-    nbdkit) nbdkit -f -U "$sock" file "$img" & ;;
-    qemu-nbd) qemu-nbd -t -k "$sock" -f raw --cache=writeback --discard=unmap "$img" & ;;
-    qemu-nbd-direct) qemu-nbd -t -k "$sock" -f raw --cache=none --aio=native --discard=unmap "$img" & ;;
-    *) die "unknown server $1" ;;
-    esac
-    pid=$!
-    for _ in $(seq 400); do [ -S "$sock" ] && return; sleep 0.025; done
-    die "$1 did not start"
-}
+. bench/servers.sh
 
 # NBD requests in qemu's trace lines FROM+1..TO of FILE, by type and flags:
 # "type flags count [smallest-largest]".
@@ -204,7 +191,7 @@ one() { # rep server
     # server as NBD trims (qemu drops them by default).
     rm -f "$img"
     truncate -s "$size" "$img"
-    start "$2"
+    serve "$2" "$img" "$sock" || die "$2 did not start"
     : >"$work/console"
     qargs "$accel" bench
     [ "$1" = 0 ] && tr=(-D "$tf" -trace enable=nbd_send_request) && : >"$tf"

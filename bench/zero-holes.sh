@@ -35,22 +35,10 @@ size=$((1 << 30))
 sock=$work/s.sock
 img=$work/d.img
 
+. bench/servers.sh
+
 cpu_of() { # utime+stime of a pid, seconds
     awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"
-}
-
-start() { # server -> sets pid
-    rm -f "$sock"
-    case $1 in
-    rawdisk) "$RAWDISK_BIN" serve --socket "$sock" "$img" >/dev/null 2>&1 & ;;
-    custom:*) v=RAWDISK_BIN_${1#custom:}; "${!v}" serve --socket "$sock" "$img" >/dev/null 2>&1 & ;;
-    nbdkit) nbdkit -f -U "$sock" file "$img" & ;;
-    qemu-nbd) qemu-nbd -t -k "$sock" -f raw --cache=writeback --discard=unmap "$img" & ;;
-    esac
-    pid=$!
-    for _ in $(seq 200); do [ -S "$sock" ] && return; sleep 0.025; done
-    echo "zero-holes.sh: $1 did not start" >&2
-    exit 1
 }
 
 one() { # server start chunk depth -> "seconds cpu"
@@ -59,7 +47,7 @@ one() { # server start chunk depth -> "seconds cpu"
     if [ "$2" = data ]; then
         dd if=/dev/urandom of="$img" bs=4M count=256 conv=notrunc status=none
     fi
-    start "$1"
+    serve "$1" "$img" "$sock" || exit 1
     out=$(python3 bench/nbd-zeroes.py "nbd+unix:///?socket=$sock" "$3" "$4" nohole)
     cpu=$(cpu_of "$pid")
     kill "$pid"
