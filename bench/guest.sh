@@ -18,7 +18,8 @@
 # and peak RSS medians; then what the guest's queue limits were per server.
 # Not a test.
 #
-# Usage (root): bench/guest.sh [REPS]        (default 3)
+# Usage (root): bench/guest.sh [REPS]        (default 3; 0 with TRACE=1:
+#                                              only the traced boots)
 #   RAWDISK_BIN=path   the binary (default release build, built)
 #   SERVERS="rawdisk nbdkit qemu-nbd"   also rawdisk-direct (--cache none),
 #       qemu-nbd-direct (--cache=none --aio=native): compare those two only
@@ -55,7 +56,7 @@ fi
 
 # The guest: kernel and initramfs, rebuilt when the init script changes.
 build_guest() {
-    local kpkg root=$cache/root ir=$cache/initramfs ld libdirs m deps
+    local kpkg root=$cache/root ir=$cache/initramfs ld libdirs
     kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
     [ -n "$kpkg" ] || die "no linux-image package behind linux-image-amd64"
     # fio's, mke2fs', blkdiscard's and fstrim's libraries: the library packages
