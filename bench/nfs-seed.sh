@@ -116,19 +116,8 @@ umount_fs() {
     fspid=
 }
 
-start() { # server file -> sets pid
-    rm -f "$sock"
-    case $1 in
-    rawdisk) "$RAWDISK_BIN" serve --socket "$sock" "$2" >/dev/null 2>&1 & ;;
-    nbdkit) nbdkit -f -U "$sock" file "$2" & ;;
-    qemu-nbd) qemu-nbd -t -k "$sock" -f raw --cache=writeback --discard=unmap "$2" & ;;
-    qemu-nbd-direct) qemu-nbd -t -k "$sock" -f raw --cache=none --aio=native --discard=unmap "$2" & ;;
-    *) die "unknown server $1" ;;
-    esac
-    pid=$!
-    for _ in $(seq 400); do [ -S "$sock" ] && return; sleep 0.025; done
-    die "$1 did not start"
-}
+. bench/servers.sh
+start() { serve "$1" "$2" "$sock" || die "$1 did not start"; }
 stop() { # -> prints the server's CPU seconds
     cpu_of "$pid"
     kill "$pid"

@@ -53,22 +53,10 @@ ext4 | xfs)
 esac
 back=$img # the file whose allocation is checked
 
+. bench/servers.sh
+
 cpu_of() { # utime+stime of a pid, seconds
     awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"
-}
-
-start() { # server -> sets pid
-    rm -f "$sock"
-    case $1 in
-    rawdisk) "$RAWDISK_BIN" serve --socket "$sock" "$served" >/dev/null 2>&1 & ;;
-    custom:*) v=RAWDISK_BIN_${1#custom:}; "${!v}" serve --socket "$sock" "$served" >/dev/null 2>&1 & ;;
-    nbdkit) nbdkit -f -U "$sock" file "$served" & ;;
-    qemu-nbd) qemu-nbd -t -k "$sock" -f raw --cache=writeback --discard=unmap "$served" & ;;
-    esac
-    pid=$!
-    for _ in $(seq 200); do [ -S "$sock" ] && return; sleep 0.025; done
-    echo "zero-holes.sh: $1 did not start" >&2
-    exit 1
 }
 
 one() { # server start chunk depth -> "seconds cpu"
@@ -82,7 +70,7 @@ one() { # server start chunk depth -> "seconds cpu"
         dev=$(losetup -f --show "$back")
         served=$dev
     fi
-    start "$1"
+    serve "$1" "$served" "$sock" || exit 1
     out=$(python3 bench/nbd-zeroes.py "nbd+unix:///?socket=$sock" "$3" "$4" nohole)
     cpu=$(cpu_of "$pid")
     kill "$pid"
