@@ -43,11 +43,66 @@ const IGNORED: &[&str] = &["node-name", "locking", "auto-read-only", "cache.no-f
 
 /// `json:{...}` flattened; numbers and booleans as their text.
 pub(super) fn json_options(text: &str) -> Result<Flat, Bad> {
-    let v: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| Bad::Invalid(format!("could not parse JSON filename: {e}")))?;
+    let bad = |e: serde_json::Error| Bad::Invalid(format!("could not parse JSON filename: {e}"));
+    // serde_json keeps the last of two equal keys: which file to serve
+    // would be a guess. qemu refuses them; so does this, first.
+    serde_json::from_str::<NoDuplicateKeys>(text).map_err(bad)?;
+    let v: serde_json::Value = serde_json::from_str(text).map_err(bad)?;
     let mut out = Flat::new();
     flatten("", &v, &mut out)?;
     Ok(out)
+}
+
+/// Any JSON value, refused when an object names a key twice.
+struct NoDuplicateKeys;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NoDuplicateKeys)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicateKeys {
+    type Value = NoDuplicateKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_unit<E>(self) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self, A::Error> {
+        while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
+        Ok(self)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!("duplicate key '{key}'")));
+            }
+            map.next_value::<NoDuplicateKeys>()?;
+        }
+        Ok(self)
+    }
 }
 
 fn flatten(prefix: &str, v: &serde_json::Value, out: &mut Flat) -> Result<(), Bad> {
@@ -388,6 +443,11 @@ mod tests {
             format!(r#"{{"driver":"raw",{file},"detect-zeroes":"unamp"}}"#),
             format!(r#"{{"driver":"raw",{file},"discard":"bogus"}}"#),
             // offset + size wraps past 2^64 over a child's size.
+            // Which file: /p or /q?
+            r#"{"driver":"raw","file":{"driver":"file","filename":"/p","filename":"/q"}}"#
+                .to_string(),
+            r#"{"driver":"raw","file":{"driver":"file","filename":"/p"},"driver":"raw"}"#
+                .to_string(),
             r#"{"driver":"raw","offset":1,"size":18446744073709551615,
                "file":{"driver":"raw","size":8192,"file":{"driver":"file","filename":"/p"}}}"#
                 .to_string(),
