@@ -46,8 +46,12 @@ pub(super) fn private_copy(path: &Path, open: &OpenOptions) -> anyhow::Result<Ar
     let mut pos = 0;
     while pos < size {
         let runs = src.extents(pos, size - pos, RUNS).with_context(what)?;
-        let Some(last) = runs.last() else { break };
-        let next = last.offset + last.len;
+        let next = runs.last().map_or(pos, |l| l.offset + l.len);
+        // No run, or none past `pos`: the rest would be served as zeros
+        // whatever the target holds there.
+        if next <= pos {
+            bail!("{}: no extent found at offset {pos} of {size}", what());
+        }
         for e in runs.iter().filter(|e| e.kind == ExtentKind::Data) {
             let moved = dst
                 .copy_from(
