@@ -3,9 +3,13 @@ export or a file with its model, SEEK_HOLE truth, libnbd connections."""
 
 import contextlib
 import errno
+import glob
 import os
 import random
+import shutil
+import signal
 import stat
+import subprocess
 import time
 
 import nbd
@@ -253,3 +257,85 @@ def failed(res, status, *words):
     for w in words:
         assert w in err, f"{w!r} not in {err!r}"
     return err
+
+
+# -- processes that must end ---------------------------------------------------
+
+def alive(pid):
+    """Running, not a zombie waiting for its (new) parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _signal_names(mask):
+    """A /proc status mask (hex) as signal names."""
+    bits = int(mask, 16)
+    names = []
+    for n in range(1, 65):
+        if bits >> (n - 1) & 1:
+            try:
+                names.append(signal.Signals(n).name)
+            except ValueError:
+                names.append(str(n))
+    return ",".join(names) or "-"
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        return f"({e.strerror})"
+
+
+def process_report(pid):
+    """What a process that does not end is doing: its signal masks (blocked,
+    ignored, caught, pending), each thread's state, wait channel and kernel
+    stack, and gdb's backtrace of every thread when gdb is installed."""
+    out = [f"pid {pid}:"]
+    for line in _read(f"/proc/{pid}/status").splitlines():
+        key, _, value = line.partition(":")
+        if key in ("State", "Threads", "PPid"):
+            out.append(f"  {key}: {value.strip()}")
+        elif key in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"):
+            out.append(f"  {key}: {value.strip()} ({_signal_names(value.strip())})")
+    for task in sorted(glob.glob(f"/proc/{pid}/task/*")):
+        stat_ = _read(f"{task}/stat")
+        comm = stat_[stat_.find("(") + 1:stat_.rfind(")")]
+        state = (stat_.rsplit(")", 1)[-1].split() or ["?"])[0]
+        blk = next((x.split()[1] for x in _read(f"{task}/status").splitlines()
+                    if x.startswith("SigBlk:")), "?")
+        out.append(f"  thread {os.path.basename(task)} {comm!r} state {state} "
+                   f"wchan {_read(task + '/wchan')} SigBlk {blk}")
+        stack = _read(f"{task}/stack")
+        out.extend("    " + x for x in stack.splitlines()[:12])
+    if shutil.which("gdb"):
+        try:
+            g = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 15"],
+                               capture_output=True, text=True, timeout=120)
+            out.append(g.stdout[-12000:])
+        except subprocess.TimeoutExpired:
+            out.append("gdb timed out")
+    else:
+        out.append("(no gdb for backtraces)")
+    return "\n".join(out)
+
+
+def wait_gone(pid, timeout=30, what="the server"):
+    """Waits for `pid` (a server sent SIGTERM) to end. One still running
+    after `timeout` seconds fails the test with process_report(), taken
+    before it is killed so that nothing outlives the test."""
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() >= deadline:
+            report = process_report(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise AssertionError(f"{what} (pid {pid}) still running {timeout}s after "
+                                 f"SIGTERM; killed:\n{report}")
+        time.sleep(0.02)

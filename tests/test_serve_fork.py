@@ -6,31 +6,15 @@ stops it, removing the socket and pid file."""
 import os
 import signal
 import subprocess
-import time
 import urllib.parse
 
 import pytest
 
 import servers
-from helpers import MiB, assert_target_is, connected, make_image, random_bytes
+from helpers import (MiB, alive, assert_target_is, connected, make_image, random_bytes,
+                     wait_gone)
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
-
-
-def alive(pid):
-    """Running, not a zombie waiting for init to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid, timeout=30):
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        assert time.monotonic() < deadline, f"pid {pid} still running"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -127,3 +111,49 @@ def test_fork_and_run_do_not_mix(workdir, forked):
     res = start(workdir, "--run", "true", path)
     assert res.returncode == 2, res.log
     assert "--run" in res.log and res.log.count("\n") == 1, res.log
+
+
+@pytest.mark.parametrize("how", ["serve --fork", "qemu-nbd --fork", "serve"])
+def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, how):
+    """A server logging to its caller's stderr (serve --log=stderr; qemu-nbd
+    --fork keeps it) after the caller closed that pipe, as a test's Popen
+    does when it is freed: SIGTERM still stops it (the socket and pid file
+    removed, a foreground one exits 0). The line that cannot be written
+    used to be said with eprintln!, whose panic killed the signal task."""
+    path, model = make_image(workdir, "sda.img", 4 * MiB, seed=64, sparse=True)
+    sock = os.path.join(workdir, "s.sock")
+    pid_file = sock + ".pid"
+    if how == "qemu-nbd --fork":
+        link = os.path.join(workdir, "qemu-nbd")
+        os.symlink(os.path.abspath(servers.RAWDISK_BIN), link)
+        # virtnbdbackup's line (startBackupNbdServer).
+        argv = [link, "-r", "--format=raw", "-x", "sda", path, "-k", sock, "-t", "-e 2",
+                "--fork", "--detect-zeroes=on", f"--pid-file={pid_file}", "--"]
+        u = f"nbd+unix:///sda?socket={sock}"
+    else:
+        argv = [servers.RAWDISK_BIN, "serve", "--log=stderr", "-r", "-U", sock,
+                "-P", pid_file, path]
+        if how == "serve --fork":
+            argv.insert(2, "--fork")
+        u = f"nbd+unix:///?socket={sock}"
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if how == "serve":
+            assert p.stdout.readline().strip() == u
+            pid = p.pid
+        else:
+            assert p.wait(timeout=30) == 0, p.stderr.read()
+            with open(pid_file) as f:
+                pid = int(f.read())
+        with connected(u) as h:
+            assert h.pread(len(model), 0) == model
+        p.stderr.close()
+        os.kill(pid, signal.SIGTERM)
+        wait_gone(pid)
+        if how == "serve":
+            assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not os.path.exists(sock) and not os.path.exists(pid_file), "left behind"

@@ -307,9 +307,13 @@ fn init_logging(verbose: u8, quiet: bool, dest: (cmd::serve::LogArg, bool)) {
     // server's, or one asked for with -v or RUST_LOG) keeps time and level.
     let plain = quiet && verbose == 0 && env.is_none();
     let filter = env.unwrap_or_else(|| EnvFilter::new(default));
+    // A line that cannot be written is dropped: by default the failure is
+    // said with eprintln!, which panics when stderr is a closed pipe, and a
+    // panic in the signal task left a forked server deaf to SIGTERM.
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false);
+        .with_target(false)
+        .log_internal_errors(false);
     let fmt = match dest.0 {
         // Escape codes only for a person at a terminal, never in log files.
         LogArg::Stderr => fmt

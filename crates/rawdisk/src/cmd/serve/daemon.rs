@@ -292,14 +292,19 @@ pub(super) fn handle_signals(
             }
         });
     }
+    // A log line must never cost the stop: a panic in one (it happened on
+    // a closed stderr) ended this task and left every later signal unheard.
+    let log = |line: &dyn Fn()| {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(line));
+    };
     tokio::spawn(async move {
         if let Some(name) = rx.recv().await {
-            tracing::info!("{name}: finishing in-flight requests");
+            log(&|| tracing::info!("{name}: finishing in-flight requests"));
             let _ = stop.send(true);
         }
         // A second signal while draining: give up waiting.
         if let Some(name) = rx.recv().await {
-            tracing::warn!("second signal ({name}): exiting without waiting");
+            log(&|| tracing::warn!("second signal ({name}): exiting without waiting"));
             // process::exit runs no destructors: remove them here, so the
             // next start finds no stale socket or pid file (GNU timeout and
             // impatient operators send two signals).
