@@ -325,9 +325,10 @@ def process_report(pid):
 
 
 def wait_gone(pid, timeout=30, what="the server"):
-    """Waits for `pid` (a server sent SIGTERM) to end. One still running
-    after `timeout` seconds fails the test with process_report(), taken
-    before it is killed so that nothing outlives the test."""
+    """Waits for `pid` (a server told to stop: SIGTERM, its parent gone) to
+    end, also when it is not this process's child (--fork). One still
+    running after `timeout` seconds fails the test with process_report(),
+    taken before it is killed so that nothing outlives the test."""
     deadline = time.monotonic() + timeout
     while alive(pid):
         if time.monotonic() >= deadline:
@@ -336,6 +337,22 @@ def wait_gone(pid, timeout=30, what="the server"):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            raise AssertionError(f"{what} (pid {pid}) still running {timeout}s after "
-                                 f"SIGTERM; killed:\n{report}")
+            raise AssertionError(f"{what} (pid {pid}) still running {timeout}s after it "
+                                 f"was told to stop; killed:\n{report}")
         time.sleep(0.02)
+
+
+def terminate(proc, timeout=30):
+    """SIGTERM to a server started as `proc` (a Popen); its (stdout, stderr)
+    once it has exited, its status in proc.returncode. One still running
+    after `timeout` seconds fails the test as wait_gone() does."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        report = process_report(proc.pid)
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{proc.args!r} (pid {proc.pid}) still running {timeout}s after "
+                             f"SIGTERM; killed:\n{report}") from None

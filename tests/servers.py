@@ -15,6 +15,8 @@ import threading
 import time
 import urllib.parse
 
+from helpers import process_report
+
 SERVER_KIND = os.environ.get("TEST_SERVER", "rawdisk")
 RAWDISK_BIN = os.environ.get(
     "RAWDISK_BIN",
@@ -167,9 +169,11 @@ class Server:
         try:
             self.returncode = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            report = process_report(self.proc.pid)
             self.proc.kill()
             self.returncode = self.proc.wait()
-            raise AssertionError(f"server did not exit within {timeout}s; stderr: {self.stderr()}")
+            raise AssertionError(f"server did not exit within {timeout}s; stderr: {self.stderr()}"
+                                 f"\n{report}")
         finally:
             self._watchdog.cancel()
         return self.returncode

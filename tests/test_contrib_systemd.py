@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import time
 
@@ -17,7 +16,7 @@ import nbd
 import pytest
 
 import servers
-from helpers import MiB, assert_target_is, make_image, random_bytes
+from helpers import MiB, assert_target_is, make_image, random_bytes, terminate
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
 
@@ -135,8 +134,8 @@ def test_socket_activated_service_serves(workdir, kind):
         model[MiB - 4096:MiB - 4096 + len(data)] = data
         assert proc.poll() is None, "the server stopped after its clients left"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=30)
+        terminate(proc)
+        rc = proc.returncode
         log.seek(0)
         text = log.read()
         log.close()

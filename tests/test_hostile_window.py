@@ -7,7 +7,6 @@ client may touch is checked unchanged in the file."""
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -16,7 +15,8 @@ import nbd
 import pytest
 
 import servers
-from helpers import KiB, MiB, assert_export_is, assert_target_is, connected, make_image
+from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, make_image,
+                     terminate)
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk's qemu-nbd command line")
 
@@ -45,8 +45,7 @@ def wait_for_socket(sock, proc, timeout=10.0):
 
 
 def stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)
+    terminate(proc)
 
 
 def uri(sock):

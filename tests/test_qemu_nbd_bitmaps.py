@@ -16,7 +16,7 @@ import nbd
 import pytest
 
 import servers
-from helpers import KiB, MiB, make_image
+from helpers import KiB, MiB, make_image, terminate, wait_gone
 from test_qemu_nbd_stacks import qemu_nbd_path, run, start, uri, wait_for_socket, stop  # noqa: F401
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk's qemu-nbd command line")
@@ -57,8 +57,8 @@ def write_tracked(workdir, path, writes):
         h.flush()
         h.shutdown()
     finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=30) == 0
+        terminate(p)
+        assert p.returncode == 0
 
 
 @needs_bitmap
@@ -145,5 +145,6 @@ def test_virtnbdbackup_incremental_restores_byte_identical(workdir, qemu_nbd_pat
         h.shutdown()
     finally:
         os.kill(pid, signal.SIGTERM)
+        wait_gone(pid)
     with open(full, "rb") as a, open(path, "rb") as b:
         assert a.read() == b.read(), "the restored disk differs"

@@ -20,7 +20,8 @@ import time
 import pytest
 
 import servers
-from helpers import KiB, MiB, assert_export_is, assert_target_is, connected, make_image
+from helpers import (KiB, MiB, assert_export_is, assert_target_is, connected, make_image,
+                     terminate, wait_gone)
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk's qemu-nbd command line")
 
@@ -65,8 +66,7 @@ def wait_for_socket(sock, proc, timeout=10.0):
 
 def stop(proc):
     """imageio and vdsm stop the server with SIGTERM and expect status 0."""
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    _, err = terminate(proc)
     assert proc.returncode == 0, (proc.returncode, err)
     return err
 
@@ -238,9 +238,7 @@ def test_virtnbdbackup_offline_backup(workdir, qemu_nbd_path):
             assert r.returncode != 0, "a third client was served with -e 2"
     finally:
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while os.path.exists(pid_file) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_gone(pid)
     assert not os.path.exists(pid_file), "the pid file outlived the server"
     assert_target_is(path, model)
 
@@ -383,14 +381,5 @@ def test_serve_exit_with_parent(workdir):
     r = subprocess.run([sys.executable, "-c", parent], check=True, timeout=30,
                        capture_output=True, text=True)
     pid = int(r.stdout)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        raise AssertionError("the server outlived its parent")
+    wait_gone(pid, timeout=15, what="the server whose parent exited")
     assert not os.path.exists(pid_file) and not os.path.exists(sock)

@@ -17,7 +17,7 @@ import urllib.parse
 import pytest
 
 import servers
-from helpers import MiB, assert_export_is, connected, make_image
+from helpers import MiB, assert_export_is, connected, make_image, terminate, wait_gone
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
 
@@ -82,8 +82,8 @@ def test_private_socket_printed_and_removed(workdir):
         assert stat.S_ISSOCK(os.stat(sock).st_mode)
         assert_export_is(uri, model)
     finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
+        terminate(p)
+        assert p.returncode == 0
     assert not os.path.exists(os.path.dirname(sock))
 
 
@@ -96,8 +96,7 @@ def run_until_term(workdir, *args, signals=(signal.SIGUSR1,)):
     for s in signals:
         p.send_signal(s)
         time.sleep(0.3)
-    p.send_signal(signal.SIGTERM)
-    rest, err = p.communicate(timeout=30)
+    rest, err = terminate(p)
     return p.returncode, out + rest, err
 
 
@@ -134,10 +133,8 @@ def test_fork_leaves_the_callers_stderr(workdir, log):
         time.sleep(0.3)
     finally:
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while os.path.exists(pid_file):
-        assert time.monotonic() < deadline, "the daemon did not stop"
-        time.sleep(0.05)
+        wait_gone(pid)
+    assert not os.path.exists(pid_file), "the pid file outlived the daemon"
     with open(errpath) as f:
         log_text = f.read()
     if log == "stderr":
@@ -177,8 +174,8 @@ def test_wildcard_bind_prints_an_address_to_connect_to(workdir):
         assert u.port > 0
         assert_export_is(uri, model)
     finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
+        terminate(p)
+        assert p.returncode == 0
 
 
 def test_dir_says_how_to_list_the_exports(workdir):
@@ -196,8 +193,8 @@ def test_dir_says_how_to_list_the_exports(workdir):
         r = rawdisk("info", "--list", "--output", "json", uri)
         assert [e["export-name"] for e in json.loads(r.stdout)["exports"]] == ["a.img"]
     finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
+        terminate(p)
+        assert p.returncode == 0
 
 
 @pytest.mark.parametrize("bad", [("-b", "0.0.0.0:abc"), ("-b", "127.0.0.1:70000"),
