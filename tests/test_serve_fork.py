@@ -113,6 +113,54 @@ def test_fork_and_run_do_not_mix(workdir, forked):
     assert "--run" in res.log and res.log.count("\n") == 1, res.log
 
 
+def start_as(workdir, how, path, serve_args=(), **popen):
+    """Starts a read-only server on `path` as `how` says: "qemu-nbd --fork"
+    (virtnbdbackup's line, through a qemu-nbd symlink), "serve --fork" or a
+    foreground "serve". Returns (the Popen, the server's pid, its URI), once
+    it serves; its socket is s.sock and its pid file s.sock.pid."""
+    sock = os.path.join(workdir, "s.sock")
+    pid_file = sock + ".pid"
+    if how == "qemu-nbd --fork":
+        link = os.path.join(workdir, "qemu-nbd")
+        os.symlink(os.path.abspath(servers.RAWDISK_BIN), link)
+        argv = [link, "-r", "--format=raw", "-x", "sda", path, "-k", sock, "-t", "-e 2",
+                "--fork", "--detect-zeroes=on", f"--pid-file={pid_file}", "--"]
+        u = f"nbd+unix:///sda?socket={sock}"
+    else:
+        argv = [servers.RAWDISK_BIN, "serve", *serve_args, "-r", "-U", sock, "-P", pid_file, path]
+        if how == "serve --fork":
+            argv.insert(2, "--fork")
+        u = f"nbd+unix:///?socket={sock}"
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         **popen)
+    try:
+        if how == "serve":
+            assert p.stdout.readline().strip() == u
+            return p, p.pid, u
+        assert p.wait(timeout=30) == 0, p.stderr.read()
+        with open(pid_file) as f:
+            return p, int(f.read()), u
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+
+
+def stopped_cleanly(workdir, p, pid, how):
+    """SIGTERM sent: the server ends (a foreground one with status 0) and
+    leaves no socket or pid file."""
+    try:
+        wait_gone(pid)
+        if how == "serve":
+            assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    sock = os.path.join(workdir, "s.sock")
+    assert not os.path.exists(sock) and not os.path.exists(sock + ".pid"), "left behind"
+
+
 @pytest.mark.parametrize("how", ["serve --fork", "qemu-nbd --fork", "serve"])
 def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, how):
     """A server logging to its caller's stderr (serve --log=stderr; qemu-nbd
@@ -121,39 +169,28 @@ def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, how):
     removed, a foreground one exits 0). The line that cannot be written
     used to be said with eprintln!, whose panic killed the signal task."""
     path, model = make_image(workdir, "sda.img", 4 * MiB, seed=64, sparse=True)
-    sock = os.path.join(workdir, "s.sock")
-    pid_file = sock + ".pid"
-    if how == "qemu-nbd --fork":
-        link = os.path.join(workdir, "qemu-nbd")
-        os.symlink(os.path.abspath(servers.RAWDISK_BIN), link)
-        # virtnbdbackup's line (startBackupNbdServer).
-        argv = [link, "-r", "--format=raw", "-x", "sda", path, "-k", sock, "-t", "-e 2",
-                "--fork", "--detect-zeroes=on", f"--pid-file={pid_file}", "--"]
-        u = f"nbd+unix:///sda?socket={sock}"
-    else:
-        argv = [servers.RAWDISK_BIN, "serve", "--log=stderr", "-r", "-U", sock,
-                "-P", pid_file, path]
-        if how == "serve --fork":
-            argv.insert(2, "--fork")
-        u = f"nbd+unix:///?socket={sock}"
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if how == "serve":
-            assert p.stdout.readline().strip() == u
-            pid = p.pid
-        else:
-            assert p.wait(timeout=30) == 0, p.stderr.read()
-            with open(pid_file) as f:
-                pid = int(f.read())
-        with connected(u) as h:
-            assert h.pread(len(model), 0) == model
-        p.stderr.close()
-        os.kill(pid, signal.SIGTERM)
-        wait_gone(pid)
-        if how == "serve":
-            assert p.wait(timeout=30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert not os.path.exists(sock) and not os.path.exists(pid_file), "left behind"
+    p, pid, u = start_as(workdir, how, path, ["--log=stderr"])
+    with connected(u) as h:
+        assert h.pread(len(model), 0) == model
+    p.stderr.close()
+    os.kill(pid, signal.SIGTERM)
+    stopped_cleanly(workdir, p, pid, how)
+
+
+@pytest.mark.parametrize("how", ["qemu-nbd --fork", "serve"])
+def test_sigterm_stops_a_server_started_with_it_blocked(workdir, how):
+    """A caller that blocks SIGTERM and SIGINT (a thread that waits for
+    signals with sigwait, a supervisor) passes its mask on through fork and
+    exec: the server unblocks the signals it handles, so SIGTERM still
+    stops it instead of staying pending, and SIGUSR1 is still heard."""
+    path, model = make_image(workdir, "sda.img", 4 * MiB, seed=65)
+    blocked = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    p, pid, u = start_as(workdir, how, path,
+                         preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked))
+    with connected(u) as h:
+        assert h.pread(len(model), 0) == model
+    os.kill(pid, signal.SIGUSR1)
+    os.kill(pid, signal.SIGTERM)
+    stopped_cleanly(workdir, p, pid, how)
+    if how == "serve":
+        assert "SIGUSR1: totals" in p.stderr.read()

@@ -262,27 +262,55 @@ pub(super) fn start_run(
     Ok(rx)
 }
 
-/// SIGTERM, SIGINT, SIGHUP (and SIGQUIT, SIGUSR2, SIGALRM, which would
-/// otherwise end the process without a flush): stop accepting, finish
-/// in-flight requests, flush, exit 0; a second one removes the socket and
-/// pid files (`files`) and exits at once with status 1. SIGUSR1: log the
-/// totals (the `--stats` document) and go on.
+/// The signals that stop the server (SIGQUIT, SIGUSR2 and SIGALRM would
+/// otherwise end the process without a flush).
+const STOP_SIGNALS: [(libc::c_int, &str); 6] = [
+    (libc::SIGTERM, "SIGTERM"),
+    (libc::SIGINT, "SIGINT"),
+    (libc::SIGHUP, "SIGHUP"),
+    (libc::SIGQUIT, "SIGQUIT"),
+    (libc::SIGUSR2, "SIGUSR2"),
+    (libc::SIGALRM, "SIGALRM"),
+];
+
+/// Unblocks the signals the server handles, in the one thread there is
+/// (the runtime's threads inherit the mask). A mask blocking them is kept
+/// across fork and exec from whoever started the server, and tokio only
+/// installs handlers: blocked, SIGTERM would stay pending for ever.
+pub(super) fn unblock_signals() -> anyhow::Result<()> {
+    // SAFETY: sigemptyset initialises the set before sigaddset and
+    // pthread_sigmask read it; pthread_sigmask changes only this thread's
+    // mask.
+    let rc = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for (n, _) in STOP_SIGNALS {
+            libc::sigaddset(&mut set, n);
+        }
+        libc::sigaddset(&mut set, libc::SIGUSR1);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        bail!(
+            "cannot unblock the signals: {}",
+            io::Error::from_raw_os_error(rc)
+        );
+    }
+    Ok(())
+}
+
+/// [`STOP_SIGNALS`]: stop accepting, finish in-flight requests, flush,
+/// exit 0; a second one removes the socket and pid files (`files`) and
+/// exits at once with status 1. SIGUSR1: log the totals (the `--stats`
+/// document) and go on.
 pub(super) fn handle_signals(
     stop: Arc<watch::Sender<bool>>,
     server: Server,
     files: ExitFiles,
 ) -> anyhow::Result<()> {
-    let kinds = [
-        (SignalKind::terminate(), "SIGTERM"),
-        (SignalKind::interrupt(), "SIGINT"),
-        (SignalKind::hangup(), "SIGHUP"),
-        (SignalKind::quit(), "SIGQUIT"),
-        (SignalKind::user_defined2(), "SIGUSR2"),
-        (SignalKind::alarm(), "SIGALRM"),
-    ];
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    for (kind, name) in kinds {
-        let mut sig = signal(kind).with_context(|| format!("{name} handler"))?;
+    for (n, name) in STOP_SIGNALS {
+        let mut sig = signal(SignalKind::from_raw(n)).with_context(|| format!("{name} handler"))?;
         let tx = tx.clone();
         tokio::spawn(async move {
             while sig.recv().await.is_some() {

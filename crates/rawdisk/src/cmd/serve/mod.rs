@@ -55,6 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // First, while the process has one thread: it unsets the variables, and
     // setenv/unsetenv race with any other thread's getenv.
     let activated = take_activation_fd();
+    daemon::unblock_signals()?;
     if args.exit_with_parent {
         daemon::exit_with_parent()?;
     }
