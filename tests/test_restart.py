@@ -1,20 +1,24 @@
 """A graceful restart of `rawdisk serve` (SIGTERM, what `systemctl restart`
 sends, then a new server on the same socket) does not end a copy into it;
-a second SIGTERM still removes the socket and pid file; log lines held back
+a second SIGTERM still removes the socket and pid file, and still ends a
+server whose every log write waits on a full pipe; log lines held back
 by rate limiting are written at exit, and accept failures are rate limited.
 """
 
+import fcntl
 import os
 import resource
 import signal
 import socket
 import subprocess
+import sys
+import termios
 import time
 
 import pytest
 
 import servers
-from helpers import assert_target_is, make_image
+from helpers import assert_target_is, make_image, wait_gone
 
 MiB = 1 << 20
 
@@ -45,13 +49,6 @@ def test_graceful_restart_of_the_destination_does_not_end_the_copy(workdir):
     assert_target_is(dst, model)
 
 
-def wait_gone(path, timeout=10):
-    deadline = time.monotonic() + timeout
-    while os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} still there"
-        time.sleep(0.02)
-
-
 def test_second_sigterm_still_removes_the_socket_and_pid_file(workdir):
     img, _ = make_image(workdir, "img", 4 * MiB, seed=83)
     pid = os.path.join(workdir, "srv.pid")
@@ -74,6 +71,44 @@ def test_second_sigterm_still_removes_the_socket_and_pid_file(workdir):
     assert rc == 1, log
     assert "second signal (SIGTERM)" in log, log
     assert not os.path.exists(srv.sock), "the socket outlived the server"
+    assert not os.path.exists(pid), "the pid file outlived the server"
+
+
+def test_second_sigterm_ends_a_server_stuck_writing_its_log(workdir):
+    """-vv to a stderr pipe whose reader never reads: once the pipe is full
+    every log line waits, the signal task's first. The second SIGTERM still
+    ends the server within seconds, status 1, removing the socket and pid
+    file (a thread outside the runtime acts on it)."""
+    img, _ = make_image(workdir, "img", 4 * MiB, seed=84)
+    sock = os.path.join(workdir, "s.sock")
+    pid = os.path.join(workdir, "srv.pid")
+    p = subprocess.Popen([servers.RAWDISK_BIN, "serve", "-vv", "-U", sock, "-P", pid, img],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = None
+    try:
+        uri = p.stdout.readline().decode().strip()
+        # Each request is traced: reads until the pipe holds all it can.
+        client = subprocess.Popen([sys.executable, "-c", "import nbd, sys\nh = nbd.NBD()\n"
+                                   "h.connect_uri(sys.argv[1])\nwhile True: h.pread(512, 0)", uri],
+                                  stderr=subprocess.DEVNULL)
+        size = fcntl.fcntl(p.stderr.fileno(), fcntl.F_GETPIPE_SZ)
+        deadline = time.monotonic() + 60
+        while int.from_bytes(fcntl.ioctl(p.stderr.fileno(), termios.FIONREAD, b"\0" * 4),
+                             "little") < size - 4096:
+            assert time.monotonic() < deadline and client.poll() is None, "the pipe never filled"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        wait_gone(p.pid, timeout=15)
+        assert p.wait() == 1 and time.monotonic() - t0 < 5
+    finally:
+        for proc in (client, p):
+            if proc and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert not os.path.exists(sock), "the socket outlived the server"
     assert not os.path.exists(pid), "the pid file outlived the server"
 
 

@@ -150,6 +150,7 @@ impl Drop for Cleanup {
 }
 
 /// What [`Cleanup`] removes whenever the server exits.
+#[derive(Clone)]
 pub(super) struct ExitFiles {
     files: Vec<PathBuf>,
     dirs: Vec<PathBuf>,
@@ -308,6 +309,7 @@ pub(super) fn handle_signals(
     server: Server,
     files: ExitFiles,
 ) -> anyhow::Result<()> {
+    second_signal_backstop(files.clone())?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     for (n, name) in STOP_SIGNALS {
         let mut sig = signal(SignalKind::from_raw(n)).with_context(|| format!("{name} handler"))?;
@@ -350,5 +352,51 @@ pub(super) fn handle_signals(
             );
         }
     });
+    Ok(())
+}
+
+/// How long the signal task has to log a second signal and exit before the
+/// backstop exits without it.
+const BACKSTOP_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The second stop signal ends the process even when no runtime thread is
+/// free to run the signal task (each stuck writing to a stderr pipe that
+/// its reader never reads): a plain thread, woken from the signal handler
+/// itself, removes `files` and exits with status 1 a moment after the task
+/// would have.
+fn second_signal_backstop(files: ExitFiles) -> anyhow::Result<()> {
+    use std::io::Read;
+    use std::os::fd::IntoRawFd;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static SEEN: AtomicU32 = AtomicU32::new(0);
+    let (mut rd, wr) = io::pipe().context("second-signal backstop: pipe")?;
+    // Never closed: the handler may write to it until the process ends.
+    let wr = OwnedFd::from(wr).into_raw_fd();
+    for (n, name) in STOP_SIGNALS {
+        // SAFETY: the action only adds to an atomic and calls write(2), both
+        // async-signal-safe; it is registered from the thread that registers
+        // the runtime's handlers, never concurrently with them.
+        unsafe {
+            signal_hook_registry::register(n, move || {
+                if SEEN.fetch_add(1, Ordering::Relaxed) == 1 {
+                    libc::write(wr, b"2".as_ptr().cast(), 1);
+                }
+            })
+        }
+        .with_context(|| format!("{name} handler"))?;
+    }
+    std::thread::Builder::new()
+        .name("rawdisk-stop".into())
+        .spawn(move || {
+            let mut b = [0u8];
+            if rd.read_exact(&mut b).is_ok() {
+                std::thread::sleep(BACKSTOP_WAIT);
+                files.remove();
+                // SAFETY: _exit ends the process at once; exit would first run
+                // handlers that may wait on a lock a stuck thread holds.
+                unsafe { libc::_exit(1) }
+            }
+        })
+        .context("second-signal backstop thread")?;
     Ok(())
 }
