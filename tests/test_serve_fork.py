@@ -4,8 +4,10 @@ the server keeps running detached with its pid in --pid-file, and SIGTERM
 stops it, removing the socket and pid file."""
 
 import os
+import select
 import signal
 import subprocess
+import time
 import urllib.parse
 
 import pytest
@@ -162,7 +164,7 @@ def stopped_cleanly(workdir, p, pid, how):
 
 
 @pytest.mark.parametrize("how", ["serve --fork", "qemu-nbd --fork", "serve"])
-def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, how):
+def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, forked, how):
     """A server logging to its caller's stderr (serve --log=stderr; qemu-nbd
     --fork keeps it) after the caller closed that pipe, as a test's Popen
     does when it is freed: SIGTERM still stops it (the socket and pid file
@@ -170,6 +172,7 @@ def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, how):
     used to be said with eprintln!, whose panic killed the signal task."""
     path, model = make_image(workdir, "sda.img", 4 * MiB, seed=64, sparse=True)
     p, pid, u = start_as(workdir, how, path, ["--log=stderr"])
+    forked[1].append(pid)
     with connected(u) as h:
         assert h.pread(len(model), 0) == model
     p.stderr.close()
@@ -178,7 +181,7 @@ def test_sigterm_stops_a_server_whose_stderr_reader_is_gone(workdir, how):
 
 
 @pytest.mark.parametrize("how", ["qemu-nbd --fork", "serve"])
-def test_sigterm_stops_a_server_started_with_it_blocked(workdir, how):
+def test_sigterm_stops_a_server_started_with_it_blocked(workdir, forked, how):
     """A caller that blocks SIGTERM and SIGINT (a thread that waits for
     signals with sigwait, a supervisor) passes its mask on through fork and
     exec: the server unblocks the signals it handles, so SIGTERM still
@@ -187,10 +190,17 @@ def test_sigterm_stops_a_server_started_with_it_blocked(workdir, how):
     blocked = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
     p, pid, u = start_as(workdir, how, path,
                          preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked))
+    forked[1].append(pid)
     with connected(u) as h:
         assert h.pread(len(model), 0) == model
     os.kill(pid, signal.SIGUSR1)
+    # Both keep the caller's stderr (qemu-nbd --fork as --log=stderr).
+    said, deadline = b"", time.monotonic() + 10
+    while b"SIGUSR1: totals" not in said:
+        ready, _, _ = select.select([p.stderr], [], [], max(0, deadline - time.monotonic()))
+        assert ready, f"SIGUSR1 went unheard: {said!r}"
+        chunk = os.read(p.stderr.fileno(), 65536)
+        assert chunk, f"stderr closed: {said!r}"
+        said += chunk
     os.kill(pid, signal.SIGTERM)
     stopped_cleanly(workdir, p, pid, how)
-    if how == "serve":
-        assert "SIGUSR1: totals" in p.stderr.read()
