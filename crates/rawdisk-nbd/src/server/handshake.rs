@@ -413,7 +413,7 @@ where
                 return Ok(Outcome::Aborted);
             }
             ClientOption::List => {
-                let list = sh.exports.list(&cfg.description);
+                let list = sh.exports.list(&cfg.description).await;
                 listed = listed.max(list.len());
                 for (name, description) in list {
                     OptionReply::Server { name, description }.encode(h.option, &mut out);
