@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
-use tracing::{debug, info, trace, Instrument};
+use tracing::{debug, error, info, trace, Instrument};
 
 mod inkernel;
 mod permits;
@@ -280,6 +280,8 @@ impl Batch {
             self.tx.clone(),
             self.zeros.clone(),
         );
+        // The storage calls run under `caught`: a panic there would leave
+        // `running` set and the queued zeros unanswered for good.
         tokio::task::spawn_blocking(move || loop {
             let run = {
                 let mut line = lock(&zeros);
@@ -291,7 +293,8 @@ impl Batch {
                 run
             };
             let reqs: Vec<_> = run.iter().map(|j| (j.req, j.to)).collect();
-            for (j, reply) in run.into_iter().zip(execute_zeros(&sh, &s, &reqs)) {
+            let replies = caught(&sh, &s, &reqs, || execute_zeros(&sh, &s, &reqs));
+            for (j, reply) in run.into_iter().zip(replies) {
                 let _ = tx.send(Box::new(Out {
                     reply,
                     _permits: j.permits.produced(),
@@ -389,6 +392,45 @@ impl ZeroLine {
     }
 }
 
+/// The message of a request whose job panicked.
+const UNWOUND: &str = "internal error: the server's job for this request failed";
+
+/// Runs `f`, the storage calls of `reqs`, and returns one reply for each.
+/// If it panics (a bug), each is answered NBD_EIO, since whether it took
+/// effect is unknown, instead of never: the client would wait forever.
+fn caught(
+    sh: &Shared,
+    s: &Session,
+    reqs: &[(Request, ReplyTo)],
+    f: impl FnOnce() -> Vec<Encoded>,
+) -> Vec<Encoded> {
+    let p = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(replies) => return replies,
+        Err(p) => p,
+    };
+    let why = p
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message");
+    if sh.storage_errors.allow() {
+        let (first, _) = reqs[0];
+        let more = match reqs.len() {
+            1 => String::new(),
+            n => format!(" and {} requests after it", n - 1),
+        };
+        error!(
+            "{} of {} bytes at offset {}{more} panicked: {why}; answered NBD_EIO",
+            first.command.name(),
+            first.length,
+            first.offset,
+        );
+    }
+    reqs.iter()
+        .map(|(_, to)| small_error(s, *to, NBD_EIO, UNWOUND))
+        .collect()
+}
+
 /// The zero line's lock; a panic while it was held left the queue whole.
 fn lock(m: &Mutex<ZeroLine>) -> MutexGuard<'_, ZeroLine> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -408,7 +450,9 @@ fn on_pool(
     let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
     tokio::task::spawn_blocking(move || {
         for j in jobs {
-            let reply = execute(&sh, &s, &j.req, j.to, j.data);
+            let (req, to, data) = (j.req, j.to, j.data);
+            let run = || vec![execute(&sh, &s, &req, to, data)];
+            let reply = caught(&sh, &s, &[(req, to)], run).remove(0);
             let _ = tx.send(Box::new(Out {
                 reply,
                 _permits: j.permits.produced(),
