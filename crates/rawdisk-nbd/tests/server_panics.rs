@@ -30,12 +30,14 @@ fn start(cache_none: bool) -> (Harness, Arc<FaultSys>, Conn) {
     (h, fault, c)
 }
 
-/// Sends the requests in one write (so the server holds them all at once)
-/// and returns each one's reply by cookie; every cookie answered once.
-fn send_all(c: &mut Conn, reqs: &[(Command, u16, u64, u64)]) -> Vec<Reply> {
+/// Sends the requests (a write with its payload from `payloads`) in one
+/// write, so the server holds them all at once, and returns each one's
+/// reply by cookie; every cookie answered once.
+fn send_all(c: &mut Conn, reqs: &[(Command, u16, u64, u64)], payloads: &[Vec<u8>]) -> Vec<Reply> {
     let mut out = Vec::new();
     for (i, &(typ, flags, off, len)) in reqs.iter().enumerate() {
-        c.encode_req(&mut out, i as u64 + 1, typ, flags, off, len, &[]);
+        let data = payloads.get(i).map_or(&[][..], |p| &p[..]);
+        c.encode_req(&mut out, i as u64 + 1, typ, flags, off, len, data);
     }
     c.send(&out);
     let mut got: HashMap<u64, Reply> = HashMap::new();
@@ -83,7 +85,7 @@ fn a_panic_in_the_zero_line_answers_every_queued_zero() {
     for kind in WRITING {
         fault.add(FaultRule::over(kind, spot, 4096, libc::EIO).panicking());
     }
-    let replies = send_all(&mut c, &zs);
+    let replies = send_all(&mut c, &zs, &[]);
     assert_eq!(replies[5].error, NBD_EIO, "{}", replies[5].message);
     // Over the spot again, on a line that already lost a job: answered.
     let again = c.cmd(Command::WriteZeroes, 0, spot, 4096, &[]);
@@ -101,7 +103,7 @@ fn a_panic_in_the_zero_line_answers_every_queued_zero() {
         }
     }
     // The line goes on: the same zeros again all succeed.
-    for (r, z) in send_all(&mut c, &zs).iter().zip(&zs) {
+    for (r, z) in send_all(&mut c, &zs, &[]).iter().zip(&zs) {
         assert_eq!(r.error, 0, "{z:?}: {}", r.message);
     }
     for &(_, _, off, len) in &zs {
@@ -121,7 +123,7 @@ fn a_panic_mid_batch_answers_the_rest_of_the_batch() {
         .collect();
     fault.reset_counts();
     fault.add(FaultRule::once(CallKind::Pread, 3, libc::EIO).panicking());
-    let replies = send_all(&mut c, &reads);
+    let replies = send_all(&mut c, &reads, &[]);
     assert!(fault.calls(CallKind::Pread) >= 3, "the fault was not met");
     let failed: Vec<_> = (0..12).filter(|&i| replies[i].error != 0).collect();
     assert_eq!(failed.len(), 1, "{failed:?}");
@@ -136,5 +138,46 @@ fn a_panic_mid_batch_answers_the_rest_of_the_batch() {
     let d = random(8192, 7);
     c.write(3 * MIB, &d);
     h.model[3 * MIB as usize..3 * MIB as usize + 8192].copy_from_slice(&d);
+    h.finish(c);
+}
+
+/// What runs on the connection's reader: a read alone on the connection,
+/// and small page-cache writes gathered with others. A panic there is
+/// answered NBD_EIO too, and the connection goes on; before, the
+/// connection's task unwound and the connection closed under the client.
+#[test]
+fn a_panic_on_the_connections_reader_is_answered() {
+    let (mut h, fault, mut c) = start(false);
+    fault.reset_counts();
+    fault.add(FaultRule::once(CallKind::Pread, 1, libc::EIO).panicking());
+    let r = c.cmd(Command::Read, 0, 0, 4096, &[]);
+    assert_eq!(r.error, NBD_EIO, "{}", r.message);
+    assert_eq!(c.read(0, 4096), h.model[..4096]);
+
+    let base = 2 * MIB;
+    let writes: Vec<_> = (0..12u64)
+        .map(|i| (Command::Write, 0, base + i * 64 * KIB, 4096))
+        .collect();
+    let data: Vec<_> = (0..12).map(|i| random(4096, 50 + i)).collect();
+    fault.clear_rules();
+    fault.reset_counts();
+    fault.add(FaultRule::once(CallKind::Pwrite, 3, libc::EIO).panicking());
+    let replies = send_all(&mut c, &writes, &data);
+    assert!(fault.calls(CallKind::Pwrite) >= 3, "the fault was not met");
+    fault.clear_rules();
+    let failed: Vec<_> = (0..12).filter(|&i| replies[i].error != 0).collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(replies[failed[0]].error, NBD_EIO);
+    for (i, &(_, _, off, _)) in writes.iter().enumerate() {
+        let at = off as usize..off as usize + 4096;
+        if i == failed[0] {
+            // The panic came before the write: as before, or all written.
+            let now = c.read(off, 4096);
+            assert!(now == h.model[at.clone()] || now == data[i], "write {i}");
+            h.model[at].copy_from_slice(&now);
+        } else {
+            h.model[at].copy_from_slice(&data[i]);
+        }
+    }
     h.finish(c);
 }
