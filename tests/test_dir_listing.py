@@ -6,12 +6,15 @@ heads of files that changed (docs/formats.md)."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 import urllib.parse
 
 import nbd
 import pytest
+
+from wire import OPT_LIST, RawClient
 
 pytestmark = pytest.mark.rawdisk_only("rawdisk serve --dir")
 
@@ -32,6 +35,15 @@ def read_calls(pid):
             if line.startswith("syscr:"):
                 return int(line.split()[1])
     raise AssertionError("no syscr in /proc/%d/io" % pid)
+
+
+def rss(pid):
+    """Resident memory of the process, in bytes."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/%d/status" % pid)
 
 
 def lists(srv, n):
@@ -95,4 +107,37 @@ def test_a_big_directory_is_listed_reading_each_head_once(workdir, serve):
     log = srv.stderr()
     assert log.count("other.qcow2: not listed") == 1, log[-2000:]
     assert log.count("d00007.img: not listed") == 1, log[-2000:]
+    shutil.rmtree(d)
+
+
+def test_listers_that_do_not_read_hold_little_memory(workdir, serve):
+    """A long list (20,000 names of 200 bytes: 4.5 MiB of replies) is
+    sent as it is encoded: a lister that does not read holds 64 KiB of it,
+    not all of it, and every connection shares the one listing."""
+    d = os.path.join(workdir, "long")
+    os.mkdir(d)
+    stem = "n" * 190
+    for i in range(FILES):
+        open(os.path.join(d, "%s%05d.img" % (stem, i)), "wb").close()
+    time.sleep(SETTLED + 0.5)
+    srv = serve(d, extra=("--handshake-timeout", "60", "--dir"))
+    ((names, _, _),) = lists(srv, 1)
+    assert len(names) == FILES
+    before = rss(srv.pid)
+    stalled = []
+    for _ in range(24):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(srv.sock)
+        c = RawClient(s).start()
+        c.send_option(OPT_LIST)
+        stalled.append(s)
+    # Each has its list encoded (and stuck in its socket) by now.
+    time.sleep(3)
+    grown = rss(srv.pid) - before
+    print("RSS grew %.1f MiB with %d listers not reading" % (grown / MiB, len(stalled)))
+    # Before: each held its whole list encoded, 4.5 MiB, 108 MiB in all.
+    assert grown < 32 * MiB, grown
+    for s in stalled:
+        s.close()
     shutil.rmtree(d)

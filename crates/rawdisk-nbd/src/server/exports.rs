@@ -129,15 +129,13 @@ impl Exports {
         }
     }
 
-    /// (name, description) for NBD_OPT_LIST. A directory is read on a
-    /// blocking thread, one listing at a time (`listing.rs`).
-    pub(super) async fn list(&self, description: &str) -> Vec<(String, String)> {
+    /// The names NBD_OPT_LIST tells and the description of each. A
+    /// directory's are read on a blocking thread, one listing at a time,
+    /// and shared by the connections that asked (`listing.rs`).
+    pub(super) async fn list(&self, description: &str) -> (Arc<Vec<String>>, String) {
         match self {
-            Exports::One(e) => vec![(e.name.clone(), description.to_string())],
-            Exports::Dir(d) => {
-                let names = d.listing.names(d.raw).await;
-                names.iter().map(|n| (n.clone(), String::new())).collect()
-            }
+            Exports::One(e) => (Arc::new(vec![e.name.clone()]), description.to_string()),
+            Exports::Dir(d) => (d.listing.names(d.raw).await, String::new()),
         }
     }
 
