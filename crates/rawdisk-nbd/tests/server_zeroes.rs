@@ -11,7 +11,7 @@ use std::sync::Arc;
 use rawdisk_nbd::proto::*;
 use rawdisk_storage::cbt::StateFile;
 use rawdisk_storage::fault::Call;
-use rawdisk_storage::sys::{CallKind, FallocMode};
+use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{FaultRule, FaultSys};
 
 mod common;
@@ -35,19 +35,6 @@ fn writes(kind: CallKind) -> bool {
         CallKind::Fallocate(_) | CallKind::Pwrite | CallKind::PwriteDsync | CallKind::BlkZeroout
     )
 }
-
-/// Every call that could zero a range: failed over a bad spot, all of them.
-const WRITING: [CallKind; 9] = [
-    CallKind::Fallocate(FallocMode::PunchHole),
-    CallKind::Fallocate(FallocMode::ZeroRange { keep_size: true }),
-    CallKind::Fallocate(FallocMode::ZeroRange { keep_size: false }),
-    CallKind::Fallocate(FallocMode::WriteZeroes),
-    CallKind::Fallocate(FallocMode::Allocate),
-    CallKind::Fallocate(FallocMode::AllocateKeepSize),
-    CallKind::Pwrite,
-    CallKind::PwriteDsync,
-    CallKind::BlkZeroout,
-];
 
 /// Whether a call that changes bytes covered [start, end) and more: the
 /// request and at least a byte of a neighbour.
@@ -109,14 +96,6 @@ fn send_all(c: &mut Conn, zs: &[Zero]) -> Vec<Reply> {
     (1..=zs.len() as u64)
         .map(|i| got.remove(&i).unwrap())
         .collect()
-}
-
-/// Reads the whole export back and compares it with `model`, naming the
-/// first byte that differs.
-fn check_reads(c: &mut Conn, model: &[u8]) {
-    let got = c.read(0, model.len() as u64);
-    let diff = got.iter().zip(model).position(|(a, b)| a != b);
-    assert_eq!(diff, None, "read back differs from the model");
 }
 
 /// Runs that continue each other with each kind of flags (NO_HOLE, may
@@ -207,10 +186,7 @@ fn an_error_inside_merged_zeros_fails_only_its_request() {
                 h.model[off as usize..(off + len) as usize].fill(0);
             }
         }
-        check_reads(&mut c, &h.model);
-        c.disc();
-        h.stop().unwrap();
-        h.check_file();
+        h.finish(c);
     }
 }
 
@@ -237,10 +213,7 @@ fn merged_zeros_mark_each_range() {
         h.model[off as usize..(off + len) as usize].fill(0);
     }
     assert_eq!(c.cmd(Command::Flush, 0, 0, 0, &[]).error, 0);
-    check_reads(&mut c, &h.model);
-    c.disc();
-    h.stop().unwrap();
-    h.check_file();
+    h.finish(c);
     let st = StateFile::open(&h.path, None, false).unwrap();
     assert_eq!(
         st.changed_ranges("a").unwrap(),

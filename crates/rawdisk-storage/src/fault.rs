@@ -35,6 +35,9 @@ pub struct FaultRule {
     pub repeat: bool,
     /// Only calls whose range overlaps [start, end) count as hits.
     pub over: Option<(u64, u64)>,
+    /// A hit panics instead of failing: a bug in the engine, for tests of
+    /// what the caller does when a job unwinds.
+    pub panic: bool,
 }
 
 impl FaultRule {
@@ -46,6 +49,7 @@ impl FaultRule {
             errno,
             repeat: false,
             over: None,
+            panic: false,
         }
     }
 
@@ -57,6 +61,7 @@ impl FaultRule {
             errno,
             repeat: true,
             over: None,
+            panic: false,
         }
     }
 
@@ -73,6 +78,14 @@ impl FaultRule {
     /// Every call of `kind` fails.
     pub fn always(kind: CallKind, errno: i32) -> Self {
         Self::from_nth(kind, 1, errno)
+    }
+
+    /// The same hits panic instead of failing.
+    pub fn panicking(self) -> Self {
+        FaultRule {
+            panic: true,
+            ..self
+        }
     }
 
     fn hits(&self, call: &Call, n: u64) -> bool {
@@ -229,8 +242,16 @@ impl FaultSys {
             *e += 1;
             *e
         };
-        let rules = self.rules.lock().unwrap();
-        match rules.iter().find(|r| r.hits(call, n)) {
+        let hit = self
+            .rules
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|r| r.hits(call, n))
+            .copied();
+        match hit {
+            // With no lock held: the injector must outlive the panic.
+            Some(r) if r.panic => panic!("injected panic: {:?} call {n}", call.kind),
             Some(r) => Err(io::Error::from_raw_os_error(r.errno)),
             None => Ok(()),
         }

@@ -3,9 +3,9 @@
 //! plugin with `dir=`). Each [`Export`] (`export.rs`) is a target with what
 //! the server learns and decides about it, shared by every connection to it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
@@ -16,11 +16,12 @@ use tracing::{debug, info, warn};
 
 pub(super) use super::export::Export;
 use super::writeback::WriteBehind;
+use listing::Listing;
+
+mod listing;
 
 /// Longest export name a directory can hold (NAME_MAX).
 const NAME_MAX: usize = 255;
-/// Most names one NBD_OPT_LIST reply carries.
-const LIST_MAX: usize = 65536;
 
 /// A directory's exports.
 pub(super) struct Dir {
@@ -42,12 +43,9 @@ pub(super) struct Dir {
     pub(super) raw: bool,
     /// `--discard`, `--detect-zeroes`, `--aio` of every export.
     pub(super) serving: super::Serving,
-    /// Names a listing left out, each logged once (at most `UNLISTED_MAX`).
-    unlisted: Mutex<HashSet<String>>,
+    /// NBD_OPT_LIST's names, their cost bounded (`listing.rs`).
+    listing: Arc<Listing>,
 }
-
-/// Most left-out names remembered so as to log each once.
-const UNLISTED_MAX: usize = 4096;
 
 /// Tracker of each export name, with the (st_dev, st_ino) it tracks.
 type Trackers = HashMap<String, ((u64, u64), Arc<Tracker>)>;
@@ -97,6 +95,7 @@ impl Exports {
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
+        let listing = Arc::new(Listing::new(dir.clone(), fd.try_clone()?));
         Ok(Dir {
             dir,
             fd,
@@ -107,7 +106,7 @@ impl Exports {
             trackers: Mutex::new(HashMap::new()),
             raw: false,
             serving: super::Serving::default(),
-            unlisted: Mutex::new(HashSet::new()),
+            listing,
         })
     }
 
@@ -130,11 +129,13 @@ impl Exports {
         }
     }
 
-    /// (name, description) for NBD_OPT_LIST.
-    pub(super) fn list(&self, description: &str) -> Vec<(String, String)> {
+    /// The names NBD_OPT_LIST tells and the description of each. A
+    /// directory's are read on a blocking thread, one listing at a time,
+    /// and shared by the connections that asked (`listing.rs`).
+    pub(super) async fn list(&self, description: &str) -> (Arc<Vec<String>>, String) {
         match self {
-            Exports::One(e) => vec![(e.name.clone(), description.to_string())],
-            Exports::Dir(d) => d.names().into_iter().map(|n| (n, String::new())).collect(),
+            Exports::One(e) => (Arc::new(vec![e.name.clone()]), description.to_string()),
+            Exports::Dir(d) => (d.listing.names(d.raw).await, String::new()),
         }
     }
 
@@ -175,147 +176,10 @@ impl Exports {
 }
 
 impl Dir {
-    /// The names of the regular files and block devices in the directory,
-    /// sorted; what cannot be exported is left out.
-    fn names(&self) -> Vec<String> {
-        use rustix::fs::{Mode, OFlags};
-        // Read through the directory's fd, as every name is checked and
-        // opened: a parent swapped for a symlink since start leads nowhere.
-        let listed = rustix::fs::openat(
-            &self.fd,
-            ".",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .and_then(rustix::fs::Dir::read_from);
-        let entries = match listed {
-            Ok(r) => r,
-            Err(e) => {
-                warn!("listing {}: {e}", self.dir.display());
-                return Vec::new();
-            }
-        };
-        let mut names: Vec<String> = entries
-            .filter_map(|e| e.ok()?.file_name().to_str().ok().map(str::to_owned))
-            .filter(|n| self.resolve(n).is_ok() && self.servable(n))
-            .take(LIST_MAX)
-            .collect();
-        names.sort();
-        names
-    }
-
-    /// Whether a listed name is one GO would serve: listers (nbdinfo
-    /// --list, qemu-nbd -L) open every export they are told of and fail
-    /// on a refusal, so a file that looks like another image format (unless
-    /// `-f raw`), or that cannot be read, is left out, and why is logged
-    /// once per name.
-    fn servable(&self, name: &str) -> bool {
-        if self.raw {
-            return true;
-        }
-        let why = match self.looks_like(name) {
-            Ok(None) => return true,
-            Ok(Some(f)) => {
-                format!(
-                    "it looks like a {f} image, not raw (serve with -f raw to export its bytes)"
-                )
-            }
-            Err(e) => format!("it cannot be read: {e}"),
-        };
-        let mut logged = self.unlisted.lock().unwrap_or_else(|p| p.into_inner());
-        if logged.len() < UNLISTED_MAX && logged.insert(name.to_string()) {
-            info!("{}: not listed: {why}", self.dir.join(name).display());
-        }
-        false
-    }
-
-    /// What `name` looks like, read beneath the directory's fd (a FIFO
-    /// swapped in cannot block: O_NONBLOCK, and only regular files and
-    /// block devices are read).
-    fn looks_like(&self, name: &str) -> io::Result<Option<rawdisk_storage::format::Format>> {
-        use rustix::fs::{FileType, Mode, OFlags, ResolveFlags, SeekFrom};
-        let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NONBLOCK | OFlags::NOCTTY;
-        let fd = match rustix::fs::openat2(
-            &self.fd,
-            name,
-            flags,
-            Mode::empty(),
-            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
-        ) {
-            // No openat2: the name was checked to be inside just before.
-            Err(rustix::io::Errno::NOSYS) => {
-                rustix::fs::openat(&self.fd, name, flags, Mode::empty())?
-            }
-            r => r?,
-        };
-        let st = rustix::fs::fstat(&fd)?;
-        let size = match FileType::from_raw_mode(st.st_mode) {
-            FileType::RegularFile => st.st_size as u64,
-            FileType::BlockDevice => rustix::fs::seek(&fd, SeekFrom::End(0))?,
-            _ => return Err(io::Error::from_raw_os_error(libc::EINVAL)),
-        };
-        rawdisk_storage::format::probe(size, |buf: &mut [u8], at| -> io::Result<()> {
-            let mut done = 0;
-            while done < buf.len() {
-                match rustix::io::pread(&fd, &mut buf[done..], at + done as u64)? {
-                    0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-                    n => done += n,
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// The (st_dev, st_ino) `name` stands for, checked: a plain file name,
-    /// naming a regular file or block device that (through symlinks too) is
-    /// inside the directory.
+    /// The (st_dev, st_ino) `name` stands for, checked ([`resolve`]).
     fn resolve(&self, name: &str) -> Result<(u64, u64), Unknown> {
-        if name.is_empty()
-            || name.len() > NAME_MAX
-            || name == "."
-            || name == ".."
-            || name.contains(['/', '\0'])
-        {
-            return Err(format!(
-                "{:?} is not a file name in the exported directory",
-                shorten(name)
-            ));
-        }
-        if name.ends_with(STATE_SUFFIX) {
-            // Changed-block tracking state, not a disk.
-            return Err(format!(
-                "{:?} is a changed-block tracking state file, not an export",
-                shorten(name)
-            ));
-        }
-        let unknown = || format!("no export named {:?}", shorten(name));
-        use rustix::fs::{AtFlags, FileType};
-        // A name that is no symlink is inside: one fstatat under the
-        // directory's fd (not its path, which may have been swapped), where
-        // resolving every component costs a listing of 10,000 names seconds.
-        let st =
-            rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|_| unknown())?;
-        let st = if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
-            let path = self.dir.join(name).canonicalize().map_err(|_| unknown())?;
-            if !path.starts_with(&self.dir) {
-                return Err(format!(
-                    "{:?} leads outside the exported directory",
-                    shorten(name)
-                ));
-            }
-            rustix::fs::stat(&path).map_err(|_| unknown())?
-        } else {
-            st
-        };
-        let ft = FileType::from_raw_mode(st.st_mode);
-        if ft != FileType::RegularFile && ft != FileType::BlockDevice {
-            return Err(format!(
-                "{:?} is not a regular file or block device",
-                shorten(name)
-            ));
-        }
         // As std's MetadataExt gives them, which file_id() compares with.
-        Ok((st.st_dev, st.st_ino))
+        resolve(&self.dir, self.fd.as_fd(), name).map(|st| (st.st_dev, st.st_ino))
     }
 
     fn find(
@@ -486,6 +350,56 @@ impl Dir {
             r => r,
         }
     }
+}
+
+/// What `name` stands for, checked: a plain file name, naming a regular
+/// file or block device that (through symlinks too) is inside `dir` (whose
+/// O_PATH fd is `fd`); its stat, after symlinks.
+fn resolve(dir: &Path, fd: BorrowedFd<'_>, name: &str) -> Result<rustix::fs::Stat, Unknown> {
+    if name.is_empty()
+        || name.len() > NAME_MAX
+        || name == "."
+        || name == ".."
+        || name.contains(['/', '\0'])
+    {
+        return Err(format!(
+            "{:?} is not a file name in the exported directory",
+            shorten(name)
+        ));
+    }
+    if name.ends_with(STATE_SUFFIX) {
+        // Changed-block tracking state, not a disk.
+        return Err(format!(
+            "{:?} is a changed-block tracking state file, not an export",
+            shorten(name)
+        ));
+    }
+    let unknown = || format!("no export named {:?}", shorten(name));
+    use rustix::fs::{AtFlags, FileType};
+    // A name that is no symlink is inside: one fstatat under the
+    // directory's fd (not its path, which may have been swapped), where
+    // resolving every component costs a listing of 10,000 names seconds.
+    let st = rustix::fs::statat(fd, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|_| unknown())?;
+    let st = if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
+        let path = dir.join(name).canonicalize().map_err(|_| unknown())?;
+        if !path.starts_with(dir) {
+            return Err(format!(
+                "{:?} leads outside the exported directory",
+                shorten(name)
+            ));
+        }
+        rustix::fs::stat(&path).map_err(|_| unknown())?
+    } else {
+        st
+    };
+    let ft = FileType::from_raw_mode(st.st_mode);
+    if ft != FileType::RegularFile && ft != FileType::BlockDevice {
+        return Err(format!(
+            "{:?} is not a regular file or block device",
+            shorten(name)
+        ));
+    }
+    Ok(st)
 }
 
 /// Opens the changed-block tracker of an export's target

@@ -255,6 +255,9 @@ fn silent_close(e: io::Error) -> io::Error {
 /// connection is closed.
 const PIPELINED_MAX: usize = 1 << 20;
 
+/// Bytes of NBD_OPT_LIST replies a connection encodes before sending them.
+const LIST_CHUNK: usize = 64 << 10;
+
 /// Options a listing client may send per name NBD_OPT_LIST told it, over
 /// `max_options`: NBD_OPT_INFO or GO, and a meta context query.
 const OPTIONS_PER_LISTED: usize = 4;
@@ -413,10 +416,16 @@ where
                 return Ok(Outcome::Aborted);
             }
             ClientOption::List => {
-                let list = sh.exports.list(&cfg.description);
-                listed = listed.max(list.len());
-                for (name, description) in list {
+                let (names, description) = sh.exports.list(&cfg.description).await;
+                listed = listed.max(names.len());
+                for name in names.iter() {
+                    let (name, description) = (name.clone(), description.clone());
                     OptionReply::Server { name, description }.encode(h.option, &mut out);
+                    // Sent as encoded: a connection holds LIST_CHUNK of a
+                    // long list (up to 16 MiB of names), not all of it.
+                    if out.len() >= LIST_CHUNK {
+                        send(wr, &mut out).await?;
+                    }
                 }
                 OptionReply::Ack.encode(h.option, &mut out);
                 send(wr, &mut out).await?;

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
-use tracing::{debug, info, trace, Instrument};
+use tracing::{debug, error, info, trace, Instrument};
 
 mod inkernel;
 mod permits;
@@ -280,6 +280,8 @@ impl Batch {
             self.tx.clone(),
             self.zeros.clone(),
         );
+        // The storage calls run under `caught`: a panic there would leave
+        // `running` set and the queued zeros unanswered for good.
         tokio::task::spawn_blocking(move || loop {
             let run = {
                 let mut line = lock(&zeros);
@@ -291,7 +293,9 @@ impl Batch {
                 run
             };
             let reqs: Vec<_> = run.iter().map(|j| (j.req, j.to)).collect();
-            for (j, reply) in run.into_iter().zip(execute_zeros(&sh, &s, &reqs)) {
+            let replies =
+                caught(&sh, &s, &reqs, || execute_zeros(&sh, &s, &reqs)).unwrap_or_else(|eio| eio);
+            for (j, reply) in run.into_iter().zip(replies) {
                 let _ = tx.send(Box::new(Out {
                     reply,
                     _permits: j.permits.produced(),
@@ -317,11 +321,15 @@ impl Batch {
         let mut left = Vec::new();
         if self.s.export.page_cache() {
             for mut j in rest.by_ref() {
-                let reply = if j.req.command == Command::Write && is_small(&j.req) {
-                    Some(execute(&self.sh, &self.s, &j.req, j.to, j.data.take()))
-                } else {
-                    read_cached(&self.sh, &self.s, &j.req, j.to)
-                };
+                let (sh, s, req, to) = (&self.sh, &self.s, &j.req, j.to);
+                let reply = caught_one(sh, s, req, to, || {
+                    if req.command == Command::Write && is_small(req) {
+                        Some(execute(sh, s, req, to, j.data.take()))
+                    } else {
+                        read_cached(sh, s, req, to)
+                    }
+                })
+                .unwrap_or_else(Some);
                 let Some(reply) = reply else {
                     left.push(j);
                     break;
@@ -389,6 +397,57 @@ impl ZeroLine {
     }
 }
 
+/// The message of a request whose job panicked.
+const UNWOUND: &str = "internal error: the server's job for this request failed";
+
+/// Runs `f`, the storage calls of `reqs`. If it panics (a bug), each
+/// request gets NBD_EIO, since whether it took effect is unknown, instead
+/// of no reply: the client would wait forever.
+fn caught<T>(
+    sh: &Shared,
+    s: &Session,
+    reqs: &[(Request, ReplyTo)],
+    f: impl FnOnce() -> T,
+) -> Result<T, Vec<Encoded>> {
+    let p = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => return Ok(v),
+        Err(p) => p,
+    };
+    let why = p
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message");
+    if sh.storage_errors.allow() {
+        let (first, _) = reqs[0];
+        let more = match reqs.len() {
+            1 => String::new(),
+            n => format!(" and {} requests after it", n - 1),
+        };
+        error!(
+            "{} of {} bytes at offset {}{more} panicked: {why}; answered NBD_EIO",
+            first.command.name(),
+            first.length,
+            first.offset,
+        );
+    }
+    Err(reqs
+        .iter()
+        .map(|(_, to)| small_error(s, *to, NBD_EIO, UNWOUND))
+        .collect())
+}
+
+/// [`caught`] for one request.
+fn caught_one<T>(
+    sh: &Shared,
+    s: &Session,
+    req: &Request,
+    to: ReplyTo,
+    f: impl FnOnce() -> T,
+) -> Result<T, Encoded> {
+    caught(sh, s, &[(*req, to)], f).map_err(|mut eio| eio.remove(0))
+}
+
 /// The zero line's lock; a panic while it was held left the queue whole.
 fn lock(m: &Mutex<ZeroLine>) -> MutexGuard<'_, ZeroLine> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -408,7 +467,9 @@ fn on_pool(
     let (sh, s, tx) = (sh.clone(), s.clone(), tx.clone());
     tokio::task::spawn_blocking(move || {
         for j in jobs {
-            let reply = execute(&sh, &s, &j.req, j.to, j.data);
+            let (req, to, data) = (j.req, j.to, j.data);
+            let run = || execute(&sh, &s, &req, to, data);
+            let reply = caught_one(&sh, &s, &req, to, run).unwrap_or_else(|eio| eio);
             let _ = tx.send(Box::new(Out {
                 reply,
                 _permits: j.permits.produced(),
@@ -818,7 +879,9 @@ where
     async fn run_here(&mut self, job: Job) -> io::Result<()> {
         // Nothing may wait behind it (an idle request has nothing held).
         self.batch.dispatch();
-        let reply = execute(&self.sh, &self.s, &job.req, job.to, job.data);
+        let (sh, s, req, to) = (&self.sh, &self.s, &job.req, job.to);
+        let reply =
+            caught_one(sh, s, req, to, || execute(sh, s, req, to, job.data)).unwrap_or_else(|e| e);
         let permits = job.permits.produced();
         let mut w = self.wr.lock().await;
         let sent = within(self.sh.cfg.idle_timeout, async {

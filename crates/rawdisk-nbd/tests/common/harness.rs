@@ -13,9 +13,24 @@ use rand::{Rng, SeedableRng};
 use rawdisk_nbd::proto::*;
 use rawdisk_nbd::server::{Server, ServerConfig};
 use rawdisk_storage::cbt::{StateFile, TrackOptions, Tracker};
+use rawdisk_storage::sys::{CallKind, FallocMode};
 use rawdisk_storage::{CacheMode, FaultSys, OpenOptions, Target};
 
 use super::{assert_file_is, Bind, Running};
+
+/// Every call that could zero a range: failed (or made to panic) over a
+/// bad spot, all of them.
+pub const WRITING: [CallKind; 9] = [
+    CallKind::Fallocate(FallocMode::PunchHole),
+    CallKind::Fallocate(FallocMode::ZeroRange { keep_size: true }),
+    CallKind::Fallocate(FallocMode::ZeroRange { keep_size: false }),
+    CallKind::Fallocate(FallocMode::WriteZeroes),
+    CallKind::Fallocate(FallocMode::Allocate),
+    CallKind::Fallocate(FallocMode::AllocateKeepSize),
+    CallKind::Pwrite,
+    CallKind::PwriteDsync,
+    CallKind::BlkZeroout,
+];
 
 pub const KIB: u64 = 1024;
 pub const MIB: u64 = 1024 * 1024;
@@ -156,6 +171,16 @@ impl Harness {
 
     pub fn check_file(&self) {
         assert_file_is(&self.path, &self.model);
+    }
+
+    /// The end of a test: reads the whole export back through `c` and
+    /// compares it with the model, disconnects, stops the server cleanly
+    /// and compares the file.
+    pub fn finish(&mut self, mut c: Conn) {
+        check_reads(&mut c, &self.model);
+        c.disc();
+        self.stop().unwrap();
+        self.check_file();
     }
 
     /// Stops the server and returns what serve() returned.
@@ -589,6 +614,14 @@ impl Conn {
         self.send_req(Command::Disc, 0, 0, 0, &[]);
         assert!(self.closed_by_server(), "no close after NBD_CMD_DISC");
     }
+}
+
+/// Reads the whole export back and compares it with `model`, naming the
+/// first byte that differs.
+pub fn check_reads(c: &mut Conn, model: &[u8]) {
+    let got = c.read(0, model.len() as u64);
+    let diff = got.iter().zip(model).position(|(a, b)| a != b);
+    assert_eq!(diff, None, "read back differs from the model");
 }
 
 pub fn go_info(r: &[OptionReply]) -> GoInfo {

@@ -63,6 +63,9 @@ pub struct Args {
     /// Export every regular file and block device directly inside DIR, each
     /// under its file name (nbdkit's dir=); files added or removed are seen
     /// by the next connection. Symlinks are followed only inside DIR.
+    /// NBD_OPT_LIST names what GO would serve, reading at most 131,072
+    /// entries and only the heads of files changed since the last listing
+    /// (docs/formats.md).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["target", "create"])]
     pub(super) dir: Option<PathBuf>,
     /// With --dir: the export a client asking for the empty name gets
