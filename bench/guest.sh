@@ -22,11 +22,15 @@
 #                                              only the traced boots)
 #   RAWDISK_BIN=path   the binary (default release build, built)
 #   SERVERS="rawdisk nbdkit qemu-nbd"   also rawdisk-direct (--cache none),
-#       qemu-nbd-direct (--cache=none --aio=native): compare those two only
+#       qemu-nbd-direct (--cache=none --aio=native): compare those two only;
+#       nbdkit-memory, a ceiling (RAM, no file), is never the best anchor
 #   SIZE=1G  RUNTIME=10 (random fio, s)  ACCEL=auto|kvm|tcg
 #   TRACE=1  one more boot per server with qemu's nbd_send_request trace:
 #       a table of the NBD requests qemu sent per workload (type, count,
 #       smallest-largest length); not timed
+#   SCHED=1  also count each workload's context switches and CPU migrations
+#       of the server (perf stat -p) and of qemu-system-x86_64: a table of
+#       medians per second of the workload
 #   GUEST_CACHE=dir    downloaded packages and the built initramfs
 #       (default ${TMPDIR:-/tmp}/rawdisk-guest-cache)
 set -euo pipefail
@@ -39,6 +43,7 @@ size=${SIZE:-1G}
 runtime=${RUNTIME:-10}
 accel=${ACCEL:-auto}
 trace=${TRACE:-0}
+sched=${SCHED:-0}
 cache=${GUEST_CACHE:-${TMPDIR:-/tmp}/rawdisk-guest-cache}
 tgt=${CARGO_TARGET_DIR:-$PWD/target}
 die() { echo "guest.sh: $*" >&2; exit 1; }
@@ -187,7 +192,7 @@ requests() { # file from to
 # IOPS cpu hwm" lines to $res and "server name value" to $res.queue; rep 0
 # is the traced boot, its lines go to $res.trace.
 one() { # rep server
-    local line w s c0 cpu hwm t= f qfd tr=() tf=$work/trace.$2 m0
+    local line w s c0 cpu hwm t= f qfd tr=() tf=$work/trace.$2 m0 ps=() pf
     # discard=unmap: the guest's discards and zeroes that may unmap reach the
     # server as NBD trims (qemu drops them by default).
     rm -f "$img"
@@ -206,8 +211,29 @@ one() { # rep server
         read -r -a f <<<"$line"
         [ "${f[0]:-}" = "@@" ] || continue
         case ${f[1]} in
-        begin) echo 5 >"/proc/$pid/clear_refs"; c0=$(cpu_of "$pid"); [ "$1" = 0 ] && m0=$(wc -l <"$tf") ;;
-        end) if [ "$1" = 0 ]; then
+        begin) echo 5 >"/proc/$pid/clear_refs"; c0=$(cpu_of "$pid"); [ "$1" = 0 ] && m0=$(wc -l <"$tf")
+            if [ "$sched" = 1 ] && [ "$1" != 0 ]; then
+                pf=$work/perf.${f[2]}
+                perf stat -x, -e task-clock,context-switches,cpu-migrations -p "$pid" -o "$pf.server" &
+                ps=($!)
+                # $qpid is timeout's; qemu is its child.
+                perf stat -x, -e task-clock,context-switches,cpu-migrations -p "$(pgrep -P "$qpid" | head -1)" \
+                    -o "$pf.qemu" &
+                ps+=($!)
+            fi ;;
+        end) if ((${#ps[@]})); then
+                kill -INT "${ps[@]}"
+                wait "${ps[@]}" 2>/dev/null || true
+                ps=()
+                for who in server qemu; do
+                    # "rep server workload who seconds switches migrations"
+                    awk -F, -v r="$1" -v s="$2" -v w="${f[2]}" -v who="$who" -v t="${f[3]}" '
+                        $3 == "context-switches" { cs = $1 } $3 == "cpu-migrations" { mg = $1 }
+                        $3 == "task-clock" { tc = $1 / 1000 }
+                        END { print r, s, w, who, t, cs, mg, tc }' "$pf.$who" >>"$res.sched"
+                done
+            fi
+            if [ "$1" = 0 ]; then
                 echo "${f[2]}|$2|$(requests "$tf" "$m0" "$(wc -l <"$tf")")" >>"$res.trace"
                 continue
             fi
@@ -264,7 +290,7 @@ timed_table() {
         case $w in seq-*) c=5 unit=MiB/s f=%.0f ;; rand-*) c=6 unit=IOPS f=%.0f ;; *) c=4 unit=s f=%.3f ;; esac
         best=
         for s in $servers; do
-            [[ $s == rawdisk* ]] && continue
+            [[ $s == rawdisk* || $s == nbdkit-memory ]] && continue
             m=$(col "$s" "$w" "$c" | med)
             if [ -z "$best" ] || awk -v a="$m" -v b="$best" -v u="$unit" 'BEGIN { exit !(u == "s" ? a < b : a > b) }'; then
                 best=$m
@@ -293,6 +319,23 @@ queue_table() {
     done
 }
 [ -s "$res.queue" ] && queue_table
+if [ -s "$res.sched" ]; then
+    echo
+    echo "| workload | server | server CPUs | server switches/s | server migrations/s | qemu CPUs | qemu switches/s | qemu migrations/s |"
+    echo "|---|---|---|---|---|---|---|---|"
+    for w in $(awk '{ print $3 }' "$res.sched" | awk '!seen[$0]++'); do
+        for s in $servers; do
+            printf '| %s | %s |' "$w" "$s"
+            for who in server qemu; do
+                for c in 8 6 7; do
+                    printf ' %s |' "$(awk -v s="$s" -v w="$w" -v who="$who" -v c="$c" \
+                        '$2 == s && $3 == w && $4 == who && $5 > 0 { printf(c == 8 ? "%.2f\n" : "%.0f\n", $c / $5) }' "$res.sched" | med)"
+                done
+            done
+            echo
+        done
+    done
+fi
 if [ "$trace" = 1 ]; then
     echo
     echo "| workload | server | NBD requests from qemu: type count [smallest-largest] |"

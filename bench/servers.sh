@@ -4,7 +4,8 @@
 # once the socket exists. KIND: rawdisk, rawdisk-direct (--cache none),
 # custom:NAME (the binary in $RAWDISK_BIN_NAME), nbdkit (file plugin),
 # qemu-nbd (writeback, discard=unmap: qemu-nbd drops trims by default),
-# qemu-nbd-direct (O_DIRECT: cache=none, aio=native, discard=unmap).
+# qemu-nbd-direct (O_DIRECT: cache=none, aio=native, discard=unmap),
+# nbdkit-memory (a ceiling: nbdkit's memory plugin, IMAGE only sizes it).
 serve() {
     local v
     rm -f "$3"
@@ -13,6 +14,9 @@ serve() {
     rawdisk-direct) "$RAWDISK_BIN" serve --cache none --socket "$3" "$2" >/dev/null 2>&1 & ;;
     custom:*) v=RAWDISK_BIN_${1#custom:}; "${!v}" serve --socket "$3" "$2" >/dev/null 2>&1 & ;;
     nbdkit) nbdkit -f -U "$3" file "$2" & ;;
+    # A ceiling, not an anchor: RAM of the image's size, no file at all
+    # (what a client gets from a server that costs nothing).
+    nbdkit-memory) nbdkit -f -U "$3" memory "$(stat -c %s "$2")" & ;;
     qemu-nbd) qemu-nbd -t -k "$3" -f raw --cache=writeback --discard=unmap "$2" & ;;
     qemu-nbd-direct) qemu-nbd -t -k "$3" -f raw --cache=none --aio=native --discard=unmap "$2" & ;;
     *) echo "unknown server $1" >&2; return 1 ;;
