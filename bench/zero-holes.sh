@@ -16,6 +16,9 @@
 #   RAWDISK_BIN=path   the binary (default target/release/rawdisk, built)
 #   SERVERS="rawdisk nbdkit qemu-nbd"   a subset; "custom:NAME" runs the
 #   binary in RAWDISK_BIN_NAME (a build to compare against).
+#   SIZE=1   the export in GiB; STARTS="holes data" a subset. A bigger
+#       export over holes (SIZE=16 STARTS=holes) makes the per-request
+#       cost of in-order zeros visible; data needs SIZE GiB of RAM.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PATH="/usr/sbin:/usr/bin:/sbin:/bin:$HOME/.cargo/bin:$PATH"
@@ -38,12 +41,12 @@ cleanup() {
     umount "$work" && rmdir "$work"
 }
 trap cleanup EXIT
-size=$((1 << 30))
+size=$((${SIZE:-1} << 30))
 sock=$work/s.sock
 img=$work/d.img
 case $fs in
 ext4 | xfs)
-    truncate -s 1600M "$work/fs.img"
+    truncate -s $((size / 1048576 + 600))M "$work/fs.img"
     fsdev=$(losetup -f --show "$work/fs.img")
     if [ "$fs" = ext4 ]; then mkfs.ext4 -q -F "$fsdev"; else mkfs.xfs -q -f "$fsdev"; fi
     mkdir "$work/mnt"
@@ -63,7 +66,7 @@ one() { # server start chunk depth -> "seconds cpu"
     rm -f "$back"
     truncate -s "$size" "$back"
     if [ "$2" = data ]; then
-        dd if=/dev/urandom of="$back" bs=4M count=256 conv=notrunc,fsync status=none
+        dd if=/dev/urandom of="$back" bs=4M count=$((size >> 22)) conv=notrunc,fsync status=none
     fi
     served=$back
     if [ "$fs" = loop ]; then
@@ -100,7 +103,7 @@ echo "<!-- FS=$fs bench/zero-holes.sh $reps; $(uname -r); $(nproc) cpus; load $(
 echo
 echo "| storage | start | requests | server | seconds median [min-max] | / best anchor | server CPU s median |"
 echo "|---|---|---|---|---|---|---|"
-for start_as in holes data; do
+for start_as in ${STARTS:-holes data}; do
     for shape in "2097152 8" "33554432 1"; do
         set -- $shape
         declare -A t=() c=()
