@@ -342,12 +342,10 @@ def wait_gone(pid, timeout=30, what="the server"):
         time.sleep(0.02)
 
 
-def terminate(proc, timeout=30):
-    """SIGTERM to a server started as `proc` (a Popen); its (stdout, stderr)
-    once it has exited, its status in proc.returncode. One still running
-    after `timeout` seconds fails the test as wait_gone() does."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+def finish(proc, timeout=30, after="SIGTERM"):
+    """(stdout, stderr) of `proc` (a Popen told to stop by `after`) once it
+    has exited, its status in proc.returncode. One still running after
+    `timeout` seconds fails the test as wait_gone() does."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -355,4 +353,11 @@ def terminate(proc, timeout=30):
         proc.kill()
         proc.communicate()
         raise AssertionError(f"{proc.args!r} (pid {proc.pid}) still running {timeout}s after "
-                             f"SIGTERM; killed:\n{report}") from None
+                             f"{after}; killed:\n{report}") from None
+
+
+def terminate(proc, timeout=30):
+    """SIGTERM to a server started as `proc` (a Popen), then finish()."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return finish(proc, timeout)

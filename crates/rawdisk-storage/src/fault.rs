@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::sys::{
@@ -109,6 +109,10 @@ pub struct FaultSys {
     /// Whether to keep [`FaultSys::take_log`]'s log.
     recording: AtomicBool,
     log: Mutex<Vec<Call>>,
+    /// Whether to keep [`FaultSys::take_spans`]'s log, and its clock.
+    spanning: AtomicBool,
+    clock: AtomicU64,
+    spans: Mutex<Vec<Span>>,
     edit_geometry: Mutex<Option<GeometryEdit>>,
     stand_ins: Mutex<HashMap<FallocMode, FallocMode>>,
 }
@@ -123,6 +127,17 @@ pub struct Call {
     pub kind: CallKind,
     pub offset: u64,
     pub len: u64,
+    pub ok: bool,
+}
+
+/// When a call ran, in ticks of one counter taken as it was entered and as
+/// it returned: whether one call started after another returned, for tests
+/// of what concurrent callers may conclude.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub kind: CallKind,
+    pub start: u64,
+    pub end: u64,
     pub ok: bool,
 }
 
@@ -144,6 +159,9 @@ impl FaultSys {
             max_io: AtomicUsize::new(0),
             recording: AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
+            spanning: AtomicBool::new(false),
+            clock: AtomicU64::new(0),
+            spans: Mutex::new(Vec::new()),
             edit_geometry: Mutex::new(None),
             stand_ins: Mutex::new(HashMap::new()),
         }
@@ -194,6 +212,33 @@ impl FaultSys {
     /// The calls logged since [`FaultSys::record`] or the last `take_log`.
     pub fn take_log(&self) -> Vec<Call> {
         std::mem::take(&mut *self.log.lock().unwrap())
+    }
+
+    /// Keep the [`Span`] of every call from now on.
+    pub fn record_spans(&self) -> &Self {
+        self.spanning.store(true, Ordering::SeqCst);
+        self
+    }
+
+    /// The spans kept since [`FaultSys::record_spans`] or the last call.
+    pub fn take_spans(&self) -> Vec<Span> {
+        std::mem::take(&mut *self.spans.lock().unwrap())
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn log_span(&self, kind: CallKind, start: u64, ok: bool) {
+        if self.spanning.load(Ordering::SeqCst) {
+            let end = self.tick();
+            self.spans.lock().unwrap().push(Span {
+                kind,
+                start,
+                end,
+                ok,
+            });
+        }
     }
 
     /// Rewrite what [`Sys::block_geometry`] returns: a driver that fails
@@ -330,6 +375,7 @@ macro_rules! fault_sys {
                         len: ($len) as u64,
                         ok: false,
                     };
+                    let start = self.tick();
                     let r = self.enter(&call).and_then(|()| {
                         $(let $cap = self.cap($cap);)?
                         $(let $swap = self.$swapf($swap);)?
@@ -343,6 +389,7 @@ macro_rules! fault_sys {
                             call.len = *n as u64;
                         }
                     )?
+                    self.log_span(call.kind, start, call.ok);
                     self.log_call(call);
                     r
                 }

@@ -63,4 +63,4 @@ pub use engine::{
 };
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "fault-injection"))]
-pub use fault::{FaultRule, FaultSys};
+pub use fault::{FaultRule, FaultSys, Span};

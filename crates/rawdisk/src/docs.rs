@@ -144,11 +144,18 @@ const SIGNALS_COPY: &[(&str, &str)] = &[
     ),
 ];
 
-const SIGNALS_CREATE: &[(&str, &str)] = &[(
-    "SIGINT, SIGTERM",
-    "Stop at the next chunk written or allocated, undo the change (a created file \
-     is removed, a grown one gets its old size back) and exit 1.",
-)];
+const SIGNALS_CREATE: &[(&str, &str)] = &[
+    (
+        "SIGINT, SIGTERM",
+        "Stop at the next chunk written or allocated, undo the change (a created file \
+         is removed, a grown one gets its old size back) and exit 1.",
+    ),
+    (
+        "a second signal",
+        "SIGINT or SIGTERM again: exit 130 or 143 at once, leaving the image as it is \
+         (partly created or grown).",
+    ),
+];
 
 const ENV_LOG: (&str, &str) = (
     "RUST_LOG",

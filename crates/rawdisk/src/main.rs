@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod cmd;
 mod docs;
 mod out;
+mod signals;
 #[allow(dead_code)] // used by the subcommands as they land
 mod size;
 mod syslog;
@@ -155,14 +156,15 @@ fn exit_with(result: anyhow::Result<ExitCode>) -> ExitCode {
         Err(e) if e.downcast_ref::<cmd::UsageError>().is_some() => {
             let line = one_line(&e);
             if line.contains("(see 'rawdisk") {
-                eprintln!("rawdisk: {line}");
+                out::say(&format!("rawdisk: {line}"));
             } else {
-                eprintln!("rawdisk: {line} (see '{}')", help_of_typed());
+                out::say(&format!("rawdisk: {line} (see '{}')", help_of_typed()));
             }
             ExitCode::from(EXIT_USAGE)
         }
         Err(e) => {
-            eprintln!("rawdisk: {}", one_line(&e));
+            // Never a panic: a closed stderr must not turn status 1 into 101.
+            out::say(&format!("rawdisk: {}", one_line(&e)));
             ExitCode::FAILURE
         }
     }

@@ -22,6 +22,13 @@ pub fn println(text: impl std::fmt::Display) -> anyhow::Result<()> {
     print(&format!("{text}\n"))
 }
 
+/// `line` and a newline on stderr, errors ignored: a message that cannot be
+/// written must not become a panic (eprintln!'s, on a closed pipe) that
+/// changes the exit status or skips what comes after it.
+pub fn say(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
 /// A `println!` elsewhere that meets a closed standard output panics with
 /// this message; the process then ends quietly, like [`print`], instead
 /// of printing a panic.

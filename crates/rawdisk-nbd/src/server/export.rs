@@ -27,7 +27,11 @@
 //!   storage call here is made at the window's offset plus the request's,
 //!   so nothing outside the window is read or written (requests are
 //!   checked against [`Export::size`] before they get here), and a failed
-//!   call's range is given back in the export's offsets.
+//!   call's range is given back in the export's offsets;
+//! - written since the last flush ([`Dirty`]): every change counts, as the
+//!   changed-block marks do; only a flush that succeeded counts as one, and
+//!   covers only what had returned before it started; the final flush at
+//!   stop is skipped when nothing is left (qemu's `write_gen`).
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -45,6 +49,8 @@ use tracing::{debug, trace};
 use super::writeback::{Policy, WriteBehind};
 use crate::proto::{errno_to_nbd, NBD_EINVAL, NBD_EIO, NBD_ENOMEM, NBD_ENOTSUP, NBD_EPERM};
 
+#[cfg(test)]
+mod dirty;
 #[cfg(test)]
 mod model;
 
@@ -125,6 +131,39 @@ fn is_zero(data: &[u8]) -> bool {
         && words.remainder().iter().all(|&b| b == 0)
 }
 
+/// Whether anything was written since the last flush that covers it, as
+/// qemu counts `write_gen` against `flushed_gen`: the final flush at stop is
+/// skipped when not (an fsync, a COMMIT round trip on NFS).
+#[derive(Debug, Default)]
+struct Dirty {
+    /// Bumped as each change starts and again once its storage call returned.
+    changes: AtomicU64,
+    /// `changes` as read just before the latest successful flush started.
+    flushed: AtomicU64,
+}
+
+impl Dirty {
+    fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Read before the flush starts: a change that returns later bumps past
+    /// it, so a write racing the flush leaves the export dirty.
+    fn flush_starts(&self) -> u64 {
+        self.changes.load(Ordering::SeqCst)
+    }
+
+    /// The flush that started at `at` succeeded (a failed one changes
+    /// nothing: its data may be lost, the final flush must try again).
+    fn flushed(&self, at: u64) {
+        self.flushed.fetch_max(at, Ordering::SeqCst);
+    }
+
+    fn is_dirty(&self) -> bool {
+        self.flushed.load(Ordering::SeqCst) != self.changes.load(Ordering::SeqCst)
+    }
+}
+
 /// The NBD error for a storage failure.
 pub(super) fn storage_errno(e: &rawdisk_storage::Error) -> u32 {
     if let Some(n) = e.errno() {
@@ -151,6 +190,8 @@ pub(super) struct Export {
     write_behind: Policy,
     /// Reads left that skip the hole lookup.
     sparse_skip: AtomicU64,
+    /// Written since the last flush.
+    dirty: Dirty,
     /// Capability generation last logged.
     caps_logged: AtomicU64,
     /// Changed-block tracking (`--track-changes`), shared with every other
@@ -191,18 +232,20 @@ pub(super) enum Cause {
 /// rule of their own (command.rs).
 pub(super) const ZERO_OP: &str = "write zeroes";
 
-/// A range being changed: marked in the tracker when made, and again when
-/// dropped, after the storage call returned (also when it failed or
-/// panicked: part of the range may have changed).
+/// A range being changed: marked in the tracker and counted as unflushed
+/// when made, and again when dropped, after the storage call returned (also
+/// when it failed or panicked: part of the range may have changed).
 struct Change<'a> {
     tracker: Option<&'a Tracker>,
+    dirty: &'a Dirty,
     offset: u64,
     len: u64,
 }
 
 impl Change<'_> {
-    /// The only place the tracker is marked.
+    /// The only place the tracker is marked and a change counted.
     fn record(&self) {
+        self.dirty.changed();
         if let Some(t) = self.tracker {
             t.mark(self.offset, self.len);
         }
@@ -286,6 +329,7 @@ impl Export {
             ),
             caps_logged: AtomicU64::new(target.caps().generation()),
             sparse_skip: AtomicU64::new(0),
+            dirty: Dirty::default(),
             target,
             read_only,
             min_block,
@@ -369,6 +413,7 @@ impl Export {
     fn change(&self, offset: u64, len: u64) -> Change<'_> {
         let c = Change {
             tracker: self.tracker.as_deref(),
+            dirty: &self.dirty,
             offset,
             len,
         };
@@ -476,6 +521,7 @@ impl Export {
     fn mark(&self, offset: u64, len: u64) {
         drop(Change {
             tracker: self.tracker.as_deref(),
+            dirty: &self.dirty,
             offset,
             len,
         });
@@ -554,15 +600,39 @@ impl Export {
 
     /// NBD_CMD_FLUSH: the storage, then the tracker's marks.
     pub(super) fn flush(&self) -> Result<(), Failure> {
-        self.target.flush().map_err(self.failed("flush"))?;
+        self.flush_storage().map_err(self.failed("flush"))?;
         self.write_behind.flushed();
         self.persist("flush")
     }
 
     /// FUA of a zero or trim: a flush, then the marks.
     fn fua(&self, flush_op: &'static str, persist_op: &'static str) -> Result<(), Failure> {
-        self.target.flush().map_err(self.failed(flush_op))?;
+        self.flush_storage().map_err(self.failed(flush_op))?;
         self.persist(persist_op)
+    }
+
+    /// Every flush of the target: what returned before it started is
+    /// flushed once it succeeds.
+    fn flush_storage(&self) -> Result<(), rawdisk_storage::Error> {
+        let at = self.dirty.flush_starts();
+        self.target.flush()?;
+        self.dirty.flushed(at);
+        Ok(())
+    }
+
+    /// The flush at stop, when the export is writable and anything was
+    /// written since the last flush that succeeded; false: skipped.
+    pub(super) fn final_flush(&self) -> Result<bool, rawdisk_storage::Error> {
+        if self.read_only || !self.dirty.is_dirty() {
+            return Ok(false);
+        }
+        self.flush_storage().map(|()| true)
+    }
+
+    /// Whether anything was written since the last flush that covers it.
+    #[cfg(test)]
+    fn dirty(&self) -> bool {
+        self.dirty.is_dirty()
     }
 
     /// Makes the marks durable before a FLUSH or FUA reply tells the client

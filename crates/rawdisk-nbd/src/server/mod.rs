@@ -442,17 +442,18 @@ impl Server {
         closed
     }
 
-    /// The final flush of every export still open, then the clean close of
-    /// every tracker.
+    /// The final flush of every export still open and written since its
+    /// last flush, then the clean close of every tracker.
     async fn close_exports(&self) -> io::Result<()> {
         let sh = &self.shared;
         for e in sh.exports.open() {
-            if e.read_only {
-                continue;
-            }
-            let target = e.target.clone();
-            match tokio::task::spawn_blocking(move || target.flush()).await {
-                Ok(Ok(())) => {}
+            let export = e.clone();
+            match tokio::task::spawn_blocking(move || export.final_flush()).await {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => debug!(
+                    "export {:?}: nothing written since the last flush, none at stop",
+                    e.name
+                ),
                 Ok(Err(err)) => {
                     return Err(io::Error::other(format!(
                         "final flush of {:?}: {err}",

@@ -17,8 +17,6 @@
 
 use super::{CacheArg, FormatArg, FormatOpt, OutputArg, PreallocArg};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use rawdisk_image::copy::record::{self, Record, Source};
@@ -28,6 +26,8 @@ use rawdisk_image::copy::{
 use rawdisk_image::endpoint::Endpoint;
 use std::path::PathBuf;
 
+use crate::out;
+use crate::signals::{self, Cancel};
 use crate::size::size_arg;
 
 /// Copy between files, block devices and NBD exports.
@@ -249,8 +249,10 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if let Some(Report::Fd(n)) = a.progress {
         copy::check_progress_fd(n)?;
     }
-    let signal = Arc::new(AtomicI32::new(0));
-    let cancel = cancel_on_signal(signal.clone());
+    let cancel = signals::cancel_on_int_term(
+        "; the destination is incomplete (what was written may not be durable)",
+    )?;
+    let signal = &cancel;
     let opts = CopyOptions {
         requests: if a.synchronous {
             1
@@ -282,17 +284,17 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         },
         force: a.force,
         no_create: a.no_create,
-        cancel: Some(cancel),
+        cancel: Some(cancel.flag.clone()),
         retry_timeout: a.retry_timeout,
         request_timeout: a.request_timeout,
         raw: a.format.raw(),
         no_extents: a.no_extents,
     };
     if let Some(name) = &a.changed_since {
-        return run_changed(&a, name, &opts, &signal);
+        return run_changed(&a, name, &opts, signal);
     }
     if a.source == "-" {
-        return run_from_stdin(&a, &opts, &signal);
+        return run_from_stdin(&a, &opts, signal);
     }
     let mut recorder = None;
     let (src, dst) = if sink {
@@ -321,7 +323,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         Ok(s) => s,
         Err(CopyError::Interrupted { done, size }) => {
             close_quietly(&src, dst.as_ref().map(|d| &d.endpoint));
-            return Ok(interrupted(&signal, done, size, &a.destination));
+            return Ok(interrupted(signal, done, size, &a.destination));
         }
         Err(CopyError::Io {
             side: Side::Destination,
@@ -362,7 +364,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if !a.quiet && matches!(a.output, OutputArg::Json) {
         let doc = summary_json(&a, &stats, None, verified.as_ref(), recorded.as_ref());
         if a.destination == "-" {
-            eprint!("{doc}");
+            out::say(doc.trim_end_matches('\n'));
         } else {
             print!("{doc}");
         }
@@ -375,7 +377,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         push_outcome(&mut line, verified.as_ref(), recorded.as_ref());
         // Standard output carries the data when it is the destination.
         if a.destination == "-" {
-            eprintln!("{line}");
+            out::say(&line);
         } else {
             crate::out::println(&line)?;
         }
@@ -400,7 +402,7 @@ fn refuse_for_stdin(a: &Args) -> Result<(), super::UsageError> {
 }
 
 /// `copy - DESTINATION`: standard input, in order, to its end.
-fn run_from_stdin(a: &Args, opts: &CopyOptions, signal: &AtomicI32) -> anyhow::Result<ExitCode> {
+fn run_from_stdin(a: &Args, opts: &CopyOptions, signal: &Cancel) -> anyhow::Result<ExitCode> {
     // Standard input has no checkpoints: whatever the destination held, its
     // record no longer says it.
     Recorder::begin(
@@ -432,14 +434,15 @@ fn run_from_stdin(a: &Args, opts: &CopyOptions, signal: &AtomicI32) -> anyhow::R
 const EXIT_PIPE_CLOSED: u8 = 141;
 
 /// The line after SIGINT or SIGTERM stopped the copy; the exit status.
-fn interrupted(signal: &AtomicI32, done: u64, size: u64, destination: &str) -> ExitCode {
-    let sig = signal.load(Ordering::Relaxed);
-    eprintln!(
+fn interrupted(signal: &Cancel, done: u64, size: u64, destination: &str) -> ExitCode {
+    let sig = signal.signal();
+    // Said even when stderr is closed: the status then says it alone.
+    out::say(&format!(
         "rawdisk: copy interrupted by {} after {done} of {size} bytes ({}); \
          the destination {destination} is incomplete",
-        signal_name(sig),
+        signals::name(sig),
         human(done),
-    );
+    ));
     ExitCode::from(128 + sig as u8)
 }
 
@@ -457,7 +460,7 @@ fn run_changed(
     a: &Args,
     name: &str,
     opts: &CopyOptions,
-    signal: &AtomicI32,
+    signal: &Cancel,
 ) -> anyhow::Result<ExitCode> {
     let inc = copy::open_changed(
         &a.source,
@@ -484,7 +487,7 @@ fn run_changed(
             .map_err(CopyError::Setup)?;
     }
     if let Some(w) = &inc.warning {
-        eprintln!("rawdisk: warning: {w}");
+        out::say(&format!("rawdisk: warning: {w}"));
     }
     let recorder = Recorder::begin(Some(path), inc.source.clone())?;
     let stats = match copy::copy_changed(&inc, opts) {
@@ -572,11 +575,11 @@ impl Recorder {
             return Ok(None);
         };
         if !flushed {
-            eprintln!(
+            out::say(&format!(
                 "rawdisk: warning: no backup record written: with --no-flush the destination \
                  may not hold the copy durably yet ({} says incomplete)",
                 path.display()
-            );
+            ));
             return Ok(None);
         }
         let r = Record::of(src, size, true).expect("a source with a checkpoint");
@@ -729,56 +732,6 @@ fn duration_arg(v: &str) -> Result<Duration, String> {
         "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
         _ => Err(format!("{v:?}: unknown unit {unit:?} (ms, s, m)")),
     }
-}
-
-fn signal_name(sig: i32) -> &'static str {
-    match sig {
-        2 => "SIGINT",
-        15 => "SIGTERM",
-        _ => "a signal",
-    }
-}
-
-/// A flag set on the first SIGINT or SIGTERM (its number in `signal`): the
-/// copy stops handing out work, finishes what is in flight and reports how
-/// far it got. A second signal exits at once, for a request that never
-/// completes.
-fn cancel_on_signal(signal: Arc<AtomicI32>) -> Arc<AtomicBool> {
-    use tokio::signal::unix::{signal as listen, SignalKind};
-    let flag = Arc::new(AtomicBool::new(false));
-    let f = flag.clone();
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return flag;
-    };
-    // Registered before returning, so a signal arriving right after is caught.
-    let Ok((mut int, mut term)) = rt.block_on(async {
-        Ok::<_, std::io::Error>((
-            listen(SignalKind::interrupt())?,
-            listen(SignalKind::terminate())?,
-        ))
-    }) else {
-        return flag;
-    };
-    std::thread::spawn(move || {
-        rt.block_on(async move {
-            for round in 0..2 {
-                let sig = tokio::select! {
-                    _ = int.recv() => 2,
-                    _ = term.recv() => 15,
-                };
-                if round == 1 {
-                    eprintln!("rawdisk: {} again: exiting now", signal_name(sig));
-                    std::process::exit(128 + sig);
-                }
-                signal.store(sig, Ordering::Relaxed);
-                f.store(true, Ordering::Relaxed);
-            }
-        });
-    });
-    flag
 }
 
 /// `--copy-offload`.

@@ -11,7 +11,7 @@
 use super::{CacheArg, FormatArg, OutputArg, PreallocArg};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use rawdisk_image::create::{create, CreateOptions};
@@ -82,7 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         zero: args.zero,
         cache: args.cache.into(),
         keep_on_error: args.keep_on_error,
-        cancel: Some(cancel_on_signal()),
+        cancel: Some(cancel_on_signal("; the image may be left partly created")?),
     };
     let bar = if args.quiet {
         Bar::hidden()
@@ -100,44 +100,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// A flag set on SIGINT or SIGTERM: the create stops at its next chunk and
-/// removes what it wrote (instead of dying with a half-written image).
-pub(crate) fn cancel_on_signal() -> Arc<AtomicBool> {
-    let flag = Arc::new(AtomicBool::new(false));
-    let f = flag.clone();
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(_) => return flag,
-    };
-    // Register the handlers before returning, so a signal arriving right
-    // after is already caught.
-    let term = rt.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        (
-            signal(SignalKind::interrupt()).ok(),
-            signal(SignalKind::terminate()).ok(),
-        )
-    });
-    std::thread::spawn(move || {
-        rt.block_on(async move {
-            let (mut int, mut term) = term;
-            tokio::select! {
-                _ = recv_or_never(int.as_mut()) => {}
-                _ = recv_or_never(term.as_mut()) => {}
-            }
-        });
-        f.store(true, Ordering::Relaxed);
-    });
-    flag
-}
-
-async fn recv_or_never(s: Option<&mut tokio::signal::unix::Signal>) {
-    match s {
-        Some(s) => {
-            s.recv().await;
-        }
-        None => std::future::pending::<()>().await,
-    }
+/// removes what it wrote (instead of dying with a half-written image). A
+/// second signal exits at once, leaving what `left` says.
+pub(crate) fn cancel_on_signal(left: &'static str) -> anyhow::Result<Arc<AtomicBool>> {
+    Ok(crate::signals::cancel_on_int_term(left)?.flag)
 }

@@ -71,7 +71,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         shrink: a.shrink,
         force: a.force || a.format.raw(),
         cache: a.cache.into(),
-        cancel: Some(super::create::cancel_on_signal()),
+        cancel: Some(super::create::cancel_on_signal(
+            "; the image may be left partly grown",
+        )?),
     };
     let bar = if a.quiet {
         Bar::hidden()

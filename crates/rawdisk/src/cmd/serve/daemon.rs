@@ -275,29 +275,11 @@ const STOP_SIGNALS: [(libc::c_int, &str); 6] = [
 ];
 
 /// Unblocks the signals the server handles, in the one thread there is
-/// (the runtime's threads inherit the mask). A mask blocking them is kept
-/// across fork and exec from whoever started the server, and tokio only
-/// installs handlers: blocked, SIGTERM would stay pending for ever.
+/// (the runtime's threads inherit the mask): see [`crate::signals::unblock`].
 pub(super) fn unblock_signals() -> anyhow::Result<()> {
-    // SAFETY: sigemptyset initialises the set before sigaddset and
-    // pthread_sigmask read it; pthread_sigmask changes only this thread's
-    // mask.
-    let rc = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for (n, _) in STOP_SIGNALS {
-            libc::sigaddset(&mut set, n);
-        }
-        libc::sigaddset(&mut set, libc::SIGUSR1);
-        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut())
-    };
-    if rc != 0 {
-        bail!(
-            "cannot unblock the signals: {}",
-            io::Error::from_raw_os_error(rc)
-        );
-    }
-    Ok(())
+    let mut all = STOP_SIGNALS.map(|s| s.0).to_vec();
+    all.push(libc::SIGUSR1);
+    crate::signals::unblock(&all)
 }
 
 /// [`STOP_SIGNALS`]: stop accepting, finish in-flight requests, flush,
@@ -365,38 +347,13 @@ const BACKSTOP_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// itself, removes `files` and exits with status 1 a moment after the task
 /// would have.
 fn second_signal_backstop(files: ExitFiles) -> anyhow::Result<()> {
-    use std::io::Read;
-    use std::os::fd::IntoRawFd;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static SEEN: AtomicU32 = AtomicU32::new(0);
-    let (mut rd, wr) = io::pipe().context("second-signal backstop: pipe")?;
-    // Never closed: the handler may write to it until the process ends.
-    let wr = OwnedFd::from(wr).into_raw_fd();
-    for (n, name) in STOP_SIGNALS {
-        // SAFETY: the action only adds to an atomic and calls write(2), both
-        // async-signal-safe; it is registered from the thread that registers
-        // the runtime's handlers, never concurrently with them.
-        unsafe {
-            signal_hook_registry::register(n, move || {
-                if SEEN.fetch_add(1, Ordering::Relaxed) == 1 {
-                    libc::write(wr, b"2".as_ptr().cast(), 1);
-                }
-            })
-        }
-        .with_context(|| format!("{name} handler"))?;
-    }
-    std::thread::Builder::new()
-        .name("rawdisk-stop".into())
-        .spawn(move || {
-            let mut b = [0u8];
-            if rd.read_exact(&mut b).is_ok() {
-                std::thread::sleep(BACKSTOP_WAIT);
-                files.remove();
-                // SAFETY: _exit ends the process at once; exit would first run
-                // handlers that may wait on a lock a stuck thread holds.
-                unsafe { libc::_exit(1) }
-            }
-        })
-        .context("second-signal backstop thread")?;
-    Ok(())
+    crate::signals::on_two(
+        &STOP_SIGNALS,
+        |_| {},
+        move |_, _| {
+            std::thread::sleep(BACKSTOP_WAIT);
+            files.remove();
+            1
+        },
+    )
 }
