@@ -38,6 +38,9 @@ pub struct FaultRule {
     /// A hit panics instead of failing: a bug in the engine, for tests of
     /// what the caller does when a job unwinds.
     pub panic: bool,
+    /// A hit waits this long and then runs the call: slow storage, for
+    /// tests of who else waits meanwhile.
+    pub delay: Option<std::time::Duration>,
 }
 
 impl FaultRule {
@@ -50,6 +53,7 @@ impl FaultRule {
             repeat: false,
             over: None,
             panic: false,
+            delay: None,
         }
     }
 
@@ -62,6 +66,7 @@ impl FaultRule {
             repeat: true,
             over: None,
             panic: false,
+            delay: None,
         }
     }
 
@@ -84,6 +89,14 @@ impl FaultRule {
     pub fn panicking(self) -> Self {
         FaultRule {
             panic: true,
+            ..self
+        }
+    }
+
+    /// The same hits wait `d`, then run the call.
+    pub fn slowed(self, d: std::time::Duration) -> Self {
+        FaultRule {
+            delay: Some(d),
             ..self
         }
     }
@@ -297,6 +310,10 @@ impl FaultSys {
         match hit {
             // With no lock held: the injector must outlive the panic.
             Some(r) if r.panic => panic!("injected panic: {:?} call {n}", call.kind),
+            Some(FaultRule { delay: Some(d), .. }) => {
+                std::thread::sleep(d);
+                Ok(())
+            }
             Some(r) => Err(io::Error::from_raw_os_error(r.errno)),
             None => Ok(()),
         }

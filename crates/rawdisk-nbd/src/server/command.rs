@@ -298,7 +298,7 @@ pub(super) fn execute(
 }
 
 /// What a WRITE_ZEROES asks of the storage.
-fn zero_flags(req: &Request) -> ZeroFlags {
+pub(super) fn zero_flags(req: &Request) -> ZeroFlags {
     ZeroFlags {
         may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
         fast_only: req.flags & CMD_FLAG_FAST_ZERO != 0,

@@ -577,6 +577,17 @@ impl Export {
         Ok(())
     }
 
+    /// Whether a WRITE_ZEROES with `flags` is one extent call the storage is
+    /// known to answer (`Target::zero_is_one_call`) and nothing else: no
+    /// FUA flush to wait for, no changed-block marks to record.
+    pub(super) fn zero_is_one_call(&self, flags: ZeroFlags, fua: bool) -> bool {
+        let flags = ZeroFlags {
+            may_trim: flags.may_trim && self.serving.may_unmap(),
+            ..flags
+        };
+        !fua && self.tracker.is_none() && self.target.zero_is_one_call(flags)
+    }
+
     /// NBD_CMD_TRIM. Advisory: "not supported" is success (and the spec
     /// reserves ENOTSUP for fast zero).
     pub(super) fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Failure> {

@@ -220,6 +220,9 @@ struct Shared {
     /// Told when the last connection in transmission ends
     /// ([`Server::all_closed`]).
     all_closed: tokio::sync::Notify,
+    /// Zeros running on their connection's own thread now (transmission.rs,
+    /// `ZeroTurn`): fewer than the runtime's workers, so one is always free.
+    zeros_here: Arc<AtomicUsize>,
 }
 
 impl Server {
@@ -342,6 +345,7 @@ impl Server {
                 pipes: PipePool::new(),
                 next_conn: AtomicU64::new(1),
                 all_closed: tokio::sync::Notify::new(),
+                zeros_here: Arc::new(AtomicUsize::new(0)),
                 exports,
                 cfg,
             }),

@@ -28,6 +28,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -42,7 +43,7 @@ mod writer;
 use super::buffers::{Input, DATA_ALIGN, READ_AHEAD};
 use super::command::{
     execute, execute_zeros, failure, quick_status, read_cached, small_error, small_ok, validate,
-    whole, Encoded,
+    whole, zero_flags, Encoded,
 };
 use super::limits::Counters;
 use super::{protocol_error, Session, Shared};
@@ -448,6 +449,30 @@ fn caught_one<T>(
     caught(sh, s, &[(*req, to)], f).map_err(|mut eio| eio.remove(0))
 }
 
+/// A zero's turn to run on its connection's own thread: at most one fewer
+/// server-wide than the runtime has workers, so a slow zero never holds
+/// every worker (and never any on a single-threaded runtime).
+struct ZeroTurn(Arc<AtomicUsize>);
+
+impl ZeroTurn {
+    fn take(running: &Arc<AtomicUsize>) -> Option<ZeroTurn> {
+        let workers =
+            tokio::runtime::Handle::try_current().map_or(1, |h| h.metrics().num_workers());
+        running
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n + 1 < workers).then_some(n + 1)
+            })
+            .ok()?;
+        Some(ZeroTurn(running.clone()))
+    }
+}
+
+impl Drop for ZeroTurn {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The zero line's lock; a panic while it was held left the queue whole.
 fn lock(m: &Mutex<ZeroLine>) -> MutexGuard<'_, ZeroLine> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -839,11 +864,23 @@ where
         // zero, trim or flush, which may take milliseconds and would hold up
         // a request the client sends a moment later. A block status of
         // base:allocation does too: `nbdinfo --map` sends one at a time.
+        // So does a zero that is one extent call the storage is known to
+        // answer (ext4, XFS: unwritten extents or a punched hole), within
+        // ZERO_MERGE_MAX: an in-order client pays the two wake-ups on every
+        // request (docs/benchmarks.md, NO_HOLE zeros); `ZeroTurn` keeps one
+        // runtime worker free of such zeros.
+        let zero_here = req.command == Command::WriteZeroes
+            && req.length <= ZERO_MERGE_MAX
+            && self
+                .s
+                .export
+                .zero_is_one_call(zero_flags(&req), req.flags & CMD_FLAG_FUA != 0);
         let idle = self.batch.jobs.is_empty()
             && self.slots.available_permits() + 1 == self.sh.cfg.max_requests_per_conn
             && (matches!(req.command, Command::Read | Command::Write)
                 && req.length <= INLINE_MAX_LEN
-                || quick_status(&self.s, &req));
+                || quick_status(&self.s, &req)
+                || zero_here);
         // A mid-sized page-cache write runs here whatever else is in flight:
         // its payload is still in this CPU's cache, and buffered writes to
         // one inode serialize on its lock anyway (docs/benchmarks.md, Write
@@ -861,8 +898,13 @@ where
         if idle && !own_write && self.rd.buffered() == 0 {
             self.rd.top_up(self.read_ahead.max(PEEK_AHEAD)).await?;
         }
-        if own_write || (idle && self.rd.buffered() == 0) {
-            self.run_here(job).await
+        let turn = if zero_here && idle && self.rd.buffered() == 0 {
+            ZeroTurn::take(&self.sh.zeros_here)
+        } else {
+            None
+        };
+        if turn.is_some() || own_write || (idle && !zero_here && self.rd.buffered() == 0) {
+            self.run_here(job, turn).await
         } else if small {
             self.batch.push(job);
             Ok(())
@@ -876,12 +918,13 @@ where
     }
 
     /// Runs `job` on the reader and writes its reply from here.
-    async fn run_here(&mut self, job: Job) -> io::Result<()> {
+    async fn run_here(&mut self, job: Job, turn: Option<ZeroTurn>) -> io::Result<()> {
         // Nothing may wait behind it (an idle request has nothing held).
         self.batch.dispatch();
         let (sh, s, req, to) = (&self.sh, &self.s, &job.req, job.to);
         let reply =
             caught_one(sh, s, req, to, || execute(sh, s, req, to, job.data)).unwrap_or_else(|e| e);
+        drop(turn);
         let permits = job.permits.produced();
         let mut w = self.wr.lock().await;
         let sent = within(self.sh.cfg.idle_timeout, async {

@@ -96,6 +96,30 @@ pub(super) fn fast_methods_left(t: &Target, may_trim: bool) -> bool {
     }
 }
 
+impl Target {
+    /// Whether a zero with `flags` would be one fallocate this file is
+    /// known to answer, extents only: a hole punched, or WRITE_ZEROES /
+    /// ZERO_RANGE (unwritten extents). Not on block devices (their
+    /// write-zeroes may write in the kernel), not where zeroing is timed
+    /// (tmpfs, where it is page by page), not before the call was seen to
+    /// work. The server runs such a zero on the connection's own thread.
+    pub fn zero_is_one_call(&self, flags: ZeroFlags) -> bool {
+        let c = &self.caps;
+        if self.kind != Kind::File || self.punch_alloc_timed {
+            return false;
+        }
+        if flags.may_trim && c.get(Method::PunchHole) != Tri::Fails {
+            return c.get(Method::PunchHole) == Tri::Works;
+        }
+        // The chain's order: the first not known to fail is the one tried.
+        [Method::FallocWriteZeroes, Method::ZeroRange]
+            .into_iter()
+            .map(|m| c.get(m))
+            .find(|t| *t != Tri::Fails)
+            == Some(Tri::Works)
+    }
+}
+
 /// No-trim zeros smaller than this on a timed target are written, without
 /// a sample: halves of 4 MiB and up keep the calls' fixed costs out of the
 /// timing.

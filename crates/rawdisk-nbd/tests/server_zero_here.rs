@@ -1,0 +1,148 @@
+//! A WRITE_ZEROES sent alone that the storage answers with one extent call
+//! runs on its connection's own thread (`server/transmission.rs`,
+//! `ZeroTurn`). These tests check that such zeros stay byte-exact with each
+//! kind of flags, that an error still reaches only its request, and that a
+//! slow one never holds every runtime worker: another client's read is
+//! answered meanwhile.
+
+use std::time::{Duration, Instant};
+
+use rawdisk_nbd::proto::*;
+use rawdisk_storage::FaultRule;
+
+mod common;
+use common::harness::*;
+
+/// Whether the file under test supports an extent zero (the path under
+/// test); on tmpfs and the like the zeros still run, on the pool.
+fn note_storage(h: &Harness) {
+    let magic = rustix::fs::statfs(&h.path)
+        .map(|s| s.f_type as u64)
+        .unwrap_or(0);
+    if magic == 0x0102_1994 {
+        eprintln!("note: test file on tmpfs: zeros run on the pool, not the connection");
+    }
+}
+
+/// One zero at a time, as an in-order client sends them: NO_HOLE, may
+/// trim, FUA, fast, unaligned ends; every byte read back, the file too.
+#[test]
+fn zeros_sent_one_at_a_time_are_byte_exact() {
+    for mode in [ReplyMode::Simple, ReplyMode::Extended] {
+        let mut h = Harness::start(Setup::default());
+        note_storage(&h);
+        let (mut c, _) = h.open(mode);
+        let zeros: [(u16, u64, u64); 7] = [
+            (CMD_FLAG_NO_HOLE, 0, MIB),
+            (CMD_FLAG_NO_HOLE, MIB, MIB),
+            (0, 2 * MIB, 2 * MIB),
+            (CMD_FLAG_NO_HOLE | CMD_FLAG_FUA, 4 * MIB + 4096, 64 * KIB),
+            (CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO, 5 * MIB, 512 * KIB),
+            (CMD_FLAG_NO_HOLE, 6 * MIB + 1000, 70_000),
+            (0, 7 * MIB + 3, 4093),
+        ];
+        for (flags, off, len) in zeros {
+            let r = c.cmd(Command::WriteZeroes, flags, off, len, &[]);
+            // A fast zero may be refused; then nothing changed.
+            if flags & CMD_FLAG_FAST_ZERO != 0 && r.error == NBD_ENOTSUP {
+                continue;
+            }
+            assert_eq!(r.error, 0, "{mode:?} {flags:#x} {off}+{len}: {}", r.message);
+            h.model[off as usize..(off + len) as usize].fill(0);
+        }
+        h.finish(c);
+    }
+}
+
+/// An error on a zero sent alone is that request's: EIO, the bytes
+/// around it unchanged, the connection usable.
+#[test]
+fn an_error_on_a_zero_sent_alone_is_its_own() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    // Learned first: the path under test needs the call seen working.
+    let r = c.cmd(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 0, 64 * KIB, &[]);
+    assert_eq!(r.error, 0, "{}", r.message);
+    h.model[..64 * KIB as usize].fill(0);
+    for kind in WRITING {
+        fault.add(FaultRule::over(kind, 3 * MIB, 4096, libc::EIO));
+    }
+    let r = c.cmd(
+        Command::WriteZeroes,
+        CMD_FLAG_NO_HOLE,
+        2 * MIB,
+        2 * MIB,
+        &[],
+    );
+    assert_eq!(r.error, NBD_EIO, "{}", r.message);
+    fault.clear_rules();
+    // Each byte of the failed request is as before or zero.
+    let got = c.read(2 * MIB, 2 * MIB);
+    let (s, e) = (2 * MIB as usize, 4 * MIB as usize);
+    let odd = (s..e).find(|&i| got[i - s] != 0 && got[i - s] != h.model[i]);
+    assert_eq!(odd, None, "the failed zero wrote something else");
+    h.model[s..e].copy_from_slice(&got);
+    let r = c.cmd(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 5 * MIB, MIB, &[]);
+    assert_eq!(r.error, 0, "{}", r.message);
+    h.model[5 * MIB as usize..6 * MIB as usize].fill(0);
+    h.finish(c);
+}
+
+/// Two clients whose zeros each take 600 ms (slowed storage) and a third
+/// that reads: the read is answered long before the zeros end, as at most
+/// one zero at a time runs on a runtime worker (the harness has two).
+#[test]
+fn slow_zeros_sent_alone_leave_a_worker_for_others() {
+    const SLOW: Duration = Duration::from_millis(600);
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    note_storage(&h);
+    let fault = h.fault.clone().unwrap();
+    let (mut a, _) = h.open(ReplyMode::Structured);
+    let (mut b, _) = h.open(ReplyMode::Structured);
+    let (mut r, _) = h.open(ReplyMode::Structured);
+    // Learned first (and the page cache warm for the reader).
+    assert_eq!(
+        a.cmd(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 0, 64 * KIB, &[])
+            .error,
+        0
+    );
+    h.model[..64 * KIB as usize].fill(0);
+    assert_eq!(
+        r.read(7 * MIB, 4096),
+        h.model[7 * MIB as usize..7 * MIB as usize + 4096]
+    );
+    for kind in WRITING {
+        fault.add(FaultRule::always(kind, 0).slowed(SLOW));
+    }
+    let t0 = Instant::now();
+    a.send_req(Command::WriteZeroes, CMD_FLAG_NO_HOLE, MIB, MIB, &[]);
+    b.send_req(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 3 * MIB, MIB, &[]);
+    // Both zeros are running before the read arrives.
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    let got = r.read(7 * MIB, 4096);
+    let waited = t.elapsed();
+    assert_eq!(got, h.model[7 * MIB as usize..7 * MIB as usize + 4096]);
+    assert!(
+        waited < Duration::from_millis(300),
+        "a read waited {waited:?} behind two slow zeros"
+    );
+    for c in [&mut a, &mut b] {
+        let rep = c.recv();
+        assert_eq!(rep.error, 0, "{}", rep.message);
+    }
+    assert!(t0.elapsed() >= SLOW, "the zeros were not slowed");
+    fault.clear_rules();
+    h.model[MIB as usize..2 * MIB as usize].fill(0);
+    h.model[3 * MIB as usize..4 * MIB as usize].fill(0);
+    a.disc();
+    b.disc();
+    h.finish(r);
+}
