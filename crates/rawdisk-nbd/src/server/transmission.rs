@@ -922,8 +922,15 @@ where
         // Nothing may wait behind it (an idle request has nothing held).
         self.batch.dispatch();
         let (sh, s, req, to) = (&self.sh, &self.s, &job.req, job.to);
-        let reply =
-            caught_one(sh, s, req, to, || execute(sh, s, req, to, job.data)).unwrap_or_else(|e| e);
+        let run = || caught_one(sh, s, req, to, || execute(sh, s, req, to, job.data));
+        // A zero may wait on the storage: the worker hands its queue and the
+        // I/O driver to another thread first, so other connections' events
+        // are still seen (a parked worker does not poll the driver).
+        let reply = match turn {
+            Some(_) => tokio::task::block_in_place(run),
+            None => run(),
+        }
+        .unwrap_or_else(|e| e);
         drop(turn);
         let permits = job.permits.produced();
         let mut w = self.wr.lock().await;
