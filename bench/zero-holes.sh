@@ -19,6 +19,7 @@
 #   SIZE=1   the export in GiB; STARTS="holes data" a subset. A bigger
 #       export over holes (SIZE=16 STARTS=holes) makes the per-request
 #       cost of in-order zeros visible; data needs SIZE GiB of RAM.
+#   SHAPES="2097152 8,33554432 1"   request bytes and depth, comma-separated
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PATH="/usr/sbin:/usr/bin:/sbin:/bin:$HOME/.cargo/bin:$PATH"
@@ -104,7 +105,8 @@ echo
 echo "| storage | start | requests | server | seconds median [min-max] | / best anchor | server CPU s median |"
 echo "|---|---|---|---|---|---|---|"
 for start_as in ${STARTS:-holes data}; do
-    for shape in "2097152 8" "33554432 1"; do
+    IFS=, read -ra shapes <<<"${SHAPES:-2097152 8,33554432 1}"
+    for shape in "${shapes[@]}"; do
         set -- $shape
         declare -A t=() c=()
         for _ in $(seq "$reps"); do
