@@ -220,9 +220,10 @@ struct Shared {
     /// Told when the last connection in transmission ends
     /// ([`Server::all_closed`]).
     all_closed: tokio::sync::Notify,
-    /// Zeros running on their connection's own thread now (transmission.rs,
-    /// `ZeroTurn`): fewer than the runtime's workers, so one is always free.
-    zeros_here: Arc<AtomicUsize>,
+    /// Zeros and flushes running on their connection's own thread now
+    /// (transmission.rs, `SlowTurn`): fewer than the runtime's workers, so
+    /// one is always free.
+    slow_here: Arc<AtomicUsize>,
 }
 
 impl Server {
@@ -345,7 +346,7 @@ impl Server {
                 pipes: PipePool::new(),
                 next_conn: AtomicU64::new(1),
                 all_closed: tokio::sync::Notify::new(),
-                zeros_here: Arc::new(AtomicUsize::new(0)),
+                slow_here: Arc::new(AtomicUsize::new(0)),
                 exports,
                 cfg,
             }),

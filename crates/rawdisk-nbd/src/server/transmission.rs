@@ -449,13 +449,13 @@ fn caught_one<T>(
     caught(sh, s, &[(*req, to)], f).map_err(|mut eio| eio.remove(0))
 }
 
-/// A zero's turn to run on its connection's own thread: at most one fewer
-/// server-wide than the runtime has workers, so a slow zero never holds
-/// every worker (and never any on a single-threaded runtime).
-struct ZeroTurn(Arc<AtomicUsize>);
+/// A zero's or flush's turn to run on its connection's own thread: at most
+/// one fewer server-wide than the runtime has workers, so slow ones never
+/// hold every worker (and never any on a single-threaded runtime).
+struct SlowTurn(Arc<AtomicUsize>);
 
-impl ZeroTurn {
-    fn take(running: &Arc<AtomicUsize>) -> Option<ZeroTurn> {
+impl SlowTurn {
+    fn take(running: &Arc<AtomicUsize>) -> Option<SlowTurn> {
         let workers =
             tokio::runtime::Handle::try_current().map_or(1, |h| h.metrics().num_workers());
         running
@@ -463,11 +463,11 @@ impl ZeroTurn {
                 (n + 1 < workers).then_some(n + 1)
             })
             .ok()?;
-        Some(ZeroTurn(running.clone()))
+        Some(SlowTurn(running.clone()))
     }
 }
 
-impl Drop for ZeroTurn {
+impl Drop for SlowTurn {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
@@ -860,27 +860,30 @@ where
         let small = is_small(&req);
         // A read or write with nothing else in flight or buffered (queue
         // depth 1) runs here: the pool and writer task would add two thread
-        // wake-ups of latency (docs/benchmarks.md, Latency). Not a
-        // zero, trim or flush, which may take milliseconds and would hold up
-        // a request the client sends a moment later. A block status of
+        // wake-ups of latency (docs/benchmarks.md, Latency). Not a trim or
+        // any other zero, which may take long (writing zeros) and would hold
+        // up a request the client sends a moment later. A block status of
         // base:allocation does too: `nbdinfo --map` sends one at a time.
         // So does a zero that is one extent call the storage is known to
         // answer (ext4, XFS: unwritten extents or a punched hole), within
         // ZERO_MERGE_MAX: an in-order client pays the two wake-ups on every
-        // request (docs/benchmarks.md, NO_HOLE zeros); `ZeroTurn` keeps one
-        // runtime worker free of such zeros.
-        let zero_here = req.command == Command::WriteZeroes
-            && req.length <= ZERO_MERGE_MAX
-            && self
-                .s
-                .export
-                .zero_is_one_call(zero_flags(&req), req.flags & CMD_FLAG_FUA != 0);
+        // request (docs/benchmarks.md, NO_HOLE zeros); and a flush, which a
+        // guest's fsync waits for alone (docs/benchmarks.md, Latency). Both
+        // may wait on the storage: `SlowTurn` keeps one runtime worker free
+        // of them.
+        let slow_here = req.command == Command::Flush
+            || req.command == Command::WriteZeroes
+                && req.length <= ZERO_MERGE_MAX
+                && self
+                    .s
+                    .export
+                    .zero_is_one_call(zero_flags(&req), req.flags & CMD_FLAG_FUA != 0);
         let idle = self.batch.jobs.is_empty()
             && self.slots.available_permits() + 1 == self.sh.cfg.max_requests_per_conn
             && (matches!(req.command, Command::Read | Command::Write)
                 && req.length <= INLINE_MAX_LEN
                 || quick_status(&self.s, &req)
-                || zero_here);
+                || slow_here);
         // A mid-sized page-cache write runs here whatever else is in flight:
         // its payload is still in this CPU's cache, and buffered writes to
         // one inode serialize on its lock anyway (docs/benchmarks.md, Write
@@ -898,12 +901,12 @@ where
         if idle && !own_write && self.rd.buffered() == 0 {
             self.rd.top_up(self.read_ahead.max(PEEK_AHEAD)).await?;
         }
-        let turn = if zero_here && idle && self.rd.buffered() == 0 {
-            ZeroTurn::take(&self.sh.zeros_here)
+        let turn = if slow_here && idle && self.rd.buffered() == 0 {
+            SlowTurn::take(&self.sh.slow_here)
         } else {
             None
         };
-        if turn.is_some() || own_write || (idle && !zero_here && self.rd.buffered() == 0) {
+        if turn.is_some() || own_write || (idle && !slow_here && self.rd.buffered() == 0) {
             self.run_here(job, turn).await
         } else if small {
             self.batch.push(job);
@@ -918,14 +921,15 @@ where
     }
 
     /// Runs `job` on the reader and writes its reply from here.
-    async fn run_here(&mut self, job: Job, turn: Option<ZeroTurn>) -> io::Result<()> {
+    async fn run_here(&mut self, job: Job, turn: Option<SlowTurn>) -> io::Result<()> {
         // Nothing may wait behind it (an idle request has nothing held).
         self.batch.dispatch();
         let (sh, s, req, to) = (&self.sh, &self.s, &job.req, job.to);
         let run = || caught_one(sh, s, req, to, || execute(sh, s, req, to, job.data));
-        // A zero may wait on the storage: the worker hands its queue and the
-        // I/O driver to another thread first, so other connections' events
-        // are still seen (a parked worker does not poll the driver).
+        // A zero or flush may wait on the storage: the worker hands its
+        // queue and the I/O driver to another thread first, so other
+        // connections' events are still seen (a parked worker does not poll
+        // the driver).
         let reply = match turn {
             Some(_) => tokio::task::block_in_place(run),
             None => run(),

@@ -1,14 +1,16 @@
-//! A WRITE_ZEROES sent alone that the storage answers with one extent call
-//! runs on its connection's own thread (`server/transmission.rs`,
-//! `ZeroTurn`). These tests check that such zeros stay byte-exact with each
-//! kind of flags, that an error still reaches only its request, and that a
-//! slow one never holds every runtime worker: another client's read is
-//! answered meanwhile.
+//! A WRITE_ZEROES sent alone that the storage answers with one extent call,
+//! and a FLUSH sent alone, run on their connection's own thread
+//! (`server/transmission.rs`, `SlowTurn`). These tests check that such zeros
+//! stay byte-exact with each kind of flags, that a flush reaches the
+//! storage every time, that an error still reaches only its request, and
+//! that slow ones never hold every runtime worker: another client's read
+//! is answered meanwhile.
 
 use std::time::{Duration, Instant};
 
 use rawdisk_nbd::proto::*;
-use rawdisk_storage::FaultRule;
+use rawdisk_storage::sys::CallKind;
+use rawdisk_storage::{FaultRule, FaultSys};
 
 mod common;
 use common::harness::*;
@@ -142,6 +144,135 @@ fn slow_zeros_sent_alone_leave_a_worker_for_others() {
     fault.clear_rules();
     h.model[MIB as usize..2 * MIB as usize].fill(0);
     h.model[3 * MIB as usize..4 * MIB as usize].fill(0);
+    a.disc();
+    b.disc();
+    h.finish(r);
+}
+
+fn syncs(f: &FaultSys) -> u64 {
+    f.calls(CallKind::Fdatasync) + f.calls(CallKind::Fsync)
+}
+
+/// Flushes sent one at a time, with and without writes between them: each
+/// one the client sees succeed made its own fdatasync, after the write it
+/// follows, and every byte reads back.
+#[test]
+fn flushes_sent_alone_each_reach_the_storage() {
+    for mode in [ReplyMode::Simple, ReplyMode::Extended] {
+        let mut h = Harness::start(Setup {
+            fault: true,
+            ..Default::default()
+        });
+        let fault = h.fault.clone().unwrap();
+        fault.record_spans();
+        let (mut c, _) = h.open(mode);
+        for i in 0..4u64 {
+            let data = random(64 * KIB as usize, 40 + i);
+            c.write(i * MIB, &data);
+            h.model[(i * MIB) as usize..][..data.len()].copy_from_slice(&data);
+            let before = syncs(&fault);
+            let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
+            assert_eq!(r.error, 0, "{mode:?} flush {i}: {}", r.message);
+            assert_eq!(
+                syncs(&fault),
+                before + 1,
+                "{mode:?} flush {i}: no fdatasync"
+            );
+        }
+        // The storage saw each write before the flush that follows it.
+        let spans = fault.take_spans();
+        let order: Vec<bool> = spans
+            .iter()
+            .filter(|s| matches!(s.kind, CallKind::Pwrite | CallKind::Fdatasync))
+            .map(|s| s.kind == CallKind::Fdatasync)
+            .collect();
+        assert_eq!(
+            order,
+            [false, true].repeat(4),
+            "{mode:?}: writes and flushes out of order"
+        );
+        h.finish(c);
+    }
+}
+
+/// A flush that fails is answered EIO, and so is every later one (the
+/// kernel may have dropped what it could not write: the flush-failure
+/// rule), without another fdatasync to answer success falsely; the
+/// connection stays usable and the data reads back.
+#[test]
+fn a_failed_flush_sent_alone_is_remembered() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    let data = random(64 * KIB as usize, 7);
+    c.write(MIB, &data);
+    h.model[MIB as usize..][..data.len()].copy_from_slice(&data);
+    fault.add(FaultRule::always(CallKind::Fdatasync, libc::EIO));
+    fault.add(FaultRule::always(CallKind::Fsync, libc::EIO));
+    let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
+    assert_eq!(r.error, NBD_EIO, "{}", r.message);
+    fault.clear_rules();
+    let before = syncs(&fault);
+    for _ in 0..2 {
+        let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
+        assert_eq!(
+            r.error, NBD_EIO,
+            "a flush after a failed one: {}",
+            r.message
+        );
+    }
+    assert_eq!(syncs(&fault), before, "synced again after a failed flush");
+    check_reads(&mut c, &h.model);
+    c.disc();
+    // The stop's flush is refused too: the stop says so.
+    let e = h
+        .stop()
+        .expect_err("a stop after a failed flush said it flushed");
+    assert!(e.to_string().contains("earlier flush"), "{e}");
+}
+
+/// Two clients whose flushes each take 600 ms and a third that reads: the
+/// read is answered long before the flushes end.
+#[test]
+fn slow_flushes_sent_alone_leave_a_worker_for_others() {
+    const SLOW: Duration = Duration::from_millis(600);
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut a, _) = h.open(ReplyMode::Structured);
+    let (mut b, _) = h.open(ReplyMode::Structured);
+    let (mut r, _) = h.open(ReplyMode::Structured);
+    assert_eq!(
+        r.read(7 * MIB, 4096),
+        h.model[7 * MIB as usize..7 * MIB as usize + 4096]
+    );
+    for kind in [CallKind::Fdatasync, CallKind::Fsync] {
+        fault.add(FaultRule::always(kind, 0).slowed(SLOW));
+    }
+    let t0 = Instant::now();
+    a.send_req(Command::Flush, 0, 0, 0, &[]);
+    b.send_req(Command::Flush, 0, 0, 0, &[]);
+    // Both flushes are running before the read arrives.
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    let got = r.read(7 * MIB, 4096);
+    let waited = t.elapsed();
+    assert_eq!(got, h.model[7 * MIB as usize..7 * MIB as usize + 4096]);
+    assert!(
+        waited < Duration::from_millis(300),
+        "a read waited {waited:?} behind two slow flushes"
+    );
+    for c in [&mut a, &mut b] {
+        let rep = c.recv();
+        assert_eq!(rep.error, 0, "{}", rep.message);
+    }
+    assert!(t0.elapsed() >= SLOW, "the flushes were not slowed");
+    fault.clear_rules();
     a.disc();
     b.disc();
     h.finish(r);
