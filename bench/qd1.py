@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """One NBD request at a time: the server's latency per request.
 
-Usage: qd1.py URI OP SIZE COUNT    (OP: r or w)
-Prints the mean microseconds per request. Requests cycle over the first
+Usage: qd1.py URI OP SIZE COUNT    (OP: r, w, or f: a write and a FLUSH)
+Prints the mean microseconds per request (f: per write and its flush). Requests cycle over the first
 512 MiB of the export, so a dirty target keeps its pages (no allocation in
 the measurement) and the client's own cost (libnbd + Python) is the same
 for every server.
@@ -23,6 +23,9 @@ for i in range(count):
     off = (i * size) % span
     if op == "w":
         h.pwrite(buf, off)
+    elif op == "f":
+        h.pwrite(buf, off)
+        h.flush()
     else:
         h.pread(size, off)
 dt = time.perf_counter() - t0

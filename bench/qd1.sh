@@ -8,7 +8,8 @@
 # Usage (root): bench/qd1.sh [SERVERS [TARGET]]
 #   default SERVERS nbdkit,qemu-nbd-direct,custom; TARGET tmpfs
 # Environment: QD1_JOBS (default "w:4096:5000 r:4096:5000 w:2097152:300
-#   r:2097152:300", op:size:count), BENCH_REPS (default 5), RAWDISK_BIN,
+#   r:2097152:300", op:size:count; op r, w or f: a write and a
+#   FLUSH), BENCH_REPS (default 5), RAWDISK_BIN,
 #   BENCH (required): the harness directory, whose targets.sh builds TARGET.
 # Prints the median microseconds per request for every job and server.
 set -euo pipefail
