@@ -32,4 +32,4 @@ while off < size or h.aio_in_flight() > 0:
 h.flush()
 dt = time.monotonic() - t0
 h.shutdown()
-print("%.3f %s" % (dt, "ok" if not errors else "errno %d" % errors[0]))
+print("%.4f %s" % (dt, "ok" if not errors else "errno %d" % errors[0]))

@@ -97,7 +97,7 @@ one() { # server start chunk depth -> "seconds cpu"
 stats() { # numbers on stdin -> "median [min-max]"
     sort -g | awk '{ v[NR] = $1 } END {
         m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
-        printf "%.3f [%.3f-%.3f]", m, v[1], v[NR] }'
+        printf "%.4f [%.4f-%.4f]", m, v[1], v[NR] }'
 }
 
 echo "<!-- FS=$fs bench/zero-holes.sh $reps; $(uname -r); $(nproc) cpus; load $(cut -d' ' -f1-3 /proc/loadavg); $(nbdkit --version 2>/dev/null | head -1); $(qemu-nbd --version | head -1) -->"
