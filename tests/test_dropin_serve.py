@@ -225,12 +225,12 @@ def test_detect_zeroes_marks_changed_blocks(workdir, serve):
 
 @pytest.mark.parametrize("aio,path_named,through_aio", [
     ("native", "Linux AIO", True),
-    ("io_uring", "no io_uring path; Linux AIO", True),
+    ("io_uring", "io_uring for small requests", True),
     ("threads", "thread pool only", False),
 ])
 def test_aio_chooses_the_path_and_names_it(workdir, serve, aio, path_named, through_aio):
-    """--aio with --cache none: native and io_uring (which rawdisk lacks)
-    answer small requests through Linux AIO, threads through the pool only;
+    """--aio with --cache none: native and io_uring answer small requests
+    in the kernel (Linux AIO, io_uring), threads through the pool only;
     -v names the path; --stats aio-completed shows which one ran."""
     path, model = make_image(workdir, "disk.img", 4 * MiB, seed=36)
     stats = os.path.join(workdir, f"stats-{aio}.json")
