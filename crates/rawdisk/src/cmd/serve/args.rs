@@ -170,7 +170,8 @@ pub struct Args {
     /// write-zeroes, block-status, disc, other) its requests and bytes;
     /// errors: replies per NBD error (eperm, eio, enomem, einval, enospc,
     /// eoverflow, enotsup, eshutdown, other); peak-in-flight;
-    /// aio-completed (requests answered through Linux AIO, cache=none).
+    /// aio-completed (requests answered through Linux AIO or io_uring,
+    /// cache=none).
     #[arg(long, value_name = "FILE")]
     pub(super) stats: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake; one that listed the
