@@ -45,6 +45,8 @@ pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev)
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
 /usr/bin/python3 -m pytest --version >/dev/null 2>&1 || need+=(python3-pytest)
 /usr/bin/python3 -c 'import jsonschema' >/dev/null 2>&1 || need+=(python3-jsonschema)
+# serve --aio io_uring is tested where seccomp refuses io_uring_setup.
+/usr/bin/python3 -c 'import seccomp' >/dev/null 2>&1 || need+=(python3-seccomp)
 if [ ${#need[@]} -gt 0 ]; then
     if is_root; then
         echo "deps.sh: installing ${need[*]}"

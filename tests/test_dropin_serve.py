@@ -225,12 +225,12 @@ def test_detect_zeroes_marks_changed_blocks(workdir, serve):
 
 @pytest.mark.parametrize("aio,path_named,through_aio", [
     ("native", "Linux AIO", True),
-    ("io_uring", "no io_uring path; Linux AIO", True),
+    ("io_uring", "io_uring for small requests", True),
     ("threads", "thread pool only", False),
 ])
 def test_aio_chooses_the_path_and_names_it(workdir, serve, aio, path_named, through_aio):
-    """--aio with --cache none: native and io_uring (which rawdisk lacks)
-    answer small requests through Linux AIO, threads through the pool only;
+    """--aio with --cache none: native and io_uring answer small requests
+    in the kernel (Linux AIO, io_uring), threads through the pool only;
     -v names the path; --stats aio-completed shows which one ran."""
     path, model = make_image(workdir, "disk.img", 4 * MiB, seed=36)
     stats = os.path.join(workdir, f"stats-{aio}.json")
@@ -249,6 +249,55 @@ def test_aio_chooses_the_path_and_names_it(workdir, serve, aio, path_named, thro
     with open(stats) as f:
         done = json.load(f)["aio-completed"]
     assert (done > 0) == through_aio, done
+
+
+# Runs argv[1:] with io_uring_setup failing as `errno` says, as under
+# kernel.io_uring_disabled=2 or a container's seccomp profile.
+REFUSE_URING = """
+import os, sys, seccomp
+f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+f.add_rule(seccomp.ERRNO(int(sys.argv[1])), "io_uring_setup")
+f.load()
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("refusal", ["EPERM", "ENOSYS"])
+def test_aio_io_uring_refused_by_the_kernel_uses_linux_aio(workdir, refusal):
+    """--aio=io_uring where io_uring_setup fails with EPERM or ENOSYS: the
+    server says so once and answers the same requests through Linux AIO,
+    every byte as in the image."""
+    seccomp = pytest.importorskip("seccomp")
+    del seccomp
+    import errno
+    import sys
+    path, model = make_image(workdir, "disk.img", 4 * MiB, seed=38)
+    stats = os.path.join(workdir, "stats.json")
+    srv = servers.Server(workdir, path, cache="none",
+                         extra=["--aio=io_uring", "-v", "--stats", stats])
+    srv.argv = [sys.executable, "-c", REFUSE_URING, str(getattr(errno, refusal)), *srv.argv]
+    srv.start()
+    try:
+        for _ in range(2):  # two connections: the refusal is learned once
+            c = wire.RawClient(srv.connect_unix_or_tcp(timeout=30)).start().go()
+            sent = [wire.request_bytes(wire.CMD_READ, i * 8 * KiB, 4 * KiB, cookie=i)
+                    for i in range(64)]
+            c.sock.sendall(b"".join(sent))
+            for _ in sent:
+                cookie, err, _ = c.read_simple_reply()
+                assert err == 0
+                want = bytes(model[cookie * 8 * KiB:cookie * 8 * KiB + 4 * KiB])
+                assert wire.recv_exact(c.sock, 4 * KiB) == want
+            c.disconnect()
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+    log = srv.stderr()
+    assert log.count("io_uring_setup") == 1, log
+    assert "requests use Linux AIO" in log, log
+    with open(stats) as f:
+        done = json.load(f)["aio-completed"]
+    assert done == 128, done
 
 
 def test_aio_through_the_page_cache_says_threads(workdir, serve):

@@ -57,9 +57,10 @@ pub use caps::{
     Tri, KEEP_ZERO_SAMPLE,
 };
 pub use engine::{
-    AlignedBuf, CacheMode, CopyOffload, DirectDone, DirectOp, DirectQueue, Extent, ExtentKind,
-    Geometry, Kind, Lookup, MappedWrite, Offloaded, OpenOptions, Prealloc, PreallocReport, Probe,
-    QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL, WRITE_ZEROS_CHUNK,
+    AlignedBuf, CacheMode, CopyOffload, DirectBackend, DirectDone, DirectOp, DirectQueue, Extent,
+    ExtentKind, Geometry, Kind, Lookup, MappedWrite, Offloaded, OpenOptions, Prealloc,
+    PreallocReport, Probe, QueueLimits, Seen, Target, Trial, ZeroFlags, ZeroOutcome, MAX_ZERO_CALL,
+    WRITE_ZEROS_CHUNK,
 };
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "fault-injection"))]

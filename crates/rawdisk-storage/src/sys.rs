@@ -14,9 +14,9 @@
 //! munmap of a dropped [`Mapping`]: the mapping is owned by a value, not
 //! named by an address, so no caller can unmap memory it does not own.
 //! Linux AIO ([`Aio`], `sys/aio.rs`) is outside it for the same reason:
-//! the context owns each request's buffer and file until it completes.
-//! `unsafe` lives only here and in `sys/real.rs`, for what rustix does not
-//! wrap.
+//! the context owns each request's buffer and file until it completes;
+//! so is io_uring ([`Uring`], `sys/uring.rs`), its alternative.
+//! `unsafe` lives only here and in `sys/`, for what rustix does not wrap.
 
 use std::io;
 use std::marker::PhantomData;
@@ -25,8 +25,12 @@ use std::path::Path;
 
 mod aio;
 mod real;
+mod uring;
 pub use aio::{Aio, AioDone, AioOp};
 pub use real::{limit_malloc_arenas, page_size, RealSys};
+#[cfg(any(test, feature = "fault-injection"))]
+pub use uring::refuse_next_uring;
+pub use uring::Uring;
 
 /// fallocate(2) modes the engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -41,8 +41,8 @@ use std::time::{Duration, Instant};
 
 use rawdisk_storage::cbt::{CbtError, Tracker};
 use rawdisk_storage::{
-    CacheMode, DirectDone, DirectOp, DirectQueue, Extent, ExtentKind, Kind, MappedWrite, Method,
-    Target, ZeroFlags,
+    CacheMode, DirectBackend, DirectDone, DirectOp, DirectQueue, Extent, ExtentKind, Kind,
+    MappedWrite, Method, Target, ZeroFlags,
 };
 use tracing::{debug, trace};
 
@@ -91,6 +91,8 @@ pub enum Aio {
     /// Linux AIO for small O_DIRECT requests, the blocking pool for the rest.
     #[default]
     Native,
+    /// io_uring for the same requests; Linux AIO where the kernel refuses it.
+    IoUring,
     /// The blocking pool only.
     Threads,
 }
@@ -449,12 +451,14 @@ impl Export {
     }
 
     /// A queue for cache=none reads and writes in flight in the kernel
-    /// (Linux AIO), or None: served by the blocking pool.
+    /// (Linux AIO or io_uring), or None: served by the blocking pool.
     pub(super) fn direct_queue<T>(&self, depth: usize) -> Option<DirectQueue<T>> {
-        if self.serving.aio == Aio::Threads {
-            return None;
-        }
-        self.target.direct_queue(depth)
+        let backend = match self.serving.aio {
+            Aio::Threads => return None,
+            Aio::Native => DirectBackend::Native,
+            Aio::IoUring => DirectBackend::IoUring,
+        };
+        self.target.direct_queue_on(depth, backend)
     }
 
     /// Submits non-FUA reads and writes to `q`; returns those it refused,

@@ -1,9 +1,9 @@
 //! cache=none, many requests in flight from one thread: aligned reads and
-//! writes submitted with Linux AIO in one io_submit per batch, completions
-//! counted on an eventfd the caller polls. Under O_DIRECT a blocking
-//! thread per request costs a wake-up each; one submit and one reap cost
-//! two syscalls for the whole batch (docs/benchmarks.md, Small O_DIRECT
-//! requests).
+//! writes submitted with Linux AIO or io_uring in one call per batch,
+//! completions counted on an eventfd the caller polls. Under O_DIRECT a
+//! blocking thread per request costs a wake-up each; one submit and one
+//! reap cost two syscalls for the whole batch (docs/benchmarks.md, Small
+//! O_DIRECT requests).
 //!
 //! Only what the kernel does in one call goes this way: aligned offset,
 //! length and buffer, a write inside the size last seen (the padding cut of
@@ -19,13 +19,25 @@ use std::sync::Arc;
 
 use super::{Kind, Target};
 use crate::errno::{is_unsupported, Einval};
-use crate::sys::{Aio, AioDone, AioOp};
+use crate::sys::{Aio, AioDone, AioOp, Uring};
 
-/// Whether io_setup works on this kernel, learned once per process.
-const UNKNOWN: u8 = 0;
+/// Whether io_setup / io_uring_setup works on this kernel, learned once
+/// per process.
+pub(crate) const UNKNOWN: u8 = 0;
 const WORKS: u8 = 1;
-const FAILS: u8 = 2;
+pub(crate) const FAILS: u8 = 2;
 static AIO_STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+static URING_STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+/// The kernel interface of a [`DirectQueue`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DirectBackend {
+    /// Linux native AIO (io_submit).
+    #[default]
+    Native,
+    /// io_uring; Linux AIO where the kernel refuses it.
+    IoUring,
+}
 
 /// The target's descriptor for the AIO context, which holds it open.
 struct Handle(Arc<Target>);
@@ -54,27 +66,106 @@ pub struct DirectDone<T> {
     pub done: bool,
 }
 
+/// The kernel interface a queue got.
+enum Ring<T> {
+    Aio(Aio<Handle, Held<T>>),
+    /// Boxed: the ring is several times the size of an AIO context.
+    Uring(Box<Uring<Handle, Held<T>>>),
+}
+
+/// The same call on whichever interface `$r` is.
+macro_rules! on_ring {
+    ($r:expr, $q:ident => $e:expr) => {
+        match $r {
+            Ring::Aio($q) => $e,
+            Ring::Uring($q) => $e,
+        }
+    };
+}
+
 /// Reads and writes of one cache=none target in flight in the kernel.
 pub struct DirectQueue<T> {
-    aio: Aio<Handle, Held<T>>,
+    aio: Ring<T>,
     target: Arc<Target>,
 }
 
 impl Target {
-    /// A queue of at most `depth` requests, or None: not cache=none, not
-    /// the kernel's own calls (a test's fault injector must see every
-    /// read and write), or io_setup failed (learned for the process when
-    /// the kernel has no AIO; any other error only fails this one).
+    /// A queue of at most `depth` requests on the default interface
+    /// ([`DirectBackend::default`]); see [`Target::direct_queue_on`].
     pub fn direct_queue<T>(self: &Arc<Self>, depth: usize) -> Option<DirectQueue<T>> {
-        if self.direct.is_none() || !self.real_kernel || AIO_STATE.load(Ordering::Relaxed) == FAILS
-        {
+        self.direct_queue_on(depth, DirectBackend::default())
+    }
+
+    /// A queue of at most `depth` requests through `backend`, or None: not
+    /// cache=none, not the kernel's own calls (a test's fault injector must
+    /// see every read and write), or setting it up failed. A kernel that
+    /// refuses io_uring gets Linux AIO; one without AIO, threads: each
+    /// learned for the process (any other error only fails this one).
+    pub fn direct_queue_on<T>(
+        self: &Arc<Self>,
+        depth: usize,
+        backend: DirectBackend,
+    ) -> Option<DirectQueue<T>> {
+        self.direct_queue_in(depth, backend, &URING_STATE)
+    }
+
+    /// [`Target::direct_queue_on`] learning whether io_uring works in
+    /// `uring` (a test's own, so that its refusal stays its own).
+    pub(crate) fn direct_queue_in<T>(
+        self: &Arc<Self>,
+        depth: usize,
+        backend: DirectBackend,
+        uring: &AtomicU8,
+    ) -> Option<DirectQueue<T>> {
+        if self.direct.is_none() || !self.real_kernel {
+            return None;
+        }
+        if backend == DirectBackend::IoUring {
+            if let Some(q) = self.uring_queue(depth, uring) {
+                return Some(q);
+            }
+        }
+        self.aio_queue(depth)
+    }
+
+    /// An io_uring queue, or None (`state`: whether io_uring works).
+    fn uring_queue<T>(self: &Arc<Self>, depth: usize, state: &AtomicU8) -> Option<DirectQueue<T>> {
+        if state.load(Ordering::Relaxed) == FAILS {
+            return None;
+        }
+        match Uring::new(Arc::new(Handle(self.clone())), depth) {
+            Ok(r) => {
+                state.store(WORKS, Ordering::Relaxed);
+                Some(DirectQueue {
+                    aio: Ring::Uring(Box::new(r)),
+                    target: self.clone(),
+                })
+            }
+            // Refused for the process: EPERM (kernel.io_uring_disabled,
+            // seccomp), ENOSYS (no io_uring), EINVAL (too old for a plain
+            // ring). ENOMEM, EMFILE pass, as for AIO below.
+            Err(e) if uring_refused(&e) => {
+                if state.swap(FAILS, Ordering::Relaxed) != FAILS {
+                    tracing::info!("io_uring_setup: {e}; cache=none requests use Linux AIO");
+                }
+                None
+            }
+            Err(e) => {
+                tracing::debug!(path = %self.path.display(), "io_uring: {e}; this connection uses Linux AIO");
+                None
+            }
+        }
+    }
+
+    fn aio_queue<T>(self: &Arc<Self>, depth: usize) -> Option<DirectQueue<T>> {
+        if AIO_STATE.load(Ordering::Relaxed) == FAILS {
             return None;
         }
         match Aio::new(Arc::new(Handle(self.clone())), depth) {
             Ok(aio) => {
                 AIO_STATE.store(WORKS, Ordering::Relaxed);
                 Some(DirectQueue {
-                    aio,
+                    aio: Ring::Aio(aio),
                     target: self.clone(),
                 })
             }
@@ -93,6 +184,14 @@ impl Target {
             }
         }
     }
+}
+
+/// io_uring_setup's "not here, for anyone in this process".
+fn uring_refused(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EPERM | libc::EACCES | libc::EINVAL)
+    ) || is_unsupported(e, Einval::Invalid)
 }
 
 impl<T> DirectQueue<T> {
@@ -132,9 +231,9 @@ impl<T> DirectQueue<T> {
             let span = op.write.then_some(span);
             go.push(op.map_tag(|tag| Held { tag, span }));
         }
-        let (back, err) = self.aio.submit(go);
+        let (back, err) = on_ring!(&mut self.aio, q => q.submit(go));
         if let Some(e) = &err {
-            tracing::debug!(path = %t.path.display(), "io_submit: {e}; run by threads");
+            tracing::debug!(path = %t.path.display(), "submitting to the kernel: {e}");
         }
         for op in back {
             refused.push(self.give_back(op));
@@ -147,13 +246,13 @@ impl<T> DirectQueue<T> {
     /// eventfd. What came back is in `out` also when io_getevents failed.
     pub fn reap(&mut self, out: &mut Vec<DirectDone<T>>, wait: bool) -> std::io::Result<()> {
         let mut done: Vec<AioDone<Held<T>>> = Vec::new();
-        let r = self.aio.reap(&mut done, wait);
+        let r = on_ring!(&mut self.aio, q => q.reap(&mut done, wait));
         for AioDone { op, result } in done {
             let len = op.len;
             let offset = op.offset;
             let ok = matches!(result, Ok(n) if n == len);
             if let Err(e) = &result {
-                tracing::debug!(offset, len, "AIO: {e}; run again by a thread");
+                tracing::debug!(offset, len, "in the kernel: {e}; run again by a thread");
             }
             out.push(DirectDone {
                 op: self.give_back(op),
@@ -173,16 +272,24 @@ impl<T> DirectQueue<T> {
 
     /// Readable once a completion waits (or after [`DirectQueue::wake`]).
     pub fn event_fd(&self) -> BorrowedFd<'_> {
-        self.aio.event_fd()
+        on_ring!(&self.aio, q => q.event_fd())
     }
 
     pub fn in_flight(&self) -> usize {
-        self.aio.in_flight()
+        on_ring!(&self.aio, q => q.in_flight())
     }
 
     /// Makes the eventfd readable, to wake whoever waits on it.
     pub fn wake(&self) {
-        self.aio.wake();
+        on_ring!(&self.aio, q => q.wake());
+    }
+
+    /// The kernel interface this queue got.
+    pub fn backend(&self) -> DirectBackend {
+        match self.aio {
+            Ring::Aio(_) => DirectBackend::Native,
+            Ring::Uring(_) => DirectBackend::IoUring,
+        }
     }
 }
 
@@ -191,10 +298,10 @@ impl<T> Drop for DirectQueue<T> {
     /// given back (else a later read-modify-write of them would wait
     /// forever).
     fn drop(&mut self) {
-        while self.aio.in_flight() > 0 {
+        while self.in_flight() > 0 {
             let mut done = Vec::new();
-            if let Err(e) = self.aio.reap(&mut done, true) {
-                tracing::warn!(path = %self.target.path.display(), "io_getevents: {e}");
+            if let Err(e) = on_ring!(&mut self.aio, q => q.reap(&mut done, true)) {
+                tracing::warn!(path = %self.target.path.display(), "waiting for requests in flight: {e}");
                 return;
             }
             for AioDone { op, .. } in done {

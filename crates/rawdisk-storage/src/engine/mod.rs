@@ -43,7 +43,9 @@ mod rw;
 mod space;
 mod zero;
 
-pub use aio::{DirectDone, DirectOp, DirectQueue};
+pub use aio::{DirectBackend, DirectDone, DirectOp, DirectQueue};
+#[cfg(test)]
+pub(crate) use aio::{FAILS as URING_REFUSED, UNKNOWN as URING_UNKNOWN};
 pub use direct::AlignedBuf;
 use direct::Direct;
 pub use map::MappedWrite;

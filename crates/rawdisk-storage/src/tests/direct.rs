@@ -1,6 +1,7 @@
 //! cache=none (O_DIRECT): unaligned requests, read-modify-write races, the file end.
 
 use super::*;
+use crate::DirectBackend;
 
 #[test]
 fn direct_unaligned_io_and_file_end() {
@@ -180,13 +181,29 @@ fn aligned_op<T>(write: bool, offset: u64, data: &[u8], tag: T) -> crate::Direct
     }
 }
 
+/// A queue through `b`, which this kernel must give.
+fn queue<T>(t: &Arc<Target>, depth: usize, b: DirectBackend) -> crate::DirectQueue<T> {
+    let q = t.direct_queue_on(depth, b).expect("a queue on this kernel");
+    assert_eq!(q.backend(), b, "the kernel refused {b:?}");
+    q
+}
+
 #[test]
 fn direct_queue_reads_and_writes_in_flight_and_refuses_what_it_cannot() {
+    direct_queue_reads_and_writes_in_flight_and_refuses_what_it_cannot_on(DirectBackend::Native);
+}
+
+#[test]
+fn uring_reads_and_writes_in_flight_and_refuses_what_it_cannot() {
+    direct_queue_reads_and_writes_in_flight_and_refuses_what_it_cannot_on(DirectBackend::IoUring);
+}
+
+fn direct_queue_reads_and_writes_in_flight_and_refuses_what_it_cannot_on(b: DirectBackend) {
     let a = 4096u64;
     let size = 64 * a;
     let tmp = tmp_file(size);
     let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
-    let mut q = t.direct_queue::<u32>(8).expect("io_setup on this kernel");
+    let mut q = queue::<u32>(&t, 8, b);
     let op = aligned_op::<u32>;
     // Ten aligned writes on a queue of eight: two come back at once.
     let ops: Vec<_> = (0..10u32)
@@ -235,13 +252,22 @@ fn direct_queue_reads_and_writes_in_flight_and_refuses_what_it_cannot() {
 
 #[test]
 fn direct_queue_write_holds_its_span_until_reaped() {
+    direct_queue_write_holds_its_span_until_reaped_on(DirectBackend::Native);
+}
+
+#[test]
+fn uring_write_holds_its_span_until_reaped() {
+    direct_queue_write_holds_its_span_until_reaped_on(DirectBackend::IoUring);
+}
+
+fn direct_queue_write_holds_its_span_until_reaped_on(b: DirectBackend) {
     // A read-modify-write of a block an AIO write is writing would put the
     // old bytes back: the span stays locked from submit to reap, and a
     // second write of the same span is refused rather than waited for.
     let a = 4096u64;
     let tmp = tmp_file(16 * a);
     let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
-    let mut q = t.direct_queue::<u32>(4).expect("io_setup on this kernel");
+    let mut q = queue::<u32>(&t, 4, b);
     let mk = |tag: u32| aligned_op(true, a, &vec![tag as u8; a as usize], tag);
     let back = q.submit(vec![mk(1), mk(2)]);
     assert_eq!(back.iter().map(|o| o.tag).collect::<Vec<_>>(), vec![2]);
@@ -271,12 +297,21 @@ fn direct_queue_only_for_cache_none_on_the_kernel() {
 
 #[test]
 fn direct_queue_reap_can_wait_instead_of_polling() {
+    direct_queue_reap_can_wait_instead_of_polling_on(DirectBackend::Native);
+}
+
+#[test]
+fn uring_reap_can_wait_instead_of_polling() {
+    direct_queue_reap_can_wait_instead_of_polling_on(DirectBackend::IoUring);
+}
+
+fn direct_queue_reap_can_wait_instead_of_polling_on(b: DirectBackend) {
     // For a caller that lost its eventfd: each waiting reap returns at
     // least one completion, so at most as many calls as ops in flight.
     let a = 4096u64;
     let tmp = tmp_file(16 * a);
     let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
-    let mut q = t.direct_queue::<u64>(8).expect("io_setup on this kernel");
+    let mut q = queue::<u64>(&t, 8, b);
     let ops = (0..6u64)
         .map(|i| aligned_op(true, i * a, &pattern(i * a, a as usize), i))
         .collect();
@@ -297,4 +332,43 @@ fn direct_queue_reap_can_wait_instead_of_polling() {
     // Nothing in flight: a waiting reap returns at once.
     q.reap(&mut done, true).unwrap();
     assert_eq!(done.len(), 6);
+}
+
+#[test]
+fn uring_refused_falls_back_to_aio_once_for_all() {
+    use crate::engine::{URING_REFUSED, URING_UNKNOWN};
+    use crate::sys::refuse_next_uring;
+    use std::sync::atomic::{AtomicU8, Ordering};
+    let a = 4096u64;
+    let tmp = tmp_file(16 * a);
+    let t = Arc::new(Target::open(&tmp.path, &direct_opts()).unwrap());
+    // Its own state: a refusal here must not turn io_uring off for the
+    // tests running beside it.
+    let state = AtomicU8::new(URING_UNKNOWN);
+    // ENOMEM is this ring's trouble: Linux AIO for it, io_uring next time.
+    refuse_next_uring(libc::ENOMEM);
+    let q = t.direct_queue_in::<u64>(4, DirectBackend::IoUring, &state);
+    assert_eq!(q.map(|q| q.backend()), Some(DirectBackend::Native));
+    assert_eq!(state.load(Ordering::Relaxed), URING_UNKNOWN);
+    let q = t.direct_queue_in::<u64>(4, DirectBackend::IoUring, &state);
+    assert_eq!(q.map(|q| q.backend()), Some(DirectBackend::IoUring));
+    // EPERM (kernel.io_uring_disabled, seccomp): Linux AIO, from now on
+    // without asking the kernel again; and the fallback queue works.
+    let state = AtomicU8::new(URING_UNKNOWN);
+    refuse_next_uring(libc::EPERM);
+    let mut q = t
+        .direct_queue_in::<u64>(4, DirectBackend::IoUring, &state)
+        .expect("Linux AIO");
+    assert_eq!(q.backend(), DirectBackend::Native);
+    assert_eq!(state.load(Ordering::Relaxed), URING_REFUSED);
+    let q2 = t.direct_queue_in::<u64>(4, DirectBackend::IoUring, &state);
+    assert_eq!(q2.map(|q| q.backend()), Some(DirectBackend::Native));
+    assert!(q
+        .submit(vec![aligned_op(true, a, &pattern(a, a as usize), 1)])
+        .is_empty());
+    let d = reap_all(&mut q);
+    assert!(d.len() == 1 && d[0].done);
+    let mut b = vec![0u8; a as usize];
+    t.read_at(&mut b, a).unwrap();
+    assert!(b == pattern(a, a as usize), "written data differs");
 }

@@ -1,11 +1,11 @@
 //! cache=none reads and writes of one connection in flight in the kernel
-//! (Linux AIO through the export layer): the reader submits a gathered
-//! batch in one call, a reaper task answers each when its completion shows
-//! on the queue's eventfd, writing the replies under the writer's lock as
-//! the reader does. Under O_DIRECT a pool thread woken per batch
-//! ran its requests one after another, so the device saw few at a time and
-//! the wake-ups were most of the server's CPU (docs/benchmarks.md, Small
-//! O_DIRECT requests). A FUA write, and whatever the queue refuses or
+//! (Linux AIO or io_uring, through the export layer): the reader submits a
+//! gathered batch in one call, a reaper task answers each when its
+//! completion shows on the queue's eventfd, writing the replies under the
+//! writer's lock as the reader does. Under O_DIRECT a pool thread woken per
+//! batch ran its requests one after another, so the device saw few at a
+//! time and the wake-ups were most of the server's CPU (docs/benchmarks.md,
+//! Small O_DIRECT requests). A FUA write, and whatever the queue refuses or
 //! fails, still goes to the pool.
 
 use std::io;

@@ -117,10 +117,10 @@ pub struct Args {
     #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
     pub(super) detect_zeroes: DetectZeroesArg,
     /// I/O path of --cache none (qemu-nbd's --aio): `native`, Linux AIO for
-    /// small reads and writes and the thread pool for the rest; `threads`,
-    /// the thread pool only; `io_uring`, which rawdisk lacks, is served as
-    /// native. Through the page cache every request uses the thread pool.
-    /// -v names the path used.
+    /// small reads and writes and the thread pool for the rest; `io_uring`,
+    /// io_uring for the same (Linux AIO where the kernel refuses it);
+    /// `threads`, the thread pool only. Through the page cache every
+    /// request uses the thread pool. -v names the path used.
     #[arg(long, value_enum, value_name = "MODE", default_value = "native")]
     pub(super) aio: AioArg,
     /// Create TARGET with this size first (qemu-img suffixes); an existing
@@ -170,7 +170,8 @@ pub struct Args {
     /// write-zeroes, block-status, disc, other) its requests and bytes;
     /// errors: replies per NBD error (eperm, eio, enomem, einval, enospc,
     /// eoverflow, enotsup, eshutdown, other); peak-in-flight;
-    /// aio-completed (requests answered through Linux AIO, cache=none).
+    /// aio-completed (requests answered through Linux AIO or io_uring,
+    /// cache=none).
     #[arg(long, value_name = "FILE")]
     pub(super) stats: Option<PathBuf>,
     /// Seconds a client gets to finish the handshake; one that listed the
@@ -326,7 +327,8 @@ impl Args {
             },
             aio: match self.aio {
                 AioArg::Threads => Aio::Threads,
-                AioArg::Native | AioArg::IoUring => Aio::Native,
+                AioArg::Native => Aio::Native,
+                AioArg::IoUring => Aio::IoUring,
             },
         }
     }
@@ -341,8 +343,8 @@ impl Args {
                 "aio=native: Linux AIO for small requests, the thread pool for the rest"
             }
             (CacheArg::None, AioArg::IoUring) => {
-                "aio=io_uring: rawdisk has no io_uring path; Linux AIO for small requests, \
-                 the thread pool for the rest"
+                "aio=io_uring: io_uring for small requests (Linux AIO where the kernel \
+                 refuses it), the thread pool for the rest"
             }
         }
     }
