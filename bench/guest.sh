@@ -53,10 +53,14 @@ if [ -z "${RAWDISK_BIN:-}" ]; then
 fi
 # qemu-system-x86 at qemu-utils' version: apt would otherwise swap the
 # installed qemu-nbd for another version's; --no-remove keeps it from that.
+# A backported qemu-utils needs its dependencies from backports too (-t).
 if ! command -v qemu-system-x86_64 >/dev/null; then
     v=$(dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null || true)
+    from=()
+    case $v in *bpo*) from=(-t "$(. /etc/os-release && echo "$VERSION_CODENAME")-backports") ;; esac
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends --no-remove \
-        "qemu-system-x86${v:+=$v}" >/dev/null || die "apt-get install qemu-system-x86${v:+=$v} failed"
+        "${from[@]}" "qemu-system-x86${v:+=$v}" >/dev/null ||
+        die "apt-get install ${from[*]} qemu-system-x86${v:+=$v} failed (is the archive qemu-utils came from in apt's sources?)"
 fi
 
 # The guest: kernel and initramfs, rebuilt when the init script changes.
