@@ -6,7 +6,7 @@
 //! still writes to. Every call is a raw syscall; libc wraps none of them.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 const IOCB_CMD_PREAD: u16 = 0;
@@ -76,11 +76,51 @@ pub struct AioDone<T> {
     pub result: io::Result<usize>,
 }
 
+/// A non-blocking eventfd the kernel counts completions on, shared by the
+/// AIO and io_uring queues: the reaper waits for it to be readable.
+pub(super) struct EventFd(OwnedFd);
+
+impl EventFd {
+    pub(super) fn new() -> io::Result<EventFd> {
+        // SAFETY: eventfd takes two integers and returns a new descriptor
+        // or -1; nothing is borrowed.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by eventfd and is owned by no one else.
+        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    pub(super) fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+
+    pub(super) fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    /// Makes it readable without a completion (wakes its waiter).
+    pub(super) fn wake(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live local array to our eventfd.
+        let _ = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Clears the count, so a completion after this makes it readable again.
+    pub(super) fn clear(&self) {
+        let mut cnt = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live local array from our
+        // non-blocking eventfd; EAGAIN (nothing counted) is ignored.
+        let _ = unsafe { libc::read(self.0.as_raw_fd(), cnt.as_mut_ptr().cast(), 8) };
+    }
+}
+
 /// An AIO context of at most `depth` requests in flight on one file, and
 /// the eventfd the kernel counts their completions on.
 pub struct Aio<F: AsFd, T> {
     ctx: libc::c_ulong,
-    efd: OwnedFd,
+    efd: EventFd,
     /// In-flight ops by slot; the kernel's `aio_data` is the slot.
     slots: Vec<Option<AioOp<T>>>,
     free: Vec<usize>,
@@ -93,14 +133,7 @@ impl<F: AsFd, T> Aio<F, T> {
     /// io_setup's (ENOSYS without AIO, EAGAIN past fs.aio-max-nr) or
     /// eventfd's.
     pub fn new(file: Arc<F>, depth: usize) -> io::Result<Aio<F, T>> {
-        // SAFETY: eventfd takes two integers and returns a new descriptor
-        // or -1; nothing is borrowed.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by no one else.
-        let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let efd = EventFd::new()?;
         let mut ctx: libc::c_ulong = 0;
         // SAFETY: io_setup writes one aio_context_t through the pointer,
         // which points to a live local initialised to 0 as it requires.
@@ -135,9 +168,7 @@ impl<F: AsFd, T> Aio<F, T> {
 
     /// Makes the eventfd readable without a completion (wakes its waiter).
     pub fn wake(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live local array to our eventfd.
-        let _ = unsafe { libc::write(self.efd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        self.efd.wake();
     }
 
     /// Submits as many of `ops` as there are free slots, in one io_submit.
@@ -213,10 +244,7 @@ impl<F: AsFd, T> Aio<F, T> {
     /// comes (when any is in flight). Clears the eventfd first so a
     /// completion after this call makes it readable again.
     pub fn reap(&mut self, out: &mut Vec<AioDone<T>>, wait: bool) -> io::Result<()> {
-        let mut cnt = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local array from our
-        // non-blocking eventfd; EAGAIN (nothing counted) is ignored.
-        let _ = unsafe { libc::read(self.efd.as_raw_fd(), cnt.as_mut_ptr().cast(), 8) };
+        self.efd.clear();
         let mut events = [IoEvent::default(); 64];
         while self.in_flight() > 0 {
             let zero = libc::timespec {

@@ -7,18 +7,19 @@
 //! the ring while the kernel may touch them.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 
+use super::aio::EventFd;
 use super::{AioDone, AioOp};
 
 /// A ring of at most `depth` requests in flight on one file, and the
 /// eventfd the kernel signals each completion on.
 pub struct Uring<F: AsFd, T> {
     ring: IoUring,
-    efd: OwnedFd,
+    efd: EventFd,
     /// In-flight ops by slot; the kernel's `user_data` is the slot.
     slots: Vec<Option<AioOp<T>>>,
     free: Vec<usize>,
@@ -61,14 +62,7 @@ impl<F: AsFd, T> Uring<F, T> {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::new(entries)?,
             r => r?,
         };
-        // SAFETY: eventfd takes two integers and returns a new descriptor
-        // or -1; nothing is borrowed.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by no one else.
-        let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let efd = EventFd::new()?;
         let sub = ring.submitter();
         sub.register_files(&[file.as_fd().as_raw_fd()])?;
         sub.register_eventfd(efd.as_raw_fd())?;
@@ -93,9 +87,7 @@ impl<F: AsFd, T> Uring<F, T> {
 
     /// Makes the eventfd readable without a completion (wakes its waiter).
     pub fn wake(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live local array to our eventfd.
-        let _ = unsafe { libc::write(self.efd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        self.efd.wake();
     }
 
     /// Submits as many of `ops` as there are free slots, in one
@@ -176,10 +168,7 @@ impl<F: AsFd, T> Uring<F, T> {
     /// completion after this call makes it readable again. What is still
     /// queued in the ring is submitted first; that failing is the error.
     pub fn reap(&mut self, out: &mut Vec<AioDone<T>>, wait: bool) -> io::Result<()> {
-        let mut cnt = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local array from our
-        // non-blocking eventfd; EAGAIN (nothing counted) is ignored.
-        let _ = unsafe { libc::read(self.efd.as_raw_fd(), cnt.as_mut_ptr().cast(), 8) };
+        self.efd.clear();
         let from = out.len();
         let mut first = true;
         while self.in_flight() > 0 {
