@@ -94,11 +94,17 @@ fn an_error_on_a_zero_sent_alone_is_its_own() {
     h.finish(c);
 }
 
-/// Two clients whose zeros each take 600 ms (slowed storage) and a third
-/// that reads: the read is answered long before the zeros end, as at most
-/// one zero at a time runs on a runtime worker (the harness has two).
-#[test]
-fn slow_zeros_sent_alone_leave_a_worker_for_others() {
+/// Two clients each send one request that the storage makes take 600 ms
+/// (`slowed` calls) and a third reads: the read is answered long before the
+/// slow ones end, as at most one of them at a time runs on a runtime worker
+/// (the harness has two). `send` sends client `i`'s request (0 or 1) and
+/// returns the model's range it zeroes, if any.
+fn slow_ones_leave_a_worker_for_others(
+    what: &str,
+    slowed: &[CallKind],
+    prepare: impl FnOnce(&mut Harness, &mut Conn),
+    send: impl Fn(&mut Conn, u64) -> Option<std::ops::Range<usize>>,
+) {
     const SLOW: Duration = Duration::from_millis(600);
     let mut h = Harness::start(Setup {
         fault: true,
@@ -109,24 +115,22 @@ fn slow_zeros_sent_alone_leave_a_worker_for_others() {
     let (mut a, _) = h.open(ReplyMode::Structured);
     let (mut b, _) = h.open(ReplyMode::Structured);
     let (mut r, _) = h.open(ReplyMode::Structured);
-    // Learned first (and the page cache warm for the reader).
-    assert_eq!(
-        a.cmd(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 0, 64 * KIB, &[])
-            .error,
-        0
-    );
-    h.model[..64 * KIB as usize].fill(0);
+    prepare(&mut h, &mut a);
+    // The page cache warm for the reader.
     assert_eq!(
         r.read(7 * MIB, 4096),
         h.model[7 * MIB as usize..7 * MIB as usize + 4096]
     );
-    for kind in WRITING {
+    for &kind in slowed {
         fault.add(FaultRule::always(kind, 0).slowed(SLOW));
     }
     let t0 = Instant::now();
-    a.send_req(Command::WriteZeroes, CMD_FLAG_NO_HOLE, MIB, MIB, &[]);
-    b.send_req(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 3 * MIB, MIB, &[]);
-    // Both zeros are running before the read arrives.
+    let zeroed: Vec<_> = [&mut a, &mut b]
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, c)| send(c, i as u64))
+        .collect();
+    // Both are running before the read arrives.
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
     let got = r.read(7 * MIB, 4096);
@@ -134,19 +138,39 @@ fn slow_zeros_sent_alone_leave_a_worker_for_others() {
     assert_eq!(got, h.model[7 * MIB as usize..7 * MIB as usize + 4096]);
     assert!(
         waited < Duration::from_millis(300),
-        "a read waited {waited:?} behind two slow zeros"
+        "a read waited {waited:?} behind two slow {what}"
     );
     for c in [&mut a, &mut b] {
         let rep = c.recv();
         assert_eq!(rep.error, 0, "{}", rep.message);
     }
-    assert!(t0.elapsed() >= SLOW, "the zeros were not slowed");
+    assert!(t0.elapsed() >= SLOW, "the {what} were not slowed");
     fault.clear_rules();
-    h.model[MIB as usize..2 * MIB as usize].fill(0);
-    h.model[3 * MIB as usize..4 * MIB as usize].fill(0);
+    for range in zeroed {
+        h.model[range].fill(0);
+    }
     a.disc();
     b.disc();
     h.finish(r);
+}
+
+#[test]
+fn slow_zeros_sent_alone_leave_a_worker_for_others() {
+    slow_ones_leave_a_worker_for_others(
+        "zeros",
+        &WRITING,
+        |h, a| {
+            // Learned first: the path under test needs the call seen working.
+            let r = a.cmd(Command::WriteZeroes, CMD_FLAG_NO_HOLE, 0, 64 * KIB, &[]);
+            assert_eq!(r.error, 0, "{}", r.message);
+            h.model[..64 * KIB as usize].fill(0);
+        },
+        |c, i| {
+            let off = (1 + 2 * i) * MIB;
+            c.send_req(Command::WriteZeroes, CMD_FLAG_NO_HOLE, off, MIB, &[]);
+            Some(off as usize..(off + MIB) as usize)
+        },
+    );
 }
 
 fn syncs(f: &FaultSys) -> u64 {
@@ -234,46 +258,15 @@ fn a_failed_flush_sent_alone_is_remembered() {
     assert!(e.to_string().contains("earlier flush"), "{e}");
 }
 
-/// Two clients whose flushes each take 600 ms and a third that reads: the
-/// read is answered long before the flushes end.
 #[test]
 fn slow_flushes_sent_alone_leave_a_worker_for_others() {
-    const SLOW: Duration = Duration::from_millis(600);
-    let mut h = Harness::start(Setup {
-        fault: true,
-        ..Default::default()
-    });
-    let fault = h.fault.clone().unwrap();
-    let (mut a, _) = h.open(ReplyMode::Structured);
-    let (mut b, _) = h.open(ReplyMode::Structured);
-    let (mut r, _) = h.open(ReplyMode::Structured);
-    assert_eq!(
-        r.read(7 * MIB, 4096),
-        h.model[7 * MIB as usize..7 * MIB as usize + 4096]
+    slow_ones_leave_a_worker_for_others(
+        "flushes",
+        &[CallKind::Fdatasync, CallKind::Fsync],
+        |_, _| {},
+        |c, _| {
+            c.send_req(Command::Flush, 0, 0, 0, &[]);
+            None
+        },
     );
-    for kind in [CallKind::Fdatasync, CallKind::Fsync] {
-        fault.add(FaultRule::always(kind, 0).slowed(SLOW));
-    }
-    let t0 = Instant::now();
-    a.send_req(Command::Flush, 0, 0, 0, &[]);
-    b.send_req(Command::Flush, 0, 0, 0, &[]);
-    // Both flushes are running before the read arrives.
-    std::thread::sleep(Duration::from_millis(100));
-    let t = Instant::now();
-    let got = r.read(7 * MIB, 4096);
-    let waited = t.elapsed();
-    assert_eq!(got, h.model[7 * MIB as usize..7 * MIB as usize + 4096]);
-    assert!(
-        waited < Duration::from_millis(300),
-        "a read waited {waited:?} behind two slow flushes"
-    );
-    for c in [&mut a, &mut b] {
-        let rep = c.recv();
-        assert_eq!(rep.error, 0, "{}", rep.message);
-    }
-    assert!(t0.elapsed() >= SLOW, "the flushes were not slowed");
-    fault.clear_rules();
-    a.disc();
-    b.disc();
-    h.finish(r);
 }
