@@ -51,16 +51,33 @@ if [ -z "${RAWDISK_BIN:-}" ]; then
     cargo build --release -q -p rawdisk
     RAWDISK_BIN=$tgt/release/rawdisk
 fi
+# The backports archive in apt's sources, from the mirror the system
+# already uses: a machine can carry a backported qemu-utils without it.
+backports_source() {
+    local suite=$1 mirror
+    apt-cache policy | grep -q " $suite/" && return 0
+    mirror=$(awk '/^URIs:/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources 2>/dev/null)
+    [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 ~ /^http/ { print $2; exit }' /etc/apt/sources.list 2>/dev/null)
+    mirror=${mirror:-http://deb.debian.org/debian}
+    echo "guest.sh: qemu-utils is from $suite; adding it to apt's sources ($mirror)" >&2
+    echo "deb $mirror $suite main" >/etc/apt/sources.list.d/rawdisk-bench-backports.list
+    apt-get update -q >/dev/null || die "apt-get update after adding $suite failed"
+}
 # qemu-system-x86 at qemu-utils' version: apt would otherwise swap the
 # installed qemu-nbd for another version's; --no-remove keeps it from that.
 # A backported qemu-utils needs its dependencies from backports too (-t).
 if ! command -v qemu-system-x86_64 >/dev/null; then
     v=$(dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null || true)
     from=()
-    case $v in *bpo*) from=(-t "$(. /etc/os-release && echo "$VERSION_CODENAME")-backports") ;; esac
+    case $v in *bpo*)
+        suite="$(. /etc/os-release && echo "$VERSION_CODENAME")-backports"
+        backports_source "$suite"
+        from=(-t "$suite")
+        ;;
+    esac
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends --no-remove \
         "${from[@]}" "qemu-system-x86${v:+=$v}" >/dev/null ||
-        die "apt-get install ${from[*]} qemu-system-x86${v:+=$v} failed (is the archive qemu-utils came from in apt's sources?)"
+        die "apt-get install ${from[*]} qemu-system-x86${v:+=$v} failed"
 fi
 
 # The guest: kernel and initramfs, rebuilt when the init script changes.
