@@ -31,6 +31,10 @@
 #   SCHED=1  also count each workload's context switches and CPU migrations
 #       of the server (perf stat -p) and of qemu-system-x86_64: a table of
 #       medians per second of the workload
+#   QUIET=s  a boot whose console says nothing for this long is stopped and
+#       reported (default RUNTIME + 110)
+#   NBDTRACE=1  trace qemu's NBD requests and replies on every boot: a boot
+#       that does not finish names the requests the server did not answer
 #   GUEST_CACHE=dir    downloaded packages and the built initramfs
 #       (default ${TMPDIR:-/tmp}/rawdisk-guest-cache)
 set -euo pipefail
@@ -44,6 +48,8 @@ runtime=${RUNTIME:-10}
 accel=${ACCEL:-auto}
 trace=${TRACE:-0}
 sched=${SCHED:-0}
+quiet=${QUIET:-$((runtime + 110))}
+nbdtrace=${NBDTRACE:-0}
 cache=${GUEST_CACHE:-${TMPDIR:-/tmp}/rawdisk-guest-cache}
 tgt=${CARGO_TARGET_DIR:-$PWD/target}
 die() { echo "guest.sh: $*" >&2; exit 1; }
@@ -209,6 +215,25 @@ requests() { # file from to
         }'
 }
 
+# Requests in qemu's NBD trace FILE without their last reply chunk (or
+# simple reply): "cookie type offset length", at most 20.
+owed() { # file
+    awk '
+        /^nbd_send_request/ && match($0, /\.cookie = [0-9]+/) {
+            c = substr($0, RSTART + 10, RLENGTH - 10)
+            match($0, /\.from = [0-9]+, \.len = [0-9]+/); ol = substr($0, RSTART, RLENGTH)
+            match($0, /\([a-z ]+\) }/); t = substr($0, RSTART + 1, RLENGTH - 4)
+            if (t != "disconnect") { p[c] = t " " ol; order[++k] = c }  # no reply, by the spec
+        }
+        /^nbd_receive_simple_reply/ && match($0, /cookie = [0-9]+/) { delete p[substr($0, RSTART + 9, RLENGTH - 9)] }
+        /^nbd_receive_reply_chunk_header/ && match($0, /flags = 0x[0-9a-f]+/) {
+            # NBD_REPLY_FLAG_DONE is bit 0: an odd last hex digit.
+            if (substr($0, RSTART + RLENGTH - 1, 1) ~ /[13579bdf]/ && match($0, /cookie = [0-9]+/))
+                delete p[substr($0, RSTART + 9, RLENGTH - 9)]
+        }
+        END { for (i = 1; i <= k && n < 20; i++) if (order[i] in p) { print "cookie " order[i] ": " p[order[i]]; delete p[order[i]]; n++ } }' "$1"
+}
+
 # One boot against one server; appends "rep server workload seconds MiB/s
 # IOPS cpu hwm" lines to $res and "server name value" to $res.queue; rep 0
 # is the traced boot, its lines go to $res.trace.
@@ -222,11 +247,15 @@ one() { # rep server
     : >"$work/console"
     qargs "$accel" bench
     [ "$1" = 0 ] && tr=(-D "$tf" -trace enable=nbd_send_request) && : >"$tf"
+    [ "$1" != 0 ] && [ "$nbdtrace" = 1 ] && tf=$work/nbd.$1.$2 &&
+        tr=(-D "$tf" -trace enable=nbd_send_request -trace enable=nbd_receive_simple_reply
+            -trace enable=nbd_receive_reply_chunk_header)
     exec {qfd}< <(exec timeout 1800 qemu-system-x86_64 "${qa[@]}" \
         -drive "file=nbd+unix:///?socket=$sock,format=raw,if=none,id=d,cache=none,discard=unmap" \
         -device virtio-blk-pci,drive=d "${tr[@]}" </dev/null 2>&1)
     qpid=$!
-    while IFS= read -r -u "$qfd" line; do
+    # A console silent for $quiet seconds ends the loop with qemu running.
+    while IFS= read -r -t "$quiet" -u "$qfd" line; do
         line=${line%$'\r'}
         echo "$line" >>"$work/console"
         read -r -a f <<<"$line"
@@ -269,10 +298,16 @@ one() { # rep server
         done) t=done ;;
         esac
     done
+    local hung=
+    [ "$t" = done ] || ! kill -0 "$qpid" 2>/dev/null || { hung=" in ${quiet} s"; kill "$qpid"; }
     exec {qfd}<&-
     wait "$qpid" || true
     qpid=
-    [ "$t" = done ] || die "$2: the guest did not finish (console: $(tail -n 5 "$work/console" | tr '\n' ' '))"
+    if [ "$t" != done ]; then
+        [ "$1" != 0 ] && [ "$nbdtrace" = 1 ] &&
+            echo "guest.sh: $2: requests without a reply: $(owed "$tf" | tr '\n' ';')" >&2
+        die "$2: the guest did not finish$hung (console: $(tail -n 5 "$work/console" | tr '\n' ' '))"
+    fi
     kill "$pid"
     wait "$pid" 2>/dev/null || true
     pid=
