@@ -308,6 +308,9 @@ one() { # rep server
             echo "guest.sh: $2: requests without a reply: $(owed "$tf" | tr '\n' ';')" >&2
         die "$2: the guest did not finish$hung (console: $(tail -n 5 "$work/console" | tr '\n' ' '))"
     fi
+    # A finished boot's NBD trace answers nothing; kept, the traces would
+    # fill the tmpfs the image is on, and a full image pauses the guest.
+    if [ "$1" != 0 ] && [ "$nbdtrace" = 1 ]; then rm -f "$tf"; fi
     kill "$pid"
     wait "$pid" 2>/dev/null || true
     pid=
