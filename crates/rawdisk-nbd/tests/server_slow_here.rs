@@ -4,35 +4,42 @@
 //! stay byte-exact with each kind of flags, that a flush reaches the
 //! storage every time, that an error still reaches only its request, and
 //! that slow ones never hold every runtime worker: another client's read
-//! is answered meanwhile.
+//! is answered meanwhile. The zero tests mount ext4 and XFS (root): on the
+//! usual tmpfs /tmp a zero is not one extent call and goes to the pool.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rawdisk_nbd::proto::*;
 use rawdisk_storage::sys::CallKind;
 use rawdisk_storage::{FaultRule, FaultSys};
+use rawdisk_testkit::Fs;
 
 mod common;
 use common::harness::*;
 
-/// Whether the file under test supports an extent zero (the path under
-/// test); on tmpfs and the like the zeros still run, on the pool.
-fn note_storage(h: &Harness) {
-    let magic = rustix::fs::statfs(&h.path)
-        .map(|s| s.f_type as u64)
-        .unwrap_or(0);
-    if magic == 0x0102_1994 {
-        eprintln!("note: test file on tmpfs: zeros run on the pool, not the connection");
+/// Runs `test` with the disk on ext4 and on XFS, where a zero is one
+/// extent call (an unwritten extent or a punched hole).
+fn on_extent_zero_fs(test: impl Fn(&Path)) {
+    for fs in [Fs::ext4(64 * MIB), Fs::xfs(0)] {
+        test(fs.dir());
     }
 }
 
 /// One zero at a time, as an in-order client sends them: NO_HOLE, may
 /// trim, FUA, fast, unaligned ends; every byte read back, the file too.
 #[test]
+#[ignore = "needs root"]
 fn zeros_sent_one_at_a_time_are_byte_exact() {
+    on_extent_zero_fs(zeros_one_at_a_time);
+}
+
+fn zeros_one_at_a_time(dir: &Path) {
     for mode in [ReplyMode::Simple, ReplyMode::Extended] {
-        let mut h = Harness::start(Setup::default());
-        note_storage(&h);
+        let mut h = Harness::start(Setup {
+            disk_dir: Some(dir.into()),
+            ..Default::default()
+        });
         let (mut c, _) = h.open(mode);
         let zeros: [(u16, u64, u64); 7] = [
             (CMD_FLAG_NO_HOLE, 0, MIB),
@@ -59,9 +66,15 @@ fn zeros_sent_one_at_a_time_are_byte_exact() {
 /// An error on a zero sent alone is that request's: EIO, the bytes
 /// around it unchanged, the connection usable.
 #[test]
+#[ignore = "needs root"]
 fn an_error_on_a_zero_sent_alone_is_its_own() {
+    on_extent_zero_fs(error_on_a_zero_alone);
+}
+
+fn error_on_a_zero_alone(dir: &Path) {
     let mut h = Harness::start(Setup {
         fault: true,
+        disk_dir: Some(dir.into()),
         ..Default::default()
     });
     let fault = h.fault.clone().unwrap();
@@ -97,10 +110,14 @@ fn an_error_on_a_zero_sent_alone_is_its_own() {
 /// Two clients each send one request that the storage makes take 600 ms
 /// (`slowed` calls) and a third reads: the read is answered long before the
 /// slow ones end, as at most one of them at a time runs on a runtime worker
-/// (the harness has two). `send` sends client `i`'s request (0 or 1) and
-/// returns the model's range it zeroes, if any.
+/// (the harness has two). Either guard alone keeps the read answered
+/// (`SlowTurn` leaves a worker free, `block_in_place` hands the busy one's
+/// core on): this fails with both removed. `send` sends client `i`'s
+/// request (0 or 1) and returns the model's range it zeroes, if any; the
+/// disk is in `disk_dir`.
 fn slow_ones_leave_a_worker_for_others(
     what: &str,
+    disk_dir: Option<&Path>,
     slowed: &[CallKind],
     prepare: impl FnOnce(&mut Harness, &mut Conn),
     send: impl Fn(&mut Conn, u64) -> Option<std::ops::Range<usize>>,
@@ -108,9 +125,9 @@ fn slow_ones_leave_a_worker_for_others(
     const SLOW: Duration = Duration::from_millis(600);
     let mut h = Harness::start(Setup {
         fault: true,
+        disk_dir: disk_dir.map(Into::into),
         ..Default::default()
     });
-    note_storage(&h);
     let fault = h.fault.clone().unwrap();
     let (mut a, _) = h.open(ReplyMode::Structured);
     let (mut b, _) = h.open(ReplyMode::Structured);
@@ -155,9 +172,15 @@ fn slow_ones_leave_a_worker_for_others(
 }
 
 #[test]
+#[ignore = "needs root"]
 fn slow_zeros_sent_alone_leave_a_worker_for_others() {
+    on_extent_zero_fs(slow_zeros_leave_a_worker);
+}
+
+fn slow_zeros_leave_a_worker(dir: &Path) {
     slow_ones_leave_a_worker_for_others(
         "zeros",
+        Some(dir),
         &WRITING,
         |h, a| {
             // Learned first: the path under test needs the call seen working.
@@ -177,6 +200,18 @@ fn syncs(f: &FaultSys) -> u64 {
     f.calls(CallKind::Fdatasync) + f.calls(CallKind::Fsync)
 }
 
+/// Writes 64 KiB of data `i` at MiB `i`, then sends a FLUSH alone: it
+/// succeeds and made exactly one fdatasync.
+fn write_then_flush(h: &mut Harness, c: &mut Conn, fault: &FaultSys, i: u64, what: &str) {
+    let data = random(64 * KIB as usize, 40 + i);
+    c.write(i * MIB, &data);
+    h.model[(i * MIB) as usize..][..data.len()].copy_from_slice(&data);
+    let before = syncs(fault);
+    let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
+    assert_eq!(r.error, 0, "{what} flush {i}: {}", r.message);
+    assert_eq!(syncs(fault), before + 1, "{what} flush {i}: no fdatasync");
+}
+
 /// Flushes sent one at a time, with and without writes between them: each
 /// one the client sees succeed made its own fdatasync, after the write it
 /// follows, and every byte reads back.
@@ -191,17 +226,7 @@ fn flushes_sent_alone_each_reach_the_storage() {
         fault.record_spans();
         let (mut c, _) = h.open(mode);
         for i in 0..4u64 {
-            let data = random(64 * KIB as usize, 40 + i);
-            c.write(i * MIB, &data);
-            h.model[(i * MIB) as usize..][..data.len()].copy_from_slice(&data);
-            let before = syncs(&fault);
-            let r = c.cmd(Command::Flush, 0, 0, 0, &[]);
-            assert_eq!(r.error, 0, "{mode:?} flush {i}: {}", r.message);
-            assert_eq!(
-                syncs(&fault),
-                before + 1,
-                "{mode:?} flush {i}: no fdatasync"
-            );
+            write_then_flush(&mut h, &mut c, &fault, i, &format!("{mode:?}"));
         }
         // The storage saw each write before the flush that follows it.
         let spans = fault.take_spans();
@@ -262,6 +287,7 @@ fn a_failed_flush_sent_alone_is_remembered() {
 fn slow_flushes_sent_alone_leave_a_worker_for_others() {
     slow_ones_leave_a_worker_for_others(
         "flushes",
+        None,
         &[CallKind::Fdatasync, CallKind::Fsync],
         |_, _| {},
         |c, _| {
@@ -269,4 +295,27 @@ fn slow_flushes_sent_alone_leave_a_worker_for_others() {
             None
         },
     );
+}
+
+/// On a single-threaded runtime (the library's embedder may choose one)
+/// nothing takes a connection's own thread: `block_in_place` would panic
+/// there. Lone flushes and zeros are answered, each flush reaching the
+/// storage, and every byte reads back.
+#[test]
+fn on_a_single_threaded_runtime_lone_flushes_and_zeros_are_answered() {
+    let mut h = Harness::start(Setup {
+        fault: true,
+        current_thread: true,
+        ..Default::default()
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    for i in 0..3u64 {
+        write_then_flush(&mut h, &mut c, &fault, i, "single-threaded");
+        let off = 4 * MIB + i * MIB;
+        let r = c.cmd(Command::WriteZeroes, CMD_FLAG_NO_HOLE, off, MIB, &[]);
+        assert_eq!(r.error, 0, "zero {i}: {}", r.message);
+        h.model[off as usize..(off + MIB) as usize].fill(0);
+    }
+    h.finish(c);
 }

@@ -62,6 +62,11 @@ pub struct Setup {
     pub track_fault: bool,
     /// Open the target with O_DIRECT (`--cache none`).
     pub cache_none: bool,
+    /// Where the disk goes, e.g. a mounted test file system; else beside
+    /// the socket in a temporary directory.
+    pub disk_dir: Option<PathBuf>,
+    /// Serve on a single-threaded runtime instead of two workers.
+    pub current_thread: bool,
 }
 
 impl Default for Setup {
@@ -77,6 +82,8 @@ impl Default for Setup {
             track: None,
             track_fault: false,
             cache_none: false,
+            disk_dir: None,
+            current_thread: false,
         }
     }
 }
@@ -96,7 +103,11 @@ impl Harness {
             .prefix("rawdisk-nbd-server-")
             .tempdir()
             .unwrap();
-        let path = dir.path().join("disk.img");
+        let path = setup
+            .disk_dir
+            .as_deref()
+            .unwrap_or(dir.path())
+            .join("disk.img");
         let sock = dir.path().join("nbd.sock");
         let mut model = vec![0u8; setup.size as usize];
         if setup.fill {
@@ -146,7 +157,7 @@ impl Harness {
         } else {
             Server::new_tracked(target, tracker, setup.cfg)
         };
-        let server = Running::start(server, Bind::Unix(sock.clone()));
+        let server = Running::start_on(server, Bind::Unix(sock.clone()), setup.current_thread);
         Harness {
             server,
             _dir: dir,

@@ -31,14 +31,27 @@ pub struct Running {
 }
 
 impl Running {
+    /// On a runtime of two workers, as `rawdisk serve` runs on two CPUs.
     pub fn start(server: Server, bind: Bind) -> Running {
+        Running::start_on(server, bind, false)
+    }
+
+    /// With `current_thread`, on a single-threaded runtime: the library
+    /// may be embedded in one.
+    pub fn start_on(server: Server, bind: Bind, current_thread: bool) -> Running {
         let (stop_tx, stop_rx) = watch::channel(false);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            let rt = if current_thread {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+            } else {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()?
+            };
             rt.block_on(async move {
                 let (listener, port) = match bind {
                     Bind::Unix(p) => (Listener::Unix(tokio::net::UnixListener::bind(p)?), 0),
