@@ -927,9 +927,9 @@ where
         let (sh, s, req, to) = (&self.sh, &self.s, &job.req, job.to);
         let run = || caught_one(sh, s, req, to, || execute(sh, s, req, to, job.data));
         // A zero or flush may wait on the storage: the worker hands its
-        // queue and the I/O driver to another thread first, so other
-        // connections' events are still seen (a parked worker does not poll
-        // the driver).
+        // core (its run queue, and the task a wake-up left in its LIFO
+        // slot, which no other worker may steal) to another thread first,
+        // so nothing queued on it waits behind the storage.
         let reply = match turn {
             Some(_) => tokio::task::block_in_place(run),
             None => run(),
