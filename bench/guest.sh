@@ -53,6 +53,8 @@ nbdtrace=${NBDTRACE:-0}
 cache=${GUEST_CACHE:-${TMPDIR:-/tmp}/rawdisk-guest-cache}
 tgt=${CARGO_TARGET_DIR:-$PWD/target}
 die() { echo "guest.sh: $*" >&2; exit 1; }
+# read -t 0 only polls: every boot would be stopped as silent at once.
+[[ $quiet =~ ^[1-9][0-9]*$ ]] || die "QUIET must be a whole number of seconds above 0, not '$quiet'"
 if [ -z "${RAWDISK_BIN:-}" ]; then
     cargo build --release -q -p rawdisk
     RAWDISK_BIN=$tgt/release/rawdisk
