@@ -32,7 +32,8 @@
 #       of the server (perf stat -p) and of qemu-system-x86_64: a table of
 #       medians per second of the workload
 #   QUIET=s  a boot whose console says nothing for this long is stopped and
-#       reported (default RUNTIME + 110)
+#       reported (default RUNTIME + 110), with the requests rawdisk says it
+#       has read and not answered (SIGUSR1's "unanswered")
 #   NBDTRACE=1  trace qemu's NBD requests and replies on every boot: a boot
 #       that does not finish names the requests the server did not answer
 #   GUEST_CACHE=dir    downloaded packages and the built initramfs
@@ -150,6 +151,7 @@ mkdir -p "$cache"
 sha256sum --status -c "$cache/stamp" 2>/dev/null && [ -s "$cache/initrd.gz" ] || build_guest
 
 work=$(mktemp -d /tmp/guest.XXXXXX)
+export SERVER_LOG=$work/server.log
 mount -t tmpfs -o size=3G tmpfs "$work"
 pid= qpid=
 cleanup() {
@@ -219,6 +221,20 @@ requests() { # file from to
 
 # Requests in qemu's NBD trace FILE without their last reply chunk (or
 # simple reply): "cookie type offset length", at most 20.
+# With qemu still connected: what rawdisk says it owes (SIGUSR1's totals,
+# "unanswered": requests read and not answered). Empty: qemu is not
+# waiting on the server.
+owes() { # server
+    [[ $1 == rawdisk* || $1 == custom:* ]] || return 0
+    local line=
+    kill -USR1 "$pid" 2>/dev/null || return 0
+    for _ in $(seq 40); do
+        line=$(grep -o '"unanswered":\[[^]]*\]' "$SERVER_LOG" | tail -n 1) && [ -n "$line" ] && break
+        sleep 0.05
+    done
+    echo "guest.sh: $1: the server says ${line:-nothing (no SIGUSR1 line in $SERVER_LOG)}" >&2
+}
+
 owed() { # file
     awk '
         /^nbd_send_request/ && match($0, /\.cookie = [0-9]+/) {
@@ -245,6 +261,7 @@ one() { # rep server
     # server as NBD trims (qemu drops them by default).
     rm -f "$img"
     truncate -s "$size" "$img"
+    : >"$SERVER_LOG"
     serve "$2" "$img" "$sock" || die "$2 did not start"
     : >"$work/console"
     qargs "$accel" bench
@@ -301,7 +318,11 @@ one() { # rep server
         esac
     done
     local hung=
-    [ "$t" = done ] || ! kill -0 "$qpid" 2>/dev/null || { hung=" in ${quiet} s"; kill "$qpid"; }
+    if [ "$t" != done ] && kill -0 "$qpid" 2>/dev/null; then
+        hung=" in ${quiet} s"
+        owes "$2"
+        kill "$qpid"
+    fi
     exec {qfd}<&-
     wait "$qpid" || true
     qpid=

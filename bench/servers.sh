@@ -6,13 +6,14 @@
 # qemu-nbd (writeback, discard=unmap: qemu-nbd drops trims by default),
 # qemu-nbd-direct (O_DIRECT: cache=none, aio=native, discard=unmap),
 # nbdkit-memory (a ceiling: nbdkit's memory plugin, IMAGE only sizes it).
+# rawdisk's log goes to $SERVER_LOG (default /dev/null).
 serve() {
     local v
     rm -f "$3"
     case $1 in
-    rawdisk) "$RAWDISK_BIN" serve --socket "$3" "$2" >/dev/null 2>&1 & ;;
-    rawdisk-direct) "$RAWDISK_BIN" serve --cache none --socket "$3" "$2" >/dev/null 2>&1 & ;;
-    custom:*) v=RAWDISK_BIN_${1#custom:}; "${!v}" serve --socket "$3" "$2" >/dev/null 2>&1 & ;;
+    rawdisk) "$RAWDISK_BIN" serve --socket "$3" "$2" >/dev/null 2>"${SERVER_LOG:-/dev/null}" & ;;
+    rawdisk-direct) "$RAWDISK_BIN" serve --cache none --socket "$3" "$2" >/dev/null 2>"${SERVER_LOG:-/dev/null}" & ;;
+    custom:*) v=RAWDISK_BIN_${1#custom:}; "${!v}" serve --socket "$3" "$2" >/dev/null 2>"${SERVER_LOG:-/dev/null}" & ;;
     nbdkit) nbdkit -f -U "$3" file "$2" & ;;
     # A ceiling, not an anchor: RAM of the image's size, no file at all
     # (what a client gets from a server that costs nothing).

@@ -11,10 +11,13 @@ import re
 import signal
 import subprocess
 
+import time
+
 import jsonschema
 import pytest
 
 import servers
+import storage
 from helpers import KiB, MiB, connect, make_image, read_target, wait_for_line
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
@@ -189,6 +192,8 @@ def test_nbd_info_and_list_are_nbdinfos(workdir, serve):
     srv.proc.send_signal(signal.SIGUSR1)
     line = wait_for_line(srv, "SIGUSR1")
     logged = valid("serve-stats", line[line.index("{"):])
+    # No request in flight: nothing owed.
+    assert logged["unanswered"] == [], logged
     assert srv.terminate() == 0, srv.stderr()
     with open(stats) as f:
         final = valid("serve-stats", f.read())
@@ -196,6 +201,50 @@ def test_nbd_info_and_list_are_nbdinfos(workdir, serve):
     assert final["connections"]["accepted"] == logged["connections"]["accepted"] >= 4, final
     assert final["connections"]["open"] == 0, final
 
+
+
+def usr1_totals(srv, nth):
+    """The totals the `nth` SIGUSR1 (from 1) logs, after sending it."""
+    srv.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [x for x in srv.stderr().splitlines() if "SIGUSR1: totals" in x]
+        if len(lines) >= nth:
+            return valid("serve-stats", lines[nth - 1][lines[nth - 1].index("{"):])
+        assert time.monotonic() < deadline, srv.stderr()[-3000:]
+        time.sleep(0.05)
+
+
+def test_sigusr1_names_the_requests_the_server_owes(workdir, serve):
+    """A FLUSH the storage holds (the NFS-like file system, 700 ms per
+    operation) is owed on its connection while it waits, and SIGUSR1's
+    totals say so; once its reply is in, nothing is owed."""
+    if not storage.is_root():
+        pytest.skip("mounting the NFS-like file system needs root")
+    if (why := storage.fuse_unavailable()):
+        pytest.skip(why)
+    with storage.nfs_like("nfs3", size_mib=16, latency_us=700_000) as mnt:
+        path, model = make_image(mnt, "disk.img", MiB, seed=94)
+        srv = serve(path)
+        h = connect(srv.uri)
+        block = bytes([0x3c]) * 4096
+        h.pwrite(block, 8192)
+        model[8192:8192 + 4096] = block
+        start = time.monotonic()
+        cookie = h.aio_flush()
+        time.sleep(0.2)
+        held = usr1_totals(srv, 1)
+        assert time.monotonic() - start < 0.7, "the check came after the flush ended"
+        assert [u["requests"] for u in held["unanswered"]] == [1], held
+        assert held["unanswered"][0]["connection"] >= 1, held
+        while not h.aio_command_completed(cookie):
+            h.poll(-1)
+        assert time.monotonic() - start >= 0.7, "the flush was not held"
+        assert usr1_totals(srv, 2)["unanswered"] == []
+        h.shutdown()
+        del h
+        assert srv.terminate() == 0, srv.stderr()
+        assert read_target(path) == bytes(model)
 
 def test_an_incremental_copy_names_its_checkpoint(workdir, serve):
     src, _ = make_image(workdir, "disk.img", 4 * MiB, seed=94, sparse=True)

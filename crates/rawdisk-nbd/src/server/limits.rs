@@ -50,6 +50,8 @@ pub(super) struct Counters {
     errors: [AtomicU64; ERRORS.len()],
     peak: AtomicU64,
     aio: AtomicU64,
+    /// Replies written (into the buffer flushed right after them, or spliced).
+    answered: AtomicU64,
 }
 
 impl Counters {
@@ -71,6 +73,27 @@ impl Counters {
             .position(|&e| e == err)
             .unwrap_or(ERRORS.len() - 1);
         self.errors[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request's whole reply was written to the connection.
+    pub(super) fn answered(&self) {
+        self.answered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests read and not answered yet. NBD_CMD_DISC gets no reply
+    /// (spec: Request message). A snapshot: exact once the connection is
+    /// quiet, which is when it is asked for (a client waiting on a reply).
+    pub(super) fn unanswered(&self) -> u64 {
+        let answered = self.answered.load(Ordering::Relaxed);
+        let disc = COUNTED.iter().position(|&k| k == Command::Disc);
+        let read: u64 = self
+            .requests
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| Some(i) != disc)
+            .map(|(_, n)| n.load(Ordering::Relaxed))
+            .sum();
+        read.saturating_sub(answered)
     }
 
     /// `n` requests are in flight (only the reader calls this).
@@ -192,6 +215,10 @@ pub struct Totals {
     pub negotiated: u64,
     /// Connections in the transmission phase now.
     pub open: u64,
+    /// (connection id, requests read and not answered yet), for each open
+    /// connection that has any: a client waiting on a reply shows whether
+    /// the server still owes it.
+    pub unanswered: Vec<(u64, u64)>,
     /// Over every connection, those still open included.
     pub tally: Tally,
 }
@@ -213,7 +240,16 @@ impl std::fmt::Display for Totals {
             self.negotiated,
             self.open,
             self.tally
-        )
+        )?;
+        if self.unanswered.is_empty() {
+            return write!(f, "; unanswered now: none");
+        }
+        write!(f, "; unanswered now:")?;
+        for (i, (id, n)) in self.unanswered.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            write!(f, "{sep} {n} on connection {id}")?;
+        }
+        Ok(())
     }
 }
 
@@ -295,13 +331,19 @@ impl Stats {
 
     pub(super) fn totals(&self) -> Totals {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (tally, open) = {
+        let (tally, open, unanswered) = {
             let g = self.lock();
             let mut t = g.ended.clone();
-            for (_, c) in &g.open {
+            let mut owed = Vec::new();
+            for (id, c) in &g.open {
                 t.add(&c.snapshot());
+                let n = c.unanswered();
+                if n > 0 {
+                    owed.push((*id, n));
+                }
             }
-            (t, g.open.len() as u64)
+            owed.sort_unstable();
+            (t, g.open.len() as u64, owed)
         };
         Totals {
             uptime: self.started.elapsed(),
@@ -312,6 +354,7 @@ impl Stats {
             tls_required: get(&self.tls_required),
             negotiated: get(&self.handshakes),
             open,
+            unanswered,
             tally,
         }
     }
@@ -598,7 +641,7 @@ mod tests {
         let s = Stats::new();
         let r = s.totals().to_string();
         assert!(
-            r.ends_with("requests: none; errors: none; peak 0 in flight"),
+            r.ends_with("requests: none; errors: none; peak 0 in flight; unanswered now: none"),
             "{r}"
         );
         s.accepted();
@@ -625,10 +668,13 @@ mod tests {
         assert!(
             r.ends_with(
                 "requests: read 2 (4608 bytes), other 1 (0 bytes); errors: NBD_ENOSPC 1, \
-                 other 1; peak 3 in flight"
+                 other 1; peak 3 in flight; unanswered now: 1 on connection 2"
             ),
             "{r}"
         );
+        // Connection 1 is closed: its reads are no longer anyone's to answer.
+        b.answered();
+        assert_eq!(s.totals().unanswered, vec![]);
         // Counted once, whether open or ended.
         assert!(s.closed(2));
         assert_eq!(s.totals().tally, t.tally);

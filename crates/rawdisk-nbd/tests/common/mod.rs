@@ -5,10 +5,11 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rawdisk_nbd::server::{Listener, Server};
+use rawdisk_nbd::server::{Listener, Server, Totals};
 use tokio::sync::watch;
 
 /// The raw-bytes client and the temp-file server of the `server_*` tests.
@@ -28,6 +29,7 @@ pub struct Running {
     thread: Option<JoinHandle<io::Result<()>>>,
     /// The TCP port with [`Bind::Tcp`], else 0.
     pub port: u16,
+    server: Arc<Server>,
 }
 
 impl Running {
@@ -41,6 +43,8 @@ impl Running {
     pub fn start_on(server: Server, bind: Bind, current_thread: bool) -> Running {
         let (stop_tx, stop_rx) = watch::channel(false);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let server = Arc::new(server);
+        let theirs = server.clone();
         let thread = std::thread::spawn(move || {
             let rt = if current_thread {
                 tokio::runtime::Builder::new_current_thread()
@@ -62,7 +66,7 @@ impl Running {
                     }
                 };
                 ready_tx.send(port).unwrap();
-                server.serve(listener, stop_rx).await
+                theirs.serve(listener, stop_rx).await
             })
         });
         let port = ready_rx
@@ -72,7 +76,13 @@ impl Running {
             stop: Some(stop_tx),
             thread: Some(thread),
             port,
+            server,
         }
+    }
+
+    /// The server's totals now (what SIGUSR1 logs).
+    pub fn totals(&self) -> Totals {
+        self.server.totals()
     }
 
     /// Asks the server to shut down, without waiting for it.

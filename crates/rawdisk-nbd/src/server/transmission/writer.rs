@@ -80,6 +80,7 @@ pub(super) async fn put_reply<W: AsyncWrite + Unpin>(
     wr.write_all(&reply.buf[reply.start..reply.end]).await?;
     sh.pool.put(reply.buf);
     if reply.spliced.is_empty() {
+        counters.answered();
         return Ok(());
     }
     let sink = sink.expect("spliced replies only on sessions with a splice sink");
@@ -90,5 +91,6 @@ pub(super) async fn put_reply<W: AsyncWrite + Unpin>(
         // with whatever they still hold.
         sh.pipes.put(sp.pipe);
     }
+    counters.answered();
     Ok(())
 }

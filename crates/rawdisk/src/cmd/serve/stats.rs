@@ -45,5 +45,10 @@ pub(super) fn stats_json(t: &Totals) -> serde_json::Value {
         "errors": errors,
         "peak-in-flight": t.tally.peak_in_flight,
         "aio-completed": t.tally.aio_completed,
+        "unanswered": t
+            .unanswered
+            .iter()
+            .map(|&(id, n)| json!({ "connection": id, "requests": n }))
+            .collect::<Vec<_>>(),
     })
 }
