@@ -101,6 +101,8 @@ def totals(open_now, disc):
                    "enotsup": 0, "eshutdown": 0, "other": 0},
         "peak-in-flight": 8,
         "aio-completed": 0,
+        # Every reply read before the totals are asked for.
+        "unanswered": [],
     }
 
 
