@@ -93,8 +93,17 @@ def test_second_sigterm_ends_a_server_stuck_writing_its_log(workdir):
                                   stderr=subprocess.DEVNULL)
         size = fcntl.fcntl(p.stderr.fileno(), fcntl.F_GETPIPE_SZ)
         deadline = time.monotonic() + 60
-        while int.from_bytes(fcntl.ioctl(p.stderr.fileno(), termios.FIONREAD, b"\0" * 4),
-                             "little") < size - 4096:
+        # Full: nothing more arrives for half a second while the client
+        # keeps asking. Nearly full is not enough: the shutdown's few lines
+        # could fit and the first SIGTERM end the server with status 0.
+        held, since = -1, time.monotonic()
+        while True:
+            n = int.from_bytes(fcntl.ioctl(p.stderr.fileno(), termios.FIONREAD, b"\0" * 4),
+                               "little")
+            if n != held:
+                held, since = n, time.monotonic()
+            elif n >= size // 2 and time.monotonic() - since > 0.5:
+                break
             assert time.monotonic() < deadline and client.poll() is None, "the pipe never filled"
             time.sleep(0.05)
         p.send_signal(signal.SIGTERM)
