@@ -79,17 +79,15 @@ pub(super) async fn put_reply<W: AsyncWrite + Unpin>(
     }
     wr.write_all(&reply.buf[reply.start..reply.end]).await?;
     sh.pool.put(reply.buf);
-    if reply.spliced.is_empty() {
-        counters.answered();
-        return Ok(());
-    }
-    let sink = sink.expect("spliced replies only on sessions with a splice sink");
-    wr.flush().await?;
-    for sp in reply.spliced {
-        sink.send_from(&sp.pipe, sp.len).await?;
-        // Only an emptied pipe goes back: an error above drops the rest
-        // with whatever they still hold.
-        sh.pipes.put(sp.pipe);
+    if !reply.spliced.is_empty() {
+        let sink = sink.expect("spliced replies only on sessions with a splice sink");
+        wr.flush().await?;
+        for sp in reply.spliced {
+            sink.send_from(&sp.pipe, sp.len).await?;
+            // Only an emptied pipe goes back: an error above drops the rest
+            // with whatever they still hold.
+            sh.pipes.put(sp.pipe);
+        }
     }
     counters.answered();
     Ok(())
