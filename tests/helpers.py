@@ -236,6 +236,21 @@ def wait_all(h, cookies, timeout_s=60):
     return result
 
 
+def sigusr1_totals(srv, timeout=10):
+    """Sends the server SIGUSR1 and returns the totals document (JSON text)
+    of the line that signal logs, not of one an earlier signal logged."""
+    needle = "SIGUSR1: totals {"
+    asked = srv.stderr().count(needle)
+    srv.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [x for x in srv.stderr().splitlines() if needle in x]
+        if len(lines) > asked:
+            return lines[asked][lines[asked].index("{"):]
+        assert time.monotonic() < deadline, f"no new {needle!r} in: {srv.stderr()[-3000:]}"
+        time.sleep(0.05)
+
+
 def wait_for_line(srv, needle, timeout=10):
     """The first line of the server's log holding `needle`, waiting for it:
     the server may close a socket before it logs why."""

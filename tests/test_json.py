@@ -8,9 +8,7 @@ export and a listing."""
 import json
 import os
 import re
-import signal
 import subprocess
-
 import time
 
 import jsonschema
@@ -18,7 +16,7 @@ import pytest
 
 import servers
 import storage
-from helpers import KiB, MiB, connect, make_image, read_target, wait_for_line
+from helpers import KiB, MiB, connect, make_image, read_target, sigusr1_totals
 
 pytestmark = pytest.mark.rawdisk_only("the rawdisk command line")
 
@@ -189,9 +187,7 @@ def test_nbd_info_and_list_are_nbdinfos(workdir, serve):
         assert set(o) - set(t) <= {"looks-like"}, (o, t)
         assert set(ours) - set(theirs) <= {"extended-headers"}, (ours, theirs)
 
-    srv.proc.send_signal(signal.SIGUSR1)
-    line = wait_for_line(srv, "SIGUSR1")
-    logged = valid("serve-stats", line[line.index("{"):])
+    logged = valid("serve-stats", sigusr1_totals(srv))
     # No request in flight: nothing owed.
     assert logged["unanswered"] == [], logged
     assert srv.terminate() == 0, srv.stderr()
@@ -201,18 +197,6 @@ def test_nbd_info_and_list_are_nbdinfos(workdir, serve):
     assert final["connections"]["accepted"] == logged["connections"]["accepted"] >= 4, final
     assert final["connections"]["open"] == 0, final
 
-
-
-def usr1_totals(srv, nth):
-    """The totals the `nth` SIGUSR1 (from 1) logs, after sending it."""
-    srv.proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while True:
-        lines = [x for x in srv.stderr().splitlines() if "SIGUSR1: totals" in x]
-        if len(lines) >= nth:
-            return valid("serve-stats", lines[nth - 1][lines[nth - 1].index("{"):])
-        assert time.monotonic() < deadline, srv.stderr()[-3000:]
-        time.sleep(0.05)
 
 
 def test_sigusr1_names_the_requests_the_server_owes(workdir, serve):
@@ -233,18 +217,19 @@ def test_sigusr1_names_the_requests_the_server_owes(workdir, serve):
         start = time.monotonic()
         cookie = h.aio_flush()
         time.sleep(0.2)
-        held = usr1_totals(srv, 1)
+        held = valid("serve-stats", sigusr1_totals(srv))
         assert time.monotonic() - start < 0.7, "the check came after the flush ended"
         assert [u["requests"] for u in held["unanswered"]] == [1], held
         assert held["unanswered"][0]["connection"] >= 1, held
         while not h.aio_command_completed(cookie):
             h.poll(-1)
         assert time.monotonic() - start >= 0.7, "the flush was not held"
-        assert usr1_totals(srv, 2)["unanswered"] == []
+        assert valid("serve-stats", sigusr1_totals(srv))["unanswered"] == []
         h.shutdown()
         del h
         assert srv.terminate() == 0, srv.stderr()
         assert read_target(path) == bytes(model)
+
 
 def test_an_incremental_copy_names_its_checkpoint(workdir, serve):
     src, _ = make_image(workdir, "disk.img", 4 * MiB, seed=94, sparse=True)

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import re
-import signal
 import struct
 import subprocess
 import time
@@ -16,7 +15,7 @@ import pytest
 
 import servers
 import wire
-from helpers import KiB, MiB, assert_target_is, make_image, wait_for_line
+from helpers import KiB, MiB, assert_target_is, make_image, sigusr1_totals, wait_for_line
 
 pytestmark = pytest.mark.rawdisk_only("statistics")
 
@@ -121,14 +120,8 @@ def test_sigusr1_and_stats_file_give_the_totals(workdir, serve):
     # with it, which may trail the client's close: ask again until it is.
     deadline = time.monotonic() + 10
     while True:
-        asked = srv.stderr().count("SIGUSR1")
-        srv.proc.send_signal(signal.SIGUSR1)
-        while srv.stderr().count("SIGUSR1") == asked:
-            assert time.monotonic() < deadline, srv.stderr()[-3000:]
-            time.sleep(0.05)
-        line = [x for x in srv.stderr().splitlines() if "SIGUSR1" in x][-1]
-        assert "SIGUSR1: totals {" in line, line
-        logged = json.loads(line[line.index("{"):])
+        line = sigusr1_totals(srv)
+        logged = json.loads(line)
         if logged["connections"]["open"] == 1 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -187,9 +180,8 @@ def test_a_plaintext_client_of_a_tls_server_is_logged(workdir, serve):
     c.sock.close()
     line = wait_for_line(srv, "refused NBD_OPT_GO")
     assert "TLS is required and the client did not start it" in line, line
-    srv.proc.send_signal(signal.SIGUSR1)
-    line = wait_for_line(srv, "SIGUSR1")
-    assert json.loads(line[line.index("{"):])["connections"]["tls-required"] == 1, line
+    line = sigusr1_totals(srv)
+    assert json.loads(line)["connections"]["tls-required"] == 1, line
 
 
 # -- --stats FILE that cannot be written ------------------------------------------
