@@ -219,15 +219,14 @@ requests() { # file from to
         }'
 }
 
-# Requests in qemu's NBD trace FILE without their last reply chunk (or
-# simple reply): "cookie type offset length", at most 20.
 # With qemu still connected: what rawdisk says it owes (SIGUSR1's totals,
 # "unanswered": requests read and not answered). Empty: qemu is not
 # waiting on the server.
 owes() { # server
     [[ $1 == rawdisk* || $1 == custom:* ]] || return 0
     local line=
-    kill -USR1 "$pid" 2>/dev/null || return 0
+    # A server that died would explain the silence too: say so.
+    kill -USR1 "$pid" 2>/dev/null || { echo "guest.sh: $1: the server is gone" >&2; return 0; }
     for _ in $(seq 40); do
         line=$(grep -o '"unanswered":\[[^]]*\]' "$SERVER_LOG" | tail -n 1) && [ -n "$line" ] && break
         sleep 0.05
@@ -235,6 +234,8 @@ owes() { # server
     echo "guest.sh: $1: the server says ${line:-nothing (no SIGUSR1 line in $SERVER_LOG)}" >&2
 }
 
+# Requests in qemu's NBD trace FILE without their last reply chunk (or
+# simple reply): "cookie type offset length", at most 20.
 owed() { # file
     awk '
         /^nbd_send_request/ && match($0, /\.cookie = [0-9]+/) {
