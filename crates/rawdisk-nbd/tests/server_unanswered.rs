@@ -143,3 +143,36 @@ fn requests_held_by_the_storage_are_owed_until_answered() {
     );
     h.finish(idle);
 }
+
+/// Shutting down, a connection still waiting on the storage when the grace
+/// runs out is cut off: the totals at exit (what `--stats` writes) count it
+/// closed, not open, and its requests are no longer listed as owed.
+#[test]
+fn a_connection_cut_off_by_the_shutdown_grace_is_closed_at_exit() {
+    const SLOW: Duration = Duration::from_millis(1500);
+    let mut h = Harness::start(Setup {
+        fault: true,
+        ..Setup::cfg(|c| c.shutdown_grace = Duration::from_millis(200))
+    });
+    let fault = h.fault.clone().unwrap();
+    let (mut c, _) = h.open(ReplyMode::Structured);
+    fault.add(FaultRule::always(CallKind::Pwrite, 0).slowed(SLOW));
+    // Two writes in one send: both go to the pool, where the storage holds
+    // them past the grace.
+    let mut b = Vec::new();
+    for i in 0..2u64 {
+        let off = 2 * MIB + i * 4096;
+        let block = vec![0xa0 + i as u8; 4096];
+        c.queue_req(&mut b, Command::Write, off, 4096, &block);
+        h.model[off as usize..(off + 4096) as usize].copy_from_slice(&block);
+    }
+    c.send(&b);
+    std::thread::sleep(Duration::from_millis(100));
+    h.stop().expect("serve() failed");
+    let t = h.server.totals();
+    assert_eq!((t.negotiated, t.open), (1, 0), "{t}");
+    assert_eq!(t.unanswered, vec![], "{t}");
+    // The pool finished the writes (the runtime waits for them): the file
+    // holds them, and nothing else moved.
+    h.check_file();
+}

@@ -772,6 +772,15 @@ async fn connection<R, W>(
     }
 }
 
+/// Calls `connection_closed` when dropped, however the connection ends.
+struct Closing<'a>(&'a Shared, u64);
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.0.connection_closed(self.1);
+    }
+}
+
 /// Which connection, for its log lines and counters.
 struct Who {
     id: u64,
@@ -821,9 +830,12 @@ async fn transmit<R, W>(
         },
     );
     let counters = sh.stats.opened(who.id);
+    // Closed in the totals even when the task is dropped mid-await (the
+    // shutdown grace ran out): else it stays "open" at exit.
+    let closing = Closing(&sh, who.id);
     let result =
         transmission::transmission(sh.clone(), rd, wr, session, sink, shutdown, &counters).await;
-    sh.connection_closed(who.id);
+    drop(closing);
     let how = match result {
         Ok(()) => "closed".to_string(),
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => "closed by the client".to_string(),
