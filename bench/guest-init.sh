@@ -8,6 +8,9 @@
 #   @@ begin NAME                a workload starts (after a pause: the host
 #                                samples the server's CPU when it reads this)
 #   @@ end NAME SECONDS
+#   @@ guest NAME IRQS IOS BUSY  after each end: virtio-blk interrupts and
+#                                requests completed, and the percent of the
+#                                vCPU's time not idle, during NAME
 #   @@ fio NAME MIB_PER_S IOPS     after a fio workload's end
 #   @@ error NAME TEXT           and then poweroff
 #   @@ done
@@ -40,16 +43,32 @@ echo "@@ queue size_bytes $(($(cat /sys/block/vda/size) * 512))"
 
 # Monotonic nanoseconds (busybox date has no %N).
 now() { awk '/^now at/ { print $3; exit }' /proc/timer_list; }
-# run NAME CMD...: times CMD, prints "@@ end NAME SECONDS"; output in /tmp/out.
+# What the guest did: "IRQS IOS TICKS IDLE" counters, virtio-blk's request
+# interrupts (MSI-X vectors named virtioN-req.Q), requests completed (reads
+# + writes in /sys/block/vda/stat) and /proc/stat's CPU ticks: all, and idle
+# + iowait.
+counters() {
+    irq=$(awk '/virtio[0-9]+-req/ { for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) n += $i } END { print n + 0 }' /proc/interrupts)
+    ios=$(awk '{ print $1 + $5 }' /sys/block/vda/stat)
+    echo "$irq $ios $(awk '$1 == "cpu" { t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $5 + $6; exit }' /proc/stat)"
+}
+# run NAME CMD...: times CMD, prints "@@ end NAME SECONDS" and "@@ guest
+# NAME ..."; output in /tmp/out.
 run() {
     name=$1
     shift
     echo "@@ begin $name"
     sleep 0.3
+    c0=$(counters)
     t0=$(now)
     "$@" >/tmp/out 2>&1 || { echo "@@ error $name $(tail -n 3 /tmp/out | tr '\n' ' ')"; off; }
     t1=$(now)
+    c1=$(counters)
     echo "@@ end $name $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", (b - a) / 1e9 }')"
+    # (A bare ">" among printf's arguments would redirect its output.)
+    echo "$c0 $c1" | awk -v n="$name" '{ t = $7 - $3; b = 0
+        if (t > 0) b = 100 * (1 - ($8 - $4) / t)
+        printf "@@ guest %s %d %d %.1f\n", n, $5 - $1, $6 - $2, b }'
 }
 # fio in terse v3: field 7/8 read KiB/s and IOPS, 48/49 the same for writes.
 fio_run() { # name rw bs [fio args]

@@ -15,7 +15,9 @@
 # ends. After each boot the image must read as zeros. Prints markdown:
 # median [min-max] per workload and server, ratio of rawdisk's median to the
 # best anchor's (seconds: lower is better; MiB/s, IOPS: higher), server CPU
-# and peak RSS medians; then what the guest's queue limits were per server.
+# and peak RSS medians; then what the guest's queue limits were per server,
+# and how busy the guest's vCPU was and how many virtio interrupts it took
+# a request.
 # Not a test.
 #
 # Usage (root): bench/guest.sh [REPS]        (default 3; 0 with TRACE=1:
@@ -177,7 +179,9 @@ if [ "$accel" = auto ]; then
     accel=tcg
     if [ -c /dev/kvm ]; then
         qargs kvm probe
-        (timeout 60 qemu-system-x86_64 "${qa[@]}" </dev/null >"$work/probe" 2>&1) 2>/dev/null || true
+        # "|| true" inside: the subshell, not this shell, reports a qemu
+        # killed by a signal (KVM here can abort on an MSR), into /dev/null.
+        (timeout 60 qemu-system-x86_64 "${qa[@]}" </dev/null >"$work/probe" 2>&1 || true) 2>/dev/null
         if grep -q '^@@ up' "$work/probe"; then
             accel=kvm
         else
@@ -313,6 +317,8 @@ one() { # rep server
             [[ $w == seq-* || $w == rand-* ]] || echo "$1 $2 $w $s - - $cpu $hwm" >>"$res" ;;
         fio) [ "$1" = 0 ] ||
             echo "$1 $2 ${f[2]} $s ${f[3]} ${f[4]} $cpu $hwm" >>"$res" ;;
+        # "rep server workload irqs requests busy%"
+        guest) [ "$1" = 0 ] || echo "$1 $2 ${f[*]:2:4}" >>"$res.guest" ;;
         queue) [ "$1" = $((reps > 0)) ] && echo "$2 ${f[2]} ${f[3]:-}" >>"$res.queue" ;;
         error) die "$2: guest: ${f[*]:2}" ;;
         done) t=done ;;
@@ -402,6 +408,21 @@ queue_table() {
     done
 }
 [ -s "$res.queue" ] && queue_table
+# Under TCG the vCPU thread does the guest's work: a guest busy near 100 %
+# bounds the rows whatever the server, and fewer interrupts a request (the
+# virtio completions batched) leave it more time for fio.
+if [ -s "$res.guest" ]; then
+    echo
+    echo "| workload | server | guest busy % | virtio interrupts a request |"
+    echo "|---|---|---|---|"
+    for w in $(awk '{ print $3 }' "$res.guest" | awk '!seen[$0]++'); do
+        for s in $servers; do
+            g() { awk -v s="$s" -v w="$w" "\$2 == s && \$3 == w { $1 }" "$res.guest" | med; }
+            printf '| %s | %s | %s | %s |\n' "$w" "$s" "$(g 'print $6')" \
+                "$(g 'if ($5 > 0) printf "%.2f\n", $4 / $5')"
+        done
+    done
+fi
 if [ -s "$res.sched" ]; then
     echo
     echo "| workload | server | server CPUs | server switches/s | server migrations/s | qemu CPUs | qemu switches/s | qemu migrations/s |"
