@@ -5,6 +5,8 @@ Usage: /usr/bin/python3 bench/plot.py RESULTS_TSV OUTDIR   -> OUTDIR/*.png
        /usr/bin/python3 bench/plot.py RESULTS_TSV --table  -> markdown on stdout
        /usr/bin/python3 bench/plot.py RESULTS_TSV --summary -> like-for-like ratios
        /usr/bin/python3 bench/plot.py RESULTS_TSV --goals   -> the default mode's goals
+       /usr/bin/python3 bench/plot.py RESULTS_TSV --convert -> convert, like for like,
+                                                               time and server CPU
 
 Needs Debian's python3-matplotlib (only for the PNGs). "custom" is rawdisk
 serve --cache writeback, "custom:direct" rawdisk serve --cache none, as set
@@ -374,10 +376,46 @@ def plots(cells, fails, outdir, cpu=None):
         plt.close(fig)
 
 
+def convert_like(cells, cpu):
+    """Convert rows like for like: rawdisk through the page cache against
+    the faster of nbdkit and qemu-nbd (by median), --cache none against
+    qemu-nbd-direct; seconds and server CPU as paired ratios (median over
+    repetitions), CPU against the leaner anchor's; then the geometric
+    means (goals: time 0.85, CPU 0.70)."""
+    keys = sorted((k for k in cells if k[0] == "convert"), key=lambda k: (k[1], tkey(k[2])))
+    cols = [("custom", PAGE_ANCHORS), ("custom:direct", DIRECT_ANCHORS)]
+    print("| workload | target | rawdisk | anchor | time | CPU | -direct | qemu-nbd-direct | time | CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios = defaultdict(list)
+    for k in keys:
+        row, out = cells[k], [k[1], k[2]]
+        for mine, anchors in cols:
+            am, an = faster_anchor("convert", row, anchors)
+            cm, cn = faster_anchor("convert", cpu[k], anchors)
+            if an is None or not row.get(mine):
+                out += ["-"] * 4
+                continue
+            t, c = paired(row, mine, an), paired(cpu[k], mine, cn) if cn else None
+            ratios[mine, "time"].append(t)
+            if c:
+                ratios[mine, "cpu"].append(c)
+            v = row[mine].values()
+            out += ["%s [%s-%s]" % (fmt(med(row[mine])), fmt(min(v)), fmt(max(v))),
+                    ("%s %s" % (an, fmt(am))) if mine == "custom" else fmt(am),
+                    "%.2f" % t, "%.2f" % c if c else "-"]
+        print("| " + " | ".join(out) + " |")
+    print("\nGeometric means: " + "; ".join(
+        "%s time %.2f, CPU %.2f" % (LABEL[m], geomean(ratios[m, "time"]), geomean(ratios[m, "cpu"]))
+        for m, _ in cols if ratios[m, "time"] and ratios[m, "cpu"]))
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     cells, fails, res, cpu = load(sys.argv[1])
+    if sys.argv[2] == "--convert":
+        convert_like(cells, cpu)
+        return
     if sys.argv[2] == "--summary":
         summary(cells)
         return
