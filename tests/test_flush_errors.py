@@ -157,3 +157,28 @@ def test_copy_fails_on_a_failed_final_flush_and_so_does_the_next(serve, failing_
     assert "flush" in r.stderr and "EIO" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
     stop(srv)
+
+
+def test_a_fast_zero_that_meets_the_write_back_error_fails_every_later_flush(serve, failing_disk):
+    """A FAST_ZERO on a block device writes its range's cache back first
+    (sync_file_range with WAIT), which reports, and consumes, the file's
+    write-back error as fdatasync does: the flush-failure rule must hold
+    after it, or the next FLUSH succeeds over data that never reached the
+    disk."""
+    srv = serve(failing_disk.dev)
+    with connected(srv.uri) as h:
+        assert h.can_fast_zero()
+        h.pwrite(random_bytes(4 * MiB, 6), 0)
+        # Writing back these 4 MiB fails: the fast zero says so.
+        with pytest.raises(nbd.Error) as e:
+            h.zero(4 * MiB, 0, nbd.CMD_FLAG_FAST_ZERO)
+        assert e.value.errnum == errno.EIO, e.value
+        # Room now, so a new fsync would succeed: the FLUSH must not.
+        failing_disk.make_room()
+        with pytest.raises(nbd.Error) as e:
+            h.flush()
+        assert e.value.errnum == errno.EIO, e.value
+        with pytest.raises(nbd.Error) as e:
+            h.pwrite(b"\x55" * 4096, 8 * MiB, nbd.CMD_FLAG_FUA)
+        assert e.value.errnum == errno.EIO, e.value
+    stop(srv)

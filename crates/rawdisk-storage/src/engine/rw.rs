@@ -236,7 +236,7 @@ impl Target {
 
     /// Records the first failed sync, and says once why every later flush
     /// and FUA write will fail.
-    fn sync_failed_with(&self, e: &io::Error) {
+    pub(super) fn sync_failed_with(&self, e: &io::Error) {
         if !self.sync_failed.swap(true, Ordering::AcqRel) {
             tracing::error!(
                 "writing back {} failed ({e}): the kernel may have dropped the data it could not \
