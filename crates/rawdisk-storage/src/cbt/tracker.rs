@@ -372,26 +372,27 @@ impl Tracker {
     fn refresh_locked(&self) -> Result<(), CbtError> {
         let h = match self.disk.read_header()? {
             Read::Ok(h) => h,
-            Read::Blank | Read::Corrupt(_) => {
-                let old = self.mem().header.clone();
-                tracing::warn!(
-                    "changed-block state {} was overwritten while served: every checkpoint \
-                     is now inconsistent",
-                    self.disk.path.display()
-                );
-                let mut h = old;
-                h.all_inconsistent(Reason::Corrupt);
-                h.generation += 1;
-                self.disk.commit_unsynced(&h)?;
-                self.sync()?;
-                h
-            }
+            Read::Blank | Read::Corrupt(_) => self.overwritten(0)?,
         };
         // The same header and a file as long as its layout (a truncation
         // while served is seen here): nothing to do.
         if self.mem().header == h && super::index::short(&self.disk, &h)?.is_none() {
             return Ok(());
         }
+        // Every other writer of this file (checkpoint create, delete) moves
+        // the generation on; one that makes it anew gives it a new source
+        // id. Our id without that is an older copy put back in place (or a
+        // write of ours that failed half way): its bitmaps may lack what was
+        // persisted since, so none is trusted.
+        let (ours, id) = {
+            let m = self.mem();
+            (m.header.generation, m.header.source_id)
+        };
+        let h = if h.source_id == id && h.generation <= ours && h != self.mem().header {
+            self.overwritten(ours)?
+        } else {
+            h
+        };
         let h = if h.granularity != self.granularity || h.chunks() != self.chunks {
             // Rewritten with another geometry (a header repaired without
             // knowing ours): keep serving ours, every checkpoint as lost.
@@ -421,6 +422,23 @@ impl Tracker {
         }
         *self.mem_mut() = mem_of(h, loaded);
         Ok(())
+    }
+
+    /// The file no longer holds what this server wrote (blank, corrupt, or
+    /// written over): the header it knows, every checkpoint inconsistent,
+    /// committed with a generation past `seen` and synced.
+    fn overwritten(&self, seen: u64) -> Result<Header, CbtError> {
+        tracing::warn!(
+            "changed-block state {} was overwritten while served: every checkpoint \
+             is now inconsistent",
+            self.disk.path.display()
+        );
+        let mut h = self.mem().header.clone();
+        h.all_inconsistent(Reason::Corrupt);
+        h.generation = h.generation.max(seen) + 1;
+        self.disk.commit_unsynced(&h)?;
+        self.sync()?;
+        Ok(h)
     }
 
     pub fn checkpoints(&self) -> Vec<CheckpointInfo> {

@@ -306,3 +306,42 @@ fn an_unreadable_bitmap_page_is_damage() {
         .unwrap()
         .contains("bitmap is damaged"));
 }
+
+/// An older copy of the state file put back in place while a server tracks
+/// it (`cp state.bak state`: same inode, a valid header and index) lacks the
+/// changes persisted since the copy. The server must not take it for a
+/// change another process made: after it, and after the clean close that
+/// records the target as checked, the change is still reported.
+#[test]
+fn an_older_copy_written_over_the_served_state_loses_no_change() {
+    let t = tracked(&[("c0", &[])]);
+    let p = state_path(&t);
+    let tr = Tracker::open(&t.path, SIZE, &opts()).unwrap();
+    let (a, b) = (5 * G, 2 * PAGE_SPAN + 9 * G);
+    tr.mark(a, 1);
+    tr.persist().unwrap();
+    let older = std::fs::read(&p).unwrap();
+    tr.mark(b, 1);
+    tr.persist().unwrap();
+    // In place, as cp does: the server's descriptor sees these bytes.
+    std::fs::write(&p, &older).unwrap();
+    tr.refresh().unwrap();
+    let runs = tr.changed("c0", 0, SIZE, usize::MAX).unwrap();
+    let changed: Vec<(u64, u64)> = runs
+        .iter()
+        .scan(0, |at, &(len, ch)| {
+            let r = (*at, len, ch);
+            *at += len;
+            Some(r)
+        })
+        .filter(|r| r.2)
+        .map(|r| (r.0, r.1))
+        .collect();
+    let covers = |x: u64| changed.iter().any(|&(o, l)| o <= x && x < o + l);
+    assert!(covers(a) && covers(b), "served: {changed:?}");
+    tr.close().unwrap();
+    drop(tr);
+    let r = ranges(&t, "c0");
+    let covers = |x: u64| r.iter().any(|&(o, l)| o <= x && x < o + l);
+    assert!(covers(a) && covers(b), "after the close: {r:?}");
+}
