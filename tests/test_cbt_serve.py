@@ -492,6 +492,45 @@ def test_dir_tracks_each_export_in_its_own_state(workdir, serve):
         assert checkpoints(os.path.join(d, name), "--state-dir", states) == {"base": True}
 
 
+
+def test_dir_tracks_one_file_under_one_name(workdir, serve):
+    """A symlink or a hard link in the directory is another name for the
+    same file. Tracked under each name apart, a write through one would be
+    missing from the other's checkpoints, and each clean stop would record
+    the file as checked: a silently wrong backup. While one name tracks the
+    file, the others are refused; what was written through any name is in
+    the checkpoint."""
+    d = os.path.join(workdir, "images")
+    os.mkdir(d)
+    path, model = make_image(d, "disk.img", SIZE, seed=40)
+    os.symlink("disk.img", os.path.join(d, "cur.img"))
+    os.link(path, os.path.join(d, "hard.img"))
+    checkpoint(path, "c1")
+    srv = serve(d, extra=["--track-changes", "--dir"])
+    uri = lambda n: f"nbd+unix:///{n}?socket={srv.sock}"  # noqa: E731
+    # disk.img's tracker opens first.
+    assert changed(uri("disk.img"), "c1") == set()
+    touched = set()
+    for i, other in enumerate(["cur.img", "hard.img"]):
+        off, data = (3 + 4 * i) * MiB + 123, random_bytes(5000, 41 + i)
+        h = nbd.NBD()
+        try:
+            h.connect_uri(uri(other))
+        except nbd.Error:
+            continue
+        h.pwrite(data, off)
+        h.flush()
+        h.shutdown()
+        model[off:off + len(data)] = data
+        touched |= chunks(off, len(data))
+    assert changed(uri("disk.img"), "c1") == touched
+    assert touched == set(), "a second name of a tracked file was served"
+    assert "tracked under that name" in srv.stderr(), srv.stderr()[-3000:]
+    assert_export_is(uri("disk.img"), model)
+    assert srv.terminate() == 0
+    assert_target_is(path, model)
+    assert checkpoints(path) == {"c1": True}
+
 def test_block_device_needs_a_state_dir(workdir, serve, loop512):
     dev = loop512
     size = 32 * MiB

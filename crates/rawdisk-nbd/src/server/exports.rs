@@ -270,6 +270,22 @@ impl Dir {
             }
             trackers.remove(name);
         }
+        // One file under two names (a symlink or hard link in the
+        // directory) would be tracked in two state files, each missing the
+        // other's writes and each recording the file as checked when it
+        // closes: the name that tracks it first keeps it.
+        if let Some((other, _)) = trackers.iter().find(|(_, (tid, _))| *tid == id) {
+            warn!(
+                "cannot export {}: it is the file {other:?} names, tracked under that name",
+                path.display()
+            );
+            return Err(format!(
+                "{:?} is the file {:?} names, whose changes are tracked under that name: \
+                 use that name",
+                shorten(name),
+                shorten(other)
+            ));
+        }
         match open_tracker(target, opts) {
             Ok(t) => {
                 trackers.insert(name.to_string(), (id, t.clone()));
