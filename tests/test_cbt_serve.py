@@ -492,7 +492,6 @@ def test_dir_tracks_each_export_in_its_own_state(workdir, serve):
         assert checkpoints(os.path.join(d, name), "--state-dir", states) == {"base": True}
 
 
-
 def test_dir_tracks_one_file_under_one_name(workdir, serve):
     """A symlink or a hard link in the directory is another name for the
     same file. Tracked under each name apart, a write through one would be
@@ -530,6 +529,35 @@ def test_dir_tracks_one_file_under_one_name(workdir, serve):
     assert srv.terminate() == 0
     assert_target_is(path, model)
     assert checkpoints(path) == {"c1": True}
+
+
+def test_dir_a_renamed_file_is_served_under_its_new_name(workdir, serve):
+    """The one-name rule keeps a name's tracker only while that name still
+    names the file or an export holds the tracker: a file renamed after its
+    last client left is served, tracked, under its new name, and every
+    write through it is in the new name's state."""
+    d = os.path.join(workdir, "images")
+    os.mkdir(d)
+    states = os.path.join(workdir, "states")
+    os.mkdir(states)
+    path, model = make_image(d, "a.img", SIZE, seed=44)
+    srv = serve(d, extra=["--track-changes", "--state-dir", states, "--dir"])
+    uri = lambda n: f"nbd+unix:///{n}?socket={srv.sock}"  # noqa: E731
+    with connected(uri("a.img")):
+        pass
+    new = os.path.join(d, "c.img")
+    os.rename(path, new)
+    with connected(uri("c.img")):
+        pass
+    checkpoint(new, "base", "--state-dir", states)
+    touched = random_changes(uri("c.img"), model, seed=45, conns=1, ops=10)
+    assert touched
+    assert changed(uri("c.img"), "base") == touched
+    assert "tracked under that name" not in srv.stderr(), srv.stderr()[-3000:]
+    assert srv.terminate() == 0
+    assert_target_is(new, model)
+    assert checkpoints(new, "--state-dir", states) == {"base": True}
+
 
 def test_block_device_needs_a_state_dir(workdir, serve, loop512):
     dev = loop512

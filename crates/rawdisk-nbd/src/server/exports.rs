@@ -273,7 +273,27 @@ impl Dir {
         // One file under two names (a symlink or hard link in the
         // directory) would be tracked in two state files, each missing the
         // other's writes and each recording the file as checked when it
-        // closes: the name that tracks it first keeps it.
+        // closes: the name that tracks it first keeps it. A name that no
+        // longer names that file (deleted, its inode number reused) lets go
+        // once no export holds its tracker: one still served keeps marking.
+        let stale: Vec<String> = trackers
+            .iter()
+            .filter(|(other, (tid, t))| {
+                *tid == id
+                    && other.as_str() != name
+                    && Arc::strong_count(t) == 1
+                    && !matches!(std::fs::metadata(self.dir.join(other.as_str())),
+                                 Ok(m) if (m.dev(), m.ino()) == id)
+            })
+            .map(|(other, _)| other.clone())
+            .collect();
+        for other in stale {
+            if let Some((_, t)) = trackers.remove(&other) {
+                if let Err(e) = t.close() {
+                    warn!("export {other:?}: {e}");
+                }
+            }
+        }
         if let Some((other, _)) = trackers.iter().find(|(_, (tid, _))| *tid == id) {
             warn!(
                 "cannot export {}: it is the file {other:?} names, tracked under that name",
