@@ -140,6 +140,16 @@ pub fn copy_from_stream(
     if opts.flush {
         dst.flush().map_err(CopyError::io(Side::Destination))?;
     }
+    // A reconnected destination may have dropped what it acknowledged on the
+    // lost connection (copy/mod.rs, `run`), and standard input cannot be
+    // read again to write it anew.
+    if link.reconnects() > 0 {
+        return Err(CopyError::Setup(format!(
+            "destination {} reconnected during the copy from standard input: what it \
+             acknowledged before may not have been kept, and the input cannot be read again",
+            ep.name()
+        )));
+    }
     link.close_reconnected()
         .map_err(CopyError::io(Side::Destination))?;
     pace.complete();

@@ -237,6 +237,10 @@ fn close_both(src: &Endpoint, dst: &Endpoint) -> Result<()> {
     dst.close().map_err(CopyError::io(Side::Destination))
 }
 
+/// Passes of a copy whose destination reconnects during each before it
+/// gives up (each pass is copied again whole, see `run`).
+const MAX_PASSES: u32 = 3;
+
 /// One unit of work.
 #[derive(Debug, Clone, Copy)]
 enum Work {
@@ -514,7 +518,6 @@ fn run(
         Dst::Stream(_) => 1,
         _ => wanted.clamp(1, ((1u64 << 30) / request).max(1) as usize),
     };
-    let errors = FirstError::default();
     let counters = Counters::default();
     tracing::debug!(
         size,
@@ -538,63 +541,106 @@ fn run(
     // tail of the image: in 32 MiB pieces (qemu-img's) they run beside the
     // writes and each other (docs/benchmarks.md, Copy).
     let zero_chunk = if dst.is_nbd() { 32 << 20 } else { 1 << 30 };
-    let mut planner = Planner::new(&src_link, request, zero_chunk);
-    planner.offload = offload.as_ref();
-    planner.no_extents = opts.no_extents;
-    planner.only = only.map(|r| r.iter().copied().collect());
-    let planner = Mutex::new(planner);
-    let worker = Worker {
-        src: &src_link,
-        dst,
-        offload: offload.as_ref(),
-        request,
-        sparse,
-        skip_zero,
-        may_trim,
-        c: &counters,
-    };
+    // A destination that reconnected may have dropped writes it had
+    // acknowledged on the lost connection and not flushed (a server that
+    // keeps them in its own memory, a host that crashed): only the requests
+    // that failed are sent again. A pass during which it reconnected is run
+    // again whole over the new connection, whose final flush then covers
+    // every write of that pass.
+    let dst_reconnects = || dst_link.as_ref().map_or(0, |l| l.reconnects());
+    let mut passes = 0;
+    let errors = loop {
+        passes += 1;
+        let before = dst_reconnects();
+        let errors = FirstError::default();
+        let mut planner = Planner::new(&src_link, request, zero_chunk);
+        planner.offload = offload.as_ref();
+        planner.no_extents = opts.no_extents;
+        planner.only = only.map(|r| r.iter().copied().collect());
+        let planner = Mutex::new(planner);
+        let worker = Worker {
+            src: &src_link,
+            dst,
+            offload: offload.as_ref(),
+            request,
+            sparse,
+            skip_zero,
+            may_trim,
+            c: &counters,
+        };
 
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| {
-                let mut buf = IoBuf::new(request as usize, align.max(4096) as usize);
-                while let Some(w) = next_work(&planner, &errors, opts.cancel.as_deref()) {
-                    let r = match w {
-                        Work::Zero { offset, len } => if skip_zero {
-                            counters.skipped.fetch_add(len, Ordering::Relaxed);
-                            Ok(())
-                        } else {
-                            dst.zero(offset, len, may_trim)
-                                .map(|_| {
-                                    counters.zeroed.fetch_add(len, Ordering::Relaxed);
+        std::thread::scope(|s| {
+            for _ in 0..workers {
+                s.spawn(|| {
+                    let mut buf = IoBuf::new(request as usize, align.max(4096) as usize);
+                    while let Some(w) = next_work(&planner, &errors, opts.cancel.as_deref()) {
+                        let r = match w {
+                            Work::Zero { offset, len } => if skip_zero {
+                                counters.skipped.fetch_add(len, Ordering::Relaxed);
+                                Ok(())
+                            } else {
+                                dst.zero(offset, len, may_trim)
+                                    .map(|_| {
+                                        counters.zeroed.fetch_add(len, Ordering::Relaxed);
+                                    })
+                                    .map_err(CopyError::io(Side::Destination))
+                            }
+                            .map(|_| len),
+                            Work::Data { offset, len } => {
+                                pace.throttle(len);
+                                worker.data(&mut buf, offset, len).map(|_| {
+                                    if opts.flush {
+                                        dst.start_writeback(offset, len);
+                                    }
+                                    len
                                 })
-                                .map_err(CopyError::io(Side::Destination))
-                        }
-                        .map(|_| len),
-                        Work::Data { offset, len } => {
-                            pace.throttle(len);
-                            worker.data(&mut buf, offset, len).map(|_| {
-                                if opts.flush {
-                                    dst.start_writeback(offset, len);
-                                }
-                                len
-                            })
-                        }
-                    };
-                    match r {
-                        Ok(n) => {
-                            counters.done.fetch_add(n, Ordering::Relaxed);
-                            pace.advance(n);
-                        }
-                        Err(e) => {
-                            errors.set(e);
-                            break;
+                            }
+                        };
+                        match r {
+                            Ok(n) => {
+                                counters.done.fetch_add(n, Ordering::Relaxed);
+                                pace.advance(n);
+                            }
+                            Err(e) => {
+                                errors.set(e);
+                                break;
+                            }
                         }
                     }
-                }
-            });
+                });
+            }
+        });
+        let stopped = opts
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Relaxed));
+        if errors.is_set() || stopped {
+            break errors;
         }
-    });
+        // A stream is always flushed: its buffer holds the last bytes.
+        if opts.flush || matches!(dst, Dst::Stream(_)) {
+            if let Err(e) = dst.flush() {
+                errors.set(CopyError::io(Side::Destination)(e));
+                break errors;
+            }
+        }
+        if dst_reconnects() == before {
+            break errors;
+        }
+        if passes == MAX_PASSES {
+            errors.set(CopyError::Setup(format!(
+                "destination {} reconnected during each of {MAX_PASSES} passes of the copy: \
+                 what it acknowledged before each reconnect may not have been kept",
+                dst.name()
+            )));
+            break errors;
+        }
+        tracing::warn!(
+            "destination {} reconnected during the copy: copying again over the new \
+             connection, since writes it acknowledged before may not have been kept",
+            dst.name()
+        );
+    };
     let cancelled = opts
         .cancel
         .as_ref()
@@ -615,10 +661,6 @@ fn run(
             done: counters.done.into_inner(),
             size: changed.unwrap_or(size),
         });
-    }
-    // A stream is always flushed: its buffer holds the last bytes.
-    if opts.flush || matches!(dst, Dst::Stream(_)) {
-        dst.flush().map_err(CopyError::io(Side::Destination))?;
     }
     src_link
         .close_reconnected()

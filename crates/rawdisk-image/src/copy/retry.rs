@@ -10,9 +10,10 @@
 //! the new one: reads, writes, zeroes and flushes are idempotent, so a
 //! request that had reached the disk before the server died does no harm.
 //! The final flush goes through the same path, so it is sent again after a
-//! reconnect and covers the writes of the lost connection (a server killed
-//! with SIGKILL leaves its writes in the page cache, which the flush writes
-//! out).
+//! reconnect. It covers the lost connection's writes only where the server
+//! had handed them to the kernel; one that held them in its own memory lost
+//! them, so the copy runs a pass with a destination reconnect again whole
+//! (`run` in copy/mod.rs).
 //!
 //! Attempts back off from 100 ms to 2 s, each bounded by the time left (a
 //! stopped server accepts connections but never answers them); the timeout
