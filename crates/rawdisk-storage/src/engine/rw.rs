@@ -211,11 +211,28 @@ impl Target {
 
     /// fdatasync (fsync on a block device) under the flush-failure rule.
     pub(super) fn sync(&self, op: &'static str, offset: u64, len: u64) -> Result<()> {
-        // One at a time: the kernel tells one caller of a write-back error,
-        // so a sync overlapping a failing one could return success.
+        self.under_sync_rule(op, offset, len, true, || self.datasync_raw())
+    }
+
+    /// Runs `call`, a call whose wait reports (and consumes) the file's
+    /// write-back error (fdatasync, fsync, sync_file_range with WAIT), under
+    /// the flush-failure rule: one at a time, since the kernel tells one
+    /// caller and a call overlapping a failing one could return success;
+    /// its failure recorded for every later flush and FUA write. `refuse`:
+    /// fail at once if an earlier one failed.
+    pub(super) fn under_sync_rule(
+        &self,
+        op: &'static str,
+        offset: u64,
+        len: u64,
+        refuse: bool,
+        mut call: impl FnMut() -> io::Result<()>,
+    ) -> Result<()> {
         let _one = self.sync_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.check_synced(offset, len)?;
-        retry(|| self.datasync_raw()).map_err(|e| {
+        if refuse {
+            self.check_synced(offset, len)?;
+        }
+        retry(&mut call).map_err(|e| {
             self.sync_failed_with(&e);
             Error::new(op, offset, len, e)
         })
@@ -236,7 +253,7 @@ impl Target {
 
     /// Records the first failed sync, and says once why every later flush
     /// and FUA write will fail.
-    pub(super) fn sync_failed_with(&self, e: &io::Error) {
+    fn sync_failed_with(&self, e: &io::Error) {
         if !self.sync_failed.swap(true, Ordering::AcqRel) {
             tracing::error!(
                 "writing back {} failed ({e}): the kernel may have dropped the data it could not \

@@ -402,13 +402,10 @@ impl Target {
                         // to the next method zeroes the range anyway; a fast
                         // zero that fails must leave the data as it was, so
                         // write the cache back first (cheap: usually clean).
-                        // Its wait reports (and consumes) the file's
-                        // write-back error as fdatasync does: the same rule,
-                        // serialized with the syncs as they are.
-                        let _one = self.sync_lock.lock().unwrap_or_else(|e| e.into_inner());
-                        retry(|| self.sys.sync_range(self.fd(), off, n)).map_err(|e| {
-                            self.sync_failed_with(&e);
-                            Error::new("zero (write back cache)", off, n, e)
+                        // Its wait reports the file's write-back error as
+                        // fdatasync does, so it obeys the same rule.
+                        self.under_sync_rule("zero (write back cache)", off, n, false, || {
+                            self.sys.sync_range(self.fd(), off, n)
                         })?;
                     }
                     if let Try::Done = self.try_falloc(Method::PunchHole, off, n)? {
