@@ -548,6 +548,16 @@ fn run(
     // again whole over the new connection, whose final flush then covers
     // every write of that pass.
     let dst_reconnects = || dst_link.as_ref().map_or(0, |l| l.reconnects());
+    let worker = Worker {
+        src: &src_link,
+        dst,
+        offload: offload.as_ref(),
+        request,
+        sparse,
+        skip_zero,
+        may_trim,
+        c: &counters,
+    };
     let mut passes = 0;
     let errors = loop {
         passes += 1;
@@ -557,59 +567,7 @@ fn run(
         planner.offload = offload.as_ref();
         planner.no_extents = opts.no_extents;
         planner.only = only.map(|r| r.iter().copied().collect());
-        let planner = Mutex::new(planner);
-        let worker = Worker {
-            src: &src_link,
-            dst,
-            offload: offload.as_ref(),
-            request,
-            sparse,
-            skip_zero,
-            may_trim,
-            c: &counters,
-        };
-
-        std::thread::scope(|s| {
-            for _ in 0..workers {
-                s.spawn(|| {
-                    let mut buf = IoBuf::new(request as usize, align.max(4096) as usize);
-                    while let Some(w) = next_work(&planner, &errors, opts.cancel.as_deref()) {
-                        let r = match w {
-                            Work::Zero { offset, len } => if skip_zero {
-                                counters.skipped.fetch_add(len, Ordering::Relaxed);
-                                Ok(())
-                            } else {
-                                dst.zero(offset, len, may_trim)
-                                    .map(|_| {
-                                        counters.zeroed.fetch_add(len, Ordering::Relaxed);
-                                    })
-                                    .map_err(CopyError::io(Side::Destination))
-                            }
-                            .map(|_| len),
-                            Work::Data { offset, len } => {
-                                pace.throttle(len);
-                                worker.data(&mut buf, offset, len).map(|_| {
-                                    if opts.flush {
-                                        dst.start_writeback(offset, len);
-                                    }
-                                    len
-                                })
-                            }
-                        };
-                        match r {
-                            Ok(n) => {
-                                counters.done.fetch_add(n, Ordering::Relaxed);
-                                pace.advance(n);
-                            }
-                            Err(e) => {
-                                errors.set(e);
-                                break;
-                            }
-                        }
-                    }
-                });
-            }
-        });
+        worker.pass(&Mutex::new(planner), &errors, workers, align, opts, &pace);
         let stopped = opts
             .cancel
             .as_ref()
@@ -640,6 +598,9 @@ fn run(
              connection, since writes it acknowledged before may not have been kept",
             dst.name()
         );
+        // The progress and an interruption's count are of the pass running.
+        counters.done.store(0, Ordering::Relaxed);
+        pace.again();
     };
     let cancelled = opts
         .cancel
@@ -724,6 +685,61 @@ struct Worker<'a> {
 }
 
 impl Worker<'_> {
+    /// One pass over the plan: `workers` threads take work until it is done,
+    /// a worker fails (the error in `errors`) or the copy is cancelled.
+    fn pass(
+        &self,
+        planner: &Mutex<Planner<'_>>,
+        errors: &FirstError,
+        workers: usize,
+        align: u64,
+        opts: &CopyOptions,
+        pace: &pace::Pace,
+    ) {
+        let (dst, counters) = (&self.dst, self.c);
+        std::thread::scope(|s| {
+            for _ in 0..workers {
+                s.spawn(|| {
+                    let mut buf = IoBuf::new(self.request as usize, align.max(4096) as usize);
+                    while let Some(w) = next_work(planner, errors, opts.cancel.as_deref()) {
+                        let r = match w {
+                            Work::Zero { offset, len } => if self.skip_zero {
+                                counters.skipped.fetch_add(len, Ordering::Relaxed);
+                                Ok(())
+                            } else {
+                                dst.zero(offset, len, self.may_trim)
+                                    .map(|_| {
+                                        counters.zeroed.fetch_add(len, Ordering::Relaxed);
+                                    })
+                                    .map_err(CopyError::io(Side::Destination))
+                            }
+                            .map(|_| len),
+                            Work::Data { offset, len } => {
+                                pace.throttle(len);
+                                self.data(&mut buf, offset, len).map(|_| {
+                                    if opts.flush {
+                                        dst.start_writeback(offset, len);
+                                    }
+                                    len
+                                })
+                            }
+                        };
+                        match r {
+                            Ok(n) => {
+                                counters.done.fetch_add(n, Ordering::Relaxed);
+                                pace.advance(n);
+                            }
+                            Err(e) => {
+                                errors.set(e);
+                                break;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+    }
+
     /// A data run: offloaded where it can be, the rest read and written in
     /// requests (aligned in the export, as the planner hands them out).
     fn data(&self, buf: &mut IoBuf, offset: u64, len: u64) -> Result<()> {

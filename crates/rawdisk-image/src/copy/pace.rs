@@ -85,7 +85,9 @@ impl Pace {
             b.inc(n);
         }
         if let Some(pct) = (done * 100).checked_div(self.total) {
-            self.to_fd(pct);
+            // 100 only from `complete`: the last byte of a pass is not the
+            // end of the copy (its final flush, a pass repeated).
+            self.to_fd(pct.min(99));
         }
         if let Some(l) = &self.lines {
             // Whoever finds the interval over prints; the others go on.
@@ -95,6 +97,15 @@ impl Pace {
                     eprintln!("rawdisk: copy: {}", self.line(done));
                 }
             }
+        }
+    }
+
+    /// The copy starts again from nothing (a pass repeated): the bar and the
+    /// count go back; the descriptor keeps what it said, never going back.
+    pub(super) fn again(&self) {
+        self.done.store(0, Ordering::Relaxed);
+        if let Some(b) = &self.bar {
+            b.set_position(0);
         }
     }
 
