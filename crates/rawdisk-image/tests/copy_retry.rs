@@ -402,6 +402,36 @@ fn server_that_never_comes_back_fails_after_the_timeout() {
     assert!(!err.contains("reconnecting"), "{err}");
 }
 
+/// `rawdisk copy ARGS --retry-timeout 20s SRC` into `srv`, killed `ms`
+/// after the copy connected and started again 300 ms later: whether the
+/// copy succeeded, its standard output and its standard error.
+fn binary_copy_through_a_kill(
+    args: &[&str],
+    src: &Path,
+    srv: &mut Restartable,
+    ms: u64,
+) -> (bool, String, String) {
+    let child = Command::new(rawdisk_bin())
+        .args(["copy", "--retry-timeout", "20s"])
+        .args(args)
+        .args([src.to_str().unwrap(), &srv.uri()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    srv.wait_for_client();
+    std::thread::sleep(Duration::from_millis(ms));
+    srv.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    srv.start();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 #[test]
 fn binary_reconnects_and_verifies_through_new_connections() {
     let dir = scratch();
@@ -409,33 +439,9 @@ fn binary_reconnects_and_verifies_through_new_connections() {
     random_file(&src, 6);
     random_file(&dst, 7);
     let mut srv = Restartable::new("nbdkit", dir.path(), &dst, false, false);
-    let child = Command::new(rawdisk_bin())
-        .args([
-            "copy",
-            "--verify",
-            "--retry-timeout",
-            "20s",
-            "-m",
-            "4",
-            "-C",
-            "2",
-        ])
-        .args(["--request-size", "64K", src.to_str().unwrap(), &srv.uri()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    srv.wait_for_client();
-    std::thread::sleep(Duration::from_millis(60));
-    srv.kill();
-    std::thread::sleep(Duration::from_millis(300));
-    srv.start();
-    let out = child.wait_with_output().unwrap();
-    let (o, e) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{e}");
+    let args = ["--verify", "-m", "4", "-C", "2", "--request-size", "64K"];
+    let (ok, o, e) = binary_copy_through_a_kill(&args, &src, &mut srv, 60);
+    assert!(ok, "{e}");
     assert!(
         o.contains("reconnected 1 time(s)") && o.contains("verified"),
         "{o}"
@@ -460,24 +466,8 @@ fn writes_a_killed_destination_held_unflushed_are_written_again() {
     random_file_of(&src, 10, 64 * MIB);
     random_file_of(&dst, 11, 64 * MIB);
     let mut srv = Restartable::new("nbdkit-cache", dir.path(), &dst, false, false);
-    let child = Command::new(rawdisk_bin())
-        .args(["copy", "--retry-timeout", "20s", "--rate-limit", "32M"])
-        .args([src.to_str().unwrap(), &srv.uri()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    srv.wait_for_client();
-    std::thread::sleep(Duration::from_millis(600));
-    srv.kill();
-    std::thread::sleep(Duration::from_millis(300));
-    srv.start();
-    let out = child.wait_with_output().unwrap();
-    let (o, e) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{e}");
+    let (ok, o, e) = binary_copy_through_a_kill(&["--rate-limit", "32M"], &src, &mut srv, 600);
+    assert!(ok, "{e}");
     assert!(o.contains("reconnected 1 time(s)"), "{o}");
     drop(srv);
     assert_same_files(&src, &dst);
