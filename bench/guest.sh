@@ -408,6 +408,8 @@ queue_table() {
     done
 }
 [ -s "$res.queue" ] && queue_table
+# The workloads (third field) of FILE, in the order they first appear.
+workloads_in() { awk '!seen[$3]++ { print $3 }' "$1"; }
 # Under TCG the vCPU thread does the guest's work: a guest busy near 100 %
 # bounds the rows whatever the server, and fewer interrupts a request (the
 # virtio completions batched) leave it more time for fio.
@@ -415,7 +417,7 @@ if [ -s "$res.guest" ]; then
     echo
     echo "| workload | server | guest busy % | virtio interrupts a request |"
     echo "|---|---|---|---|"
-    for w in $(awk '{ print $3 }' "$res.guest" | awk '!seen[$0]++'); do
+    for w in $(workloads_in "$res.guest"); do
         for s in $servers; do
             g() { awk -v s="$s" -v w="$w" "\$2 == s && \$3 == w { $1 }" "$res.guest" | med; }
             printf '| %s | %s | %s | %s |\n' "$w" "$s" "$(g 'print $6')" \
@@ -427,7 +429,7 @@ if [ -s "$res.sched" ]; then
     echo
     echo "| workload | server | server CPUs | server switches/s | server migrations/s | qemu CPUs | qemu switches/s | qemu migrations/s |"
     echo "|---|---|---|---|---|---|---|---|"
-    for w in $(awk '{ print $3 }' "$res.sched" | awk '!seen[$0]++'); do
+    for w in $(workloads_in "$res.sched"); do
         for s in $servers; do
             printf '| %s | %s |' "$w" "$s"
             for who in server qemu; do
