@@ -410,6 +410,8 @@ queue_table() {
 [ -s "$res.queue" ] && queue_table
 # The workloads (third field) of FILE, in the order they first appear.
 workloads_in() { awk '!seen[$3]++ { print $3 }' "$1"; }
+# No virtio-blk MSI-X vector found in the guest (0 interrupts) shows as "-",
+# not as 0 interrupts a request.
 # Under TCG the vCPU thread does the guest's work: a guest busy near 100 %
 # bounds the rows whatever the server, and fewer interrupts a request (the
 # virtio completions batched) leave it more time for fio.
@@ -421,7 +423,7 @@ if [ -s "$res.guest" ]; then
         for s in $servers; do
             g() { awk -v s="$s" -v w="$w" "\$2 == s && \$3 == w { $1 }" "$res.guest" | med; }
             printf '| %s | %s | %s | %s |\n' "$w" "$s" "$(g 'print $6')" \
-                "$(g 'if ($5 > 0) printf "%.2f\n", $4 / $5')"
+                "$(g 'if ($4 > 0 && $5 > 0) printf "%.2f\n", $4 / $5')"
         done
     done
 fi
